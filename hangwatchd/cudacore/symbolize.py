@@ -1,0 +1,261 @@
+"""From a coredump's raw tables to what an engineer asks first: which kernels
+ran, where every warp was, which lane faulted, and the whole inline chain."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+from . import layout as L
+from .cubin import Cubin, Function, demangle
+from .errors import CoreDumpError
+from .inlinenames import InlineNames
+from .nvdisasm import INSTALL_HINT, NvdisasmError, SourceLine, find_nvdisasm, line_table
+from .reader import CoreDump, Grid, Module, open_dump
+
+
+@dataclass(frozen=True)
+class Frame:
+    function: str | None
+    file: str | None
+    line: int | None
+
+
+@dataclass(frozen=True)
+class Kernel:
+    device: int
+    grid_id: int
+    name: str
+    mangled: str
+    grid_dim: tuple[int, int, int]
+    block_dim: tuple[int, int, int]
+    status: str
+    sms: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GpuException:
+    type: str
+    device: int
+    sm: int
+    warp: int
+    lanes: tuple[int, ...]
+    pc: int
+    error_pc_valid: bool
+    block_idx: tuple[int, int, int] | None
+    thread_idx: tuple[int, int, int] | None
+    kernel: str | None
+    frames: tuple[Frame, ...]
+
+
+@dataclass(frozen=True)
+class PcGroup:
+    device: int
+    kernel: str | None
+    pc: int
+    warps: int
+    lanes: int
+    sms: tuple[int, ...]
+    blocks: tuple[tuple[int, int, int], ...]
+    frames: tuple[Frame, ...]
+
+
+@dataclass(frozen=True)
+class Symbolized:
+    path: str
+    size: int
+    driver: str | None
+    devices: tuple[dict[str, object], ...]
+    kernels: tuple[Kernel, ...]
+    exceptions: tuple[GpuException, ...]
+    pcs: tuple[PcGroup, ...]
+    notes: tuple[str, ...]
+    cuda_gdb: str | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        for group in ("exceptions", "pcs"):
+            for item in d[group]:
+                item["pc"] = hex(item["pc"])
+        return d
+
+
+@dataclass
+class _Resolver:
+    """Turns (device, pc) into a kernel name and frames, caching per module and function."""
+
+    dump: CoreDump
+    strict: bool
+    nvdisasm: str | None
+    notes: list[str] = field(default_factory=list)
+    _cubins: dict[int, Cubin] = field(default_factory=dict)
+    _names: dict[int, InlineNames] = field(default_factory=dict)
+    _lines: dict[tuple[int, int], dict[int, tuple[SourceLine, ...]]] = field(default_factory=dict)
+    _frames: dict[tuple[int, int], tuple[Frame, ...]] = field(default_factory=dict)
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def cubin(self, module: Module) -> Cubin:
+        key = id(module)
+        if key not in self._cubins:
+            cubin = Cubin(self.dump.image(module)) if module.image else Cubin(b"")
+            if cubin.error and module.image:
+                self.fail_or_note(f"module {module.index} on device {module.device}: {cubin.error}")
+            self._cubins[key] = cubin
+        return self._cubins[key]
+
+    def fail_or_note(self, text: str) -> None:
+        if self.strict:
+            raise CoreDumpError(f"{self.dump.path}: {text}")
+        self.note(text)
+
+    def locate(self, device: int, pc: int, hint: Module | None) -> tuple[Module, Function] | None:
+        candidates = [hint] if hint else []
+        candidates += [m for m in self.dump.modules if m.device == device and m is not hint]
+        for module in candidates:
+            fn = self.cubin(module).function_at(pc)
+            if fn:
+                return module, fn
+        return None
+
+    def frames(self, device: int, pc: int, hint: Module | None) -> tuple[Frame, ...]:
+        key = (device, pc)
+        if key not in self._frames:
+            self._frames[key] = self._resolve(device, pc, hint)
+        return self._frames[key]
+
+    def _resolve(self, device: int, pc: int, hint: Module | None) -> tuple[Frame, ...]:
+        found = self.locate(device, pc, hint)
+        if not found:
+            self.note(f"PC {pc:#x} on device {device} lies in no loaded function of the dump's cubins")
+            return ()
+        module, fn = found
+        bare = (Frame(fn.name, None, None),)
+        if not fn.has_line_info:
+            self.note(f"{_short(fn.name)}: its cubin has no line information (compile with -lineinfo for source lines)")
+            return bare
+        if self.nvdisasm is None:
+            self.note(f"nvdisasm not found, so no source lines or inline chains; {INSTALL_HINT}")
+            return bare
+        chain = self._chain(module, fn, pc)
+        if not chain:
+            return bare
+        names = self._inline_names(module).names_at(pc)
+        if len(names) != len(chain):
+            names = [None] * len(chain)
+        out = []
+        for i, (src, name) in enumerate(zip(chain, names)):
+            outermost = i == len(chain) - 1
+            out.append(Frame(fn.name if outermost else (demangle(name) if name else None), src.file, src.line))
+        return tuple(out)
+
+    def _chain(self, module: Module, fn: Function, pc: int) -> tuple[SourceLine, ...]:
+        key = (id(module), fn.symbol_index)
+        if key not in self._lines:
+            try:
+                self._lines[key] = line_table(self.nvdisasm or "", self.dump.image(module), fn.symbol_index)
+            except NvdisasmError as exc:
+                self.fail_or_note(f"module {module.index} ({_short(fn.name)}): {exc}")
+                self._lines[key] = {}
+        return self._lines[key].get(pc, ())
+
+    def _inline_names(self, module: Module) -> InlineNames:
+        key = id(module)
+        if key not in self._names:
+            self._names[key] = InlineNames(self.dump.image(module))
+        return self._names[key]
+
+
+def symbolize(path: str | os.PathLike[str], strict: bool = True, nvdisasm: str | None = "auto") -> Symbolized:
+    """Read the dump at ``path``. strict: a damaged cubin is an error, not a note."""
+    tool = find_nvdisasm() if nvdisasm == "auto" else nvdisasm
+    with open_dump(path) as dump:
+        r = _Resolver(dump, strict, tool)
+        grids = {(g.device, g.grid_id): g for g in dump.grids}
+        modules = {(g.device, g.grid_id): dump.module_for(g.device, g.module_handle) for g in dump.grids}
+        kernels = {key: _kernel(r, g, modules[key], dump) for key, g in grids.items()}
+
+        def kernel_name(device: int, grid_id: int) -> str | None:
+            k = kernels.get((device, grid_id))
+            return k.name if k else None
+
+        exceptions: list[GpuException] = []
+        faulted_sms: set[tuple[int, int]] = set()
+        groups: dict[tuple[int, int], dict[str, object]] = {}
+        for w in dump.warps:
+            hint = modules.get((w.device, w.grid_id))
+            by_exc: dict[int, list[int]] = defaultdict(list)
+            by_pc: dict[int, int] = defaultdict(int)
+            for lane in w.lanes:
+                by_pc[lane.pc] += 1
+                if lane.exception:
+                    by_exc[lane.exception].append(lane.lane)
+            for code, lanes in sorted(by_exc.items()):
+                first = next(ln for ln in w.lanes if ln.lane == lanes[0])
+                pc = w.error_pc if w.error_pc is not None else first.pc
+                faulted_sms.add((w.device, w.sm))
+                exceptions.append(GpuException(
+                    type=L.exception_name(code), device=w.device, sm=w.sm, warp=w.warp_id,
+                    lanes=tuple(lanes), pc=pc, error_pc_valid=w.error_pc is not None,
+                    block_idx=w.block_idx, thread_idx=first.thread_idx,
+                    kernel=kernel_name(w.device, w.grid_id), frames=r.frames(w.device, pc, hint),
+                ))
+            for pc, nlanes in by_pc.items():
+                g = groups.setdefault((w.device, pc), {
+                    "kernel": kernel_name(w.device, w.grid_id), "hint": hint,
+                    "warps": 0, "lanes": 0, "sms": set(), "blocks": set(),
+                })
+                g["warps"] += 1  # type: ignore[operator]
+                g["lanes"] += nlanes  # type: ignore[operator]
+                g["sms"].add(w.sm)  # type: ignore[attr-defined]
+                g["blocks"].add(w.block_idx)  # type: ignore[attr-defined]
+        for se in dump.sm_exceptions:
+            if (se.device, se.sm) in faulted_sms:
+                continue
+            # Every faulting warp already exited: the SM still remembers the exception.
+            frames = r.frames(se.device, se.error_pc, None) if se.error_pc is not None else ()
+            exceptions.append(GpuException(
+                type=L.exception_name(se.exception), device=se.device, sm=se.sm, warp=-1, lanes=(),
+                pc=se.error_pc or 0, error_pc_valid=se.error_pc is not None, block_idx=None,
+                thread_idx=None, kernel=None, frames=frames,
+            ))
+        pcs = [
+            PcGroup(
+                device=dev, kernel=g["kernel"], pc=pc, warps=g["warps"], lanes=g["lanes"],  # type: ignore[arg-type]
+                sms=tuple(sorted(g["sms"])), blocks=tuple(sorted(g["blocks"])),  # type: ignore[arg-type]
+                frames=r.frames(dev, pc, g["hint"]),  # type: ignore[arg-type]
+            )
+            for (dev, pc), g in groups.items()
+        ]
+        pcs.sort(key=lambda p: (-p.warps, -p.lanes, p.device, p.pc))
+        devices = tuple(
+            {"index": d.index, "name": d.name, "sm_type": d.sm_type, "num_sms": d.num_sms,
+             "warps_per_sm": d.warps_per_sm, "lanes_per_warp": d.lanes_per_warp}
+            for d in dump.devices
+        )
+        return Symbolized(
+            path=dump.path, size=dump.size,
+            driver=dump.meta.driver_version if dump.meta else None,
+            devices=devices, kernels=tuple(kernels.values()), exceptions=tuple(exceptions),
+            pcs=tuple(pcs), notes=tuple(r.notes),
+        )
+
+
+def _kernel(r: _Resolver, g: Grid, module: Module | None, dump: CoreDump) -> Kernel:
+    mangled = f"<function at {g.function_entry:#x}>"
+    if module is not None:
+        fn = r.cubin(module).function_at(g.function_entry)
+        if fn:
+            mangled = fn.mangled
+    sms = sorted({w.sm for w in dump.warps if w.device == g.device and w.grid_id == g.grid_id})
+    return Kernel(
+        device=g.device, grid_id=g.grid_id, name=demangle(mangled), mangled=mangled,
+        grid_dim=g.grid_dim, block_dim=g.block_dim, status=g.status, sms=tuple(sms),
+    )
+
+
+def _short(name: str, limit: int = 80) -> str:
+    return name if len(name) <= limit else name[: limit - 3] + "..."

@@ -1,0 +1,1 @@
+"""Renderings of what the other stages found: text for a terminal, JSON, HTML. None computes anything."""
