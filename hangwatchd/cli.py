@@ -6,8 +6,12 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
+from .config import ConfigError, client_runtime_dir
 from .cudacore.errors import CoreDumpError
 
 
@@ -15,10 +19,16 @@ class UsageError(Exception):
     """Bad usage or input: exit status 2 with one line."""
 
 
+class Failure(Exception):
+    """The command could not do its job: exit status 1 with one line."""
+
+
 def _print_json(obj: object) -> None:
     json.dump(obj, sys.stdout, indent=2, default=str)
     sys.stdout.write("\n")
 
+
+# -- symbolize -------------------------------------------------------------
 
 def cmd_symbolize(args: argparse.Namespace) -> int:
     from .cudacore.cudagdb import cross_check
@@ -35,9 +45,189 @@ def cmd_symbolize(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- daemon ----------------------------------------------------------------
+
+def _daemon_config(args: argparse.Namespace) -> Any:
+    from . import config
+
+    overrides = {
+        "state_dir": args.state_dir, "runtime_dir": args.runtime_dir, "dump_dir": args.dump_dir,
+        "metrics_address": args.metrics_address, "heartbeat_timeout": args.heartbeat_timeout,
+        "log_format": args.log_format, "log_level": args.log_level,
+    }
+    return config.load(args.config, overrides)
+
+
+def cmd_daemon(args: argparse.Namespace) -> int:
+    from . import log
+    from .daemon import Daemon
+    from .store import StoreError
+
+    cfg = _daemon_config(args)
+    log.configure(cfg.log_format, cfg.log_level)
+    try:
+        return Daemon(cfg).run()
+    except StoreError as exc:
+        raise UsageError(str(exc)) from None
+    except PermissionError as exc:
+        raise UsageError(f"{exc.filename}: permission denied; run as root or pass --state-dir/--runtime-dir you can write") from None
+    except OSError as exc:
+        if exc.errno == 98:
+            raise UsageError(f"metrics address {cfg.metrics_address} is in use; pass --metrics-address HOST:PORT") from None
+        raise
+
+
+# -- run -------------------------------------------------------------------
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .launcher import Launch, LaunchError, run
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise UsageError("run: no command given; usage: hangwatchd run [options] -- CMD [ARGS...]")
+    if args.heartbeat_timeout is not None and args.heartbeat_timeout <= 0:
+        raise UsageError("run: --heartbeat-timeout must be a number of seconds greater than 0")
+    runtime_dir = Path(args.runtime_dir) if args.runtime_dir else client_runtime_dir()
+    try:
+        return run(Launch(tuple(command), runtime_dir, args.job, args.rank, args.heartbeat_timeout))
+    except LaunchError as exc:
+        print(f"hangwatchd: {exc}", file=sys.stderr)
+        return 127
+
+
+# -- status, incidents, show ----------------------------------------------
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from . import heartbeat, runtime
+
+    runtime_dir = Path(args.runtime_dir) if args.runtime_dir else client_runtime_dir()
+    status = runtime.status(runtime_dir)
+    if status is None:
+        raise Failure(f"no daemon is running with runtime dir {runtime_dir}; start one with 'hangwatchd daemon'")
+    for p in status["processes"]:
+        if p.get("beat_file"):  # fresher than the daemon's last write
+            try:
+                reading = heartbeat.read(p["beat_file"])
+                p["last_beat_age"] = reading.age()
+                p["beats"] = reading.count
+            except heartbeat.SegmentError:
+                pass
+    if args.json:
+        _print_json(status)
+        return 0
+    d = status["daemon"]
+    print(f"hangwatchd {d.get('version')} pid {d.get('pid')}, metrics on {d.get('metrics_address') or 'none'}, "
+          f"state dir {d.get('state_dir')}")
+    rows = [("PID", "JOB", "RANK", "STATE", "LAST BEAT", "TIMEOUT", "INCIDENT", "COMMAND")]
+    for p in status["processes"]:
+        age = p.get("last_beat_age")
+        rows.append((
+            str(p["pid"]), p.get("job") or "-", str(p["rank"]) if p.get("rank") is not None else "-", p["state"],
+            f"{age:.1f}s ago" if age is not None else "never",
+            f"{p['timeout']:g}s ({p.get('timeout_source', 'config')})", p.get("incident") or "-",
+            " ".join(p.get("cmdline") or [])[:60],
+        ))
+    _table(rows)
+    if len(rows) == 1:
+        print("(no process is watched)")
+    return 0
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def _store(args: argparse.Namespace) -> Any:
+    from . import config, runtime
+    from .store import Store
+
+    state_dir = args.state_dir
+    if not state_dir:
+        info = runtime.daemon_info(Path(args.runtime_dir) if getattr(args, "runtime_dir", None) else client_runtime_dir())
+        state_dir = info["state_dir"] if info else config.Config().state_dir
+    return Store(state_dir)
+
+
+def cmd_incidents(args: argparse.Namespace) -> int:
+    store = _store(args)
+    items = store.list()
+    if args.json:
+        _print_json(items)
+        return 0
+    if not items:
+        print(f"no incidents in {store.root}")
+        return 0
+    rows = [("ID", "TIME (UTC)", "REASON", "JOB", "PIDS", "SUMMARY")]
+    for i in items:
+        rows.append((i["id"] + ("" if i["complete"] else " (incomplete)"),
+                     time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(i["time"])), i["reason"], i["job"] or "-",
+                     ",".join(map(str, i["processes"])), (i["summary"] or "")[:80]))
+    _table(rows)
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from .report import incident
+
+    store = _store(args)
+    path = store.path_of(args.id)
+    if path is None:
+        raise UsageError(f"no incident '{args.id}' in {store.root}; 'hangwatchd incidents' lists them")
+    data = incident.load(path)
+    if args.json:
+        _print_json(data)
+    else:
+        sys.stdout.write(incident.render_text(data))
+    return 0
+
+
+# -- the parser ------------------------------------------------------------
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hangwatchd", description="Watchdog for hung GPU jobs.")
     sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("daemon", help="run the watchdog in the foreground (a systemd Type=notify service)")
+    d.add_argument("--config", help="TOML config file (see config/hangwatchd.toml)")
+    d.add_argument("--state-dir", help="incidents and their index (default /var/lib/hangwatchd)")
+    d.add_argument("--runtime-dir", help="registrations, heartbeat segments, pipes (default /run/hangwatchd)")
+    d.add_argument("--dump-dir", help="where CUDA writes coredumps (default STATE_DIR/dumps)")
+    d.add_argument("--metrics-address", help="HOST:PORT for Prometheus /metrics; '' for none (default 0.0.0.0:9842)")
+    d.add_argument("--heartbeat-timeout", type=float, help="seconds without a beat before a process is hung")
+    d.add_argument("--log-format", choices=["json", "console"])
+    d.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    d.set_defaults(func=cmd_daemon)
+
+    r = sub.add_parser("run", help="run a workload watched: hangwatchd run [options] -- CMD ...")
+    r.add_argument("--job", help="job id (default: $TORCHELASTIC_RUN_ID, or $MASTER_ADDR:$MASTER_PORT)")
+    r.add_argument("--rank", type=int, help="rank (default: $RANK)")
+    r.add_argument("--heartbeat-timeout", type=float, help="seconds without hangwatchd.beat() before it is hung")
+    r.add_argument("--runtime-dir", help="the daemon's runtime dir (default $HANGWATCHD_RUNTIME_DIR or /run/hangwatchd)")
+    r.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+    r.set_defaults(func=cmd_run)
+
+    st = sub.add_parser("status", help="every watched process: job, rank, state, last beat, timeout")
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--state-dir", help="accepted for symmetry; status comes from the runtime dir")
+    st.add_argument("--runtime-dir")
+    st.set_defaults(func=cmd_status)
+
+    i = sub.add_parser("incidents", help="stored incidents, newest first")
+    i.add_argument("--json", action="store_true")
+    i.add_argument("--state-dir")
+    i.add_argument("--runtime-dir")
+    i.set_defaults(func=cmd_incidents)
+
+    sh = sub.add_parser("show", help="the report of one incident")
+    sh.add_argument("id", help="incident id (a unique prefix will do)")
+    sh.add_argument("--json", action="store_true")
+    sh.add_argument("--state-dir")
+    sh.add_argument("--runtime-dir")
+    sh.set_defaults(func=cmd_show)
 
     s = sub.add_parser("symbolize", help="explain a CUDA coredump: kernels, warps, exceptions, inline chains")
     s.add_argument("dump", help="the coredump (raw, or compressed .xz/.gz/.zst)")
@@ -52,9 +242,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except (CoreDumpError, UsageError) as exc:
+    except (CoreDumpError, UsageError, ConfigError) as exc:
         print(f"hangwatchd: {exc}", file=sys.stderr)
         return 2
+    except Failure as exc:
+        print(f"hangwatchd: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

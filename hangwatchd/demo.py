@@ -1,13 +1,84 @@
-"""The README's first command (interim): symbolise a bundled real GPU coredump."""
+"""The README's first command: the daemon watching a workload that beats, then hangs.
+
+No GPU and no root needed: the state and runtime dirs live under the user's
+own ~/.local/state/hangwatchd-demo. Ends by printing the stored incident and
+the hang counter as Prometheus scrapes it.
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
-from .cli import main
+from . import runtime
+from .cli import main as cli
+from .store import Store
 
-FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "gpu" / "cpp_ima" / "coredump.nvcudmp.xz"
+TIMEOUT_S = 3
+
+
+def demo_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "hangwatchd-demo"
+
+
+def wait_for(what: str, check, seconds: float):  # type: ignore[no-untyped-def]
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise SystemExit(f"demo: {what} did not happen within {seconds:g} s")
+
+
+def main() -> int:
+    base = demo_dir()
+    shutil.rmtree(base, ignore_errors=True)
+    state, run_dir = base / "state", base / "run"
+    base.mkdir(parents=True)
+    py = sys.executable
+    print(f"demo: state and runtime dirs under {base}")
+    with open(base / "daemon.log", "w") as daemon_log:
+        daemon = subprocess.Popen(
+            [py, "-m", "hangwatchd", "daemon", "--state-dir", str(state), "--runtime-dir", str(run_dir),
+             "--metrics-address", "127.0.0.1:0", "--log-format", "console"],
+            stderr=daemon_log)
+        workload = None
+        try:
+            info = wait_for("the daemon's start", lambda: runtime.daemon_info(run_dir), 20)
+            print(f"demo: daemon pid {daemon.pid} ready, metrics on http://{info['metrics_address']}/metrics")
+            workload = subprocess.Popen(
+                [py, "-m", "hangwatchd", "run", "--runtime-dir", str(run_dir), "--job", "demo",
+                 "--heartbeat-timeout", str(TIMEOUT_S), "--", py, "-m", "hangwatchd.demo_workload", "30"])
+            started = time.monotonic()
+            print(f"demo: workload beats every 0.1 s for 3 s, then waits forever (timeout {TIMEOUT_S} s)")
+            store = Store(state)
+            incidents = wait_for("an incident", store.list, 40)
+            print(f"demo: incident stored {time.monotonic() - started:.1f} s after the workload started\n")
+            cli(["status", "--runtime-dir", str(run_dir)])
+            print()
+            cli(["show", incidents[0]["id"], "--state-dir", str(state)])
+            with urllib.request.urlopen(f"http://{info['metrics_address']}/metrics", timeout=5) as resp:
+                hangs = [ln for ln in resp.read().decode().splitlines() if ln.startswith("hangwatchd_hangs_total")]
+            print("\n/metrics: " + "\n/metrics: ".join(hangs))
+            print(f"\ndemo: the daemon's log is {base / 'daemon.log'}; incidents stay in {state}")
+            return 0
+        finally:
+            for proc in (workload, daemon):
+                if proc is not None and proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                    try:
+                        proc.wait(10)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+
 
 if __name__ == "__main__":
-    sys.exit(main(["symbolize", str(FIXTURE)]))
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Python stacks with py-spy: ``--native`` first (C/C++/CUDA frames), then plain.
+
+py-spy pauses the target while it reads; ``--native`` can take over a second
+on a hung PyTorch process. Each run has its own deadline and is killed with
+its process group past it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import procfs, subproc
+from ..model import Registration
+from .base import StepFailed
+
+
+def find_pyspy() -> str | None:
+    """py-spy on PATH, or beside the Python running us (a virtualenv's bin)."""
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if os.access(beside, os.X_OK) else None
+
+
+def ptrace_hint() -> str:
+    """Exactly what stands in the way of reading another process's memory."""
+    try:
+        scope = Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip()
+    except OSError:
+        scope = None
+    if os.geteuid() != 0:
+        return ("run hangwatchd as root or as the workload's user with CAP_SYS_PTRACE"
+                + (f" (kernel.yama.ptrace_scope={scope})" if scope else ""))
+    if scope == "3":
+        return "kernel.yama.ptrace_scope=3 forbids ptrace even for root; set it to 1 or lower"
+    return "give hangwatchd CAP_SYS_PTRACE (in a container: securityContext.capabilities.add: [SYS_PTRACE])"
+
+
+@dataclass
+class PySpyStep:
+    native: bool = True
+    name: str = "pyspy"
+
+    def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
+        tool = find_pyspy()
+        if tool is None:
+            raise StepFailed("py-spy is not installed; pip install py-spy")
+        pid = target.process.pid
+        errors: list[str] = []
+        files: list[str] = []
+        for native, name in ((True, "pyspy-native.json"), (False, "pyspy.json")):
+            if native and not self.native:
+                continue
+            if not procfs.alive(target.process):
+                raise StepFailed(f"pid {pid} started at {target.process.start_time} is gone")
+            argv = [tool, "dump", "--json", "--pid", str(pid)] + (["--native"] if native else [])
+            res = subproc.run(argv, timeout=timeout)
+            label = "py-spy --native" if native else "py-spy"
+            if res.timed_out:
+                errors.append(f"{label} took longer than {timeout:g} s and was killed")
+                continue
+            if not res.ok:
+                errors.append(f"{label}: {self._why(res.stderr_line(), res.returncode)}")
+                continue
+            try:
+                stacks = json.loads(res.stdout)
+            except json.JSONDecodeError:
+                errors.append(f"{label} printed no JSON")
+                continue
+            (outdir / name).write_text(json.dumps(stacks, indent=1))
+            files.append(name)
+        if not procfs.alive(target.process):
+            # The pid may now be another program's: what we read cannot be trusted as this one's.
+            for name in files:
+                (outdir / name).unlink(missing_ok=True)
+            raise StepFailed(f"pid {pid} exited or was reused during the dump")
+        if not files:
+            raise StepFailed("; ".join(errors))
+        if errors:
+            (outdir / "pyspy-errors.txt").write_text("\n".join(errors) + "\n")
+            files.append("pyspy-errors.txt")
+        return tuple(files)
+
+    @staticmethod
+    def _why(line: str, code: int | None) -> str:
+        low = line.lower()
+        if "permission" in low or "operation not permitted" in low:
+            return f"{line} ({ptrace_hint()})"
+        if "failed to find python version" in low or "not a python" in low:
+            return f"{line} (not a Python program)"
+        return line or f"exit status {code}"

@@ -1,0 +1,109 @@
+"""What a workload imports: ``beat()`` in its loop, ``register()`` if nobody launched it.
+
+``beat()`` is one Python call and one write into shared memory: no system
+call, no lock, no allocation. In a process nobody launched through
+``hangwatchd run`` or registered, it does nothing, almost for free.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from . import heartbeat, procfs, registry
+from .config import client_runtime_dir
+from .model import Registration
+
+BEAT_FILE_ENV = "HANGWATCHD_BEAT_FILE"
+
+
+def _noop() -> None:
+    return None
+
+
+def _first_beat() -> None:
+    """Find this process's segment once; from then on every beat goes straight to it."""
+    global _writer
+    _writer = _noop
+    path = os.environ.get(BEAT_FILE_ENV)
+    if path:
+        try:
+            # Only the process the segment was made for may beat into it, not its forks.
+            if heartbeat.read(path).pid == os.getpid():
+                _writer = heartbeat.writer(path)
+        except heartbeat.SegmentError:
+            pass
+    _writer()
+
+
+_writer: Callable[[], None] = _first_beat
+
+
+def beat() -> None:
+    """Tell the watchdog this process made progress. Call it once per step or request."""
+    _writer()
+
+
+def _reset_after_fork() -> None:
+    global _writer
+    _writer = _first_beat
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def register(
+    job: str | None = None,
+    rank: int | None = None,
+    heartbeat_timeout: float | None = None,
+    runtime_dir: str | os.PathLike[str] | None = None,
+) -> bool:
+    """Register this process with the daemon and start beating into a segment of its own.
+
+    Returns False (after one warning on stderr) when there is no runtime dir to
+    register in; the program goes on unwatched.
+    """
+    global _writer
+    base = Path(runtime_dir) if runtime_dir else client_runtime_dir()
+    me = procfs.identify(os.getpid())
+    if me is None:
+        return False
+    beats = base / "beats"
+    try:
+        beat_file = beats / f"{me.pid}-{me.start_time}.beat"
+        heartbeat.create(str(beat_file), me.pid)
+        env = os.environ
+        reg = Registration(
+            process=me, uid=os.getuid(), job=job or env.get("TORCHELASTIC_RUN_ID"),
+            rank=rank if rank is not None else _int(env.get("RANK")),
+            local_rank=_int(env.get("LOCAL_RANK")), world_size=_int(env.get("WORLD_SIZE")),
+            heartbeat_timeout=heartbeat_timeout, beat_file=str(beat_file),
+            cmdline=procfs.cmdline(me.pid), source="register", registered_at=time.time(),
+        )
+        path = registry.write(base / "registrations", reg)
+    except OSError as exc:
+        print(f"hangwatchd: cannot register with the daemon in {base} ({exc.strerror}); running unwatched", file=sys.stderr)
+        return False
+    os.environ[BEAT_FILE_ENV] = str(beat_file)
+    _writer = heartbeat.writer(str(beat_file))
+    atexit.register(_unregister, path, beat_file)
+    return True
+
+
+def _unregister(path: Path, beat_file: Path) -> None:
+    for p in (path, beat_file):
+        try:
+            p.unlink()
+        except OSError:
+            pass
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None

@@ -1,0 +1,151 @@
+"""The daemon's settings: defaults, the TOML file, flags on top, and validation.
+
+Every key lives in ``KEYS`` once, with its default, its check and the line
+that documents it; ``config/hangwatchd.toml`` is tested against this table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_RUNTIME_DIR = "/run/hangwatchd"
+RUNTIME_DIR_ENV = "HANGWATCHD_RUNTIME_DIR"
+
+
+class ConfigError(Exception):
+    """A setting is wrong: the message names the key, the value and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Key:
+    default: Any
+    check: Callable[[Any], str | None]  # returns what is allowed when the value is not
+    doc: str
+
+
+def _positive(v: Any) -> str | None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+    return None if ok else "a number of seconds greater than 0"
+
+
+def _path(v: Any) -> str | None:
+    return None if isinstance(v, str) and v and "\0" not in v else "a non-empty path"
+
+
+def _optional_path(v: Any) -> str | None:
+    return None if isinstance(v, str) and "\0" not in v else "a path, or \"\" for the default"
+
+
+def _address(v: Any) -> str | None:
+    if v == "":
+        return None
+    if isinstance(v, str) and ":" in v:
+        host, _, port = v.rpartition(":")
+        if port.isdigit() and 0 <= int(port) < 65536:
+            return None
+    return "HOST:PORT (port 0 picks a free one), or \"\" to serve no metrics"
+
+
+def _one_of(*allowed: str) -> Callable[[Any], str | None]:
+    def check(v: Any) -> str | None:
+        return None if v in allowed else "one of " + ", ".join(allowed)
+    return check
+
+
+def _steps(v: Any) -> str | None:
+    from_known = ("proc", "pyspy")
+    if isinstance(v, list) and v and all(s in from_known for s in v) and len(set(v)) == len(v):
+        return None
+    return "a list of capture steps without repeats, from: " + ", ".join(from_known)
+
+
+def _bool(v: Any) -> str | None:
+    return None if isinstance(v, bool) else "true or false"
+
+
+KEYS: dict[str, Key] = {
+    "state_dir": Key("/var/lib/hangwatchd", _path, "incidents and their index"),
+    "runtime_dir": Key(DEFAULT_RUNTIME_DIR, _path, "registrations, heartbeat segments, pipes; clients find it through $HANGWATCHD_RUNTIME_DIR"),
+    "dump_dir": Key("", _optional_path, "where CUDA writes coredumps; \"\" means STATE_DIR/dumps"),
+    "metrics_address": Key("0.0.0.0:9842", _address, "where Prometheus scrapes /metrics; \"\" serves none"),
+    "heartbeat_timeout": Key(120.0, _positive, "seconds without a beat before a process is hung, when it registered none of its own"),
+    "startup_grace": Key(600.0, _positive, "seconds a registered process may take to send its first beat"),
+    "rescan_interval": Key(30.0, _positive, "seconds between full rescans of the registrations (inotify is the fast path)"),
+    "capture_steps": Key(["proc", "pyspy"], _steps, "capture steps to run on a hung process, in order"),
+    "capture_timeout": Key(60.0, _positive, "seconds the whole capture of one process may take"),
+    "pyspy_timeout": Key(10.0, _positive, "seconds one py-spy dump may take before it is killed"),
+    "pyspy_native": Key(True, _bool, "also take native (C/C++/CUDA) frames with py-spy --native"),
+    "log_format": Key("json", _one_of("json", "console"), "json: one JSON object a line; console: for a person"),
+    "log_level": Key("info", _one_of("debug", "info", "warning", "error"), "the least severe events logged"),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    state_dir: str = KEYS["state_dir"].default
+    runtime_dir: str = KEYS["runtime_dir"].default
+    dump_dir: str = KEYS["dump_dir"].default
+    metrics_address: str = KEYS["metrics_address"].default
+    heartbeat_timeout: float = KEYS["heartbeat_timeout"].default
+    startup_grace: float = KEYS["startup_grace"].default
+    rescan_interval: float = KEYS["rescan_interval"].default
+    capture_steps: tuple[str, ...] = tuple(KEYS["capture_steps"].default)
+    capture_timeout: float = KEYS["capture_timeout"].default
+    pyspy_timeout: float = KEYS["pyspy_timeout"].default
+    pyspy_native: bool = KEYS["pyspy_native"].default
+    log_format: str = KEYS["log_format"].default
+    log_level: str = KEYS["log_level"].default
+
+    @property
+    def dumps(self) -> Path:
+        return Path(self.dump_dir) if self.dump_dir else Path(self.state_dir) / "dumps"
+
+    @property
+    def registrations(self) -> Path:
+        return Path(self.runtime_dir) / "registrations"
+
+    @property
+    def beats(self) -> Path:
+        return Path(self.runtime_dir) / "beats"
+
+
+def _validate(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    out = {}
+    for key, value in values.items():
+        if key not in KEYS:
+            raise ConfigError(f"{where}: unknown key '{key}'; known keys: {', '.join(KEYS)}")
+        allowed = KEYS[key].check(value)
+        if allowed:
+            raise ConfigError(f"{where}: key '{key}' = {value!r} is not allowed; expected {allowed}")
+        out[key] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+def load(path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
+    """Defaults, then the file, then flags (``overrides``; None values are ignored)."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            raw = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config {p}: no such file") from None
+        except PermissionError:
+            raise ConfigError(f"config {p}: permission denied") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config {p}: not valid TOML ({exc})") from None
+        values.update(_validate(raw, f"config {p}"))
+    if overrides:
+        values.update(_validate({k: v for k, v in overrides.items() if v is not None}, "command line"))
+    return dataclasses.replace(Config(), **values)
+
+
+def client_runtime_dir() -> Path:
+    """Where a workload looks for the daemon."""
+    return Path(os.environ.get(RUNTIME_DIR_ENV) or DEFAULT_RUNTIME_DIR)

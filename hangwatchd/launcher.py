@@ -1,0 +1,149 @@
+"""``hangwatchd run -- CMD``: start a workload ready to be watched and debugged.
+
+The CUDA coredump and flight-recorder variables only work if set before CUDA
+starts, so the launcher sets them (never overriding the user's), gives the
+workload a beat segment, registers it, forwards signals and exits with its
+status. Without a daemon the workload still runs, after one warning.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import heartbeat, procfs, registry, runtime
+from .client import BEAT_FILE_ENV
+from .config import RUNTIME_DIR_ENV, Config
+from .model import Registration
+
+COREDUMP_FLAGS = ("skip_nonrelocated_elf_images,skip_global_memory,skip_shared_memory,"
+                  "skip_local_memory,skip_constbank_memory")
+FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+@dataclass(frozen=True)
+class Launch:
+    command: tuple[str, ...]
+    runtime_dir: Path
+    job: str | None = None
+    rank: int | None = None
+    heartbeat_timeout: float | None = None
+
+
+def workload_env(base: Mapping[str, str], runtime_dir: Path, dump_dir: Path, tag: str) -> dict[str, str]:
+    """The workload's environment: ours added only where the user set nothing."""
+    ours = {
+        "CUDA_ENABLE_USER_TRIGGERED_COREDUMP": "1",
+        "CUDA_ENABLE_COREDUMP_ON_EXCEPTION": "1",
+        "CUDA_COREDUMP_SHOW_PROGRESS": "1",
+        "CUDA_COREDUMP_GENERATION_FLAGS": COREDUMP_FLAGS,
+        "CUDA_COREDUMP_PIPE": str(runtime_dir / "pipes" / "cuda_pipe.%p"),
+        "CUDA_COREDUMP_FILE": str(dump_dir / "core_%h.%p.%t.nvcudmp"),
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        # PyTorch appends the rank (and ".pipe" to the pipe) to these prefixes.
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(runtime_dir / "pipes" / f"nccl_trace_{tag}_"),
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(dump_dir / f"nccl_trace_{tag}_"),
+        RUNTIME_DIR_ENV: str(runtime_dir),
+    }
+    env = dict(base)
+    for key, value in ours.items():
+        env.setdefault(key, value)
+    return env
+
+
+def _int(v: str | None) -> int | None:
+    try:
+        return int(v) if v not in (None, "") else None
+    except ValueError:
+        return None
+
+
+def job_of(env: Mapping[str, str], explicit: str | None) -> str | None:
+    if explicit:
+        return explicit
+    if env.get("TORCHELASTIC_RUN_ID") and env["TORCHELASTIC_RUN_ID"] != "none":
+        return env["TORCHELASTIC_RUN_ID"]
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    return None
+
+
+def run(launch: Launch) -> int:
+    """Start the workload, watch over its registration, return its exit status."""
+    info = runtime.daemon_info(launch.runtime_dir)
+    dump_dir = Path(info["dump_dir"]) if info and info.get("dump_dir") else Path(Config().state_dir) / "dumps"
+    if info is None:
+        print(f"hangwatchd: no daemon is running (runtime dir {launch.runtime_dir}); "
+              "the workload runs, and is watched once a daemon starts", file=sys.stderr)
+    tag = f"{os.getpid()}-{secrets.token_hex(2)}"
+    env = workload_env(os.environ, launch.runtime_dir, dump_dir, tag)
+    beat_file: Path | None = launch.runtime_dir / "beats" / f"run-{tag}.beat"
+    try:
+        heartbeat.create(str(beat_file), 0)
+        env[BEAT_FILE_ENV] = str(beat_file)
+    except OSError:
+        beat_file = None  # no runtime dir we can write: run unwatched
+
+    def claim_segment() -> None:  # in the child, before exec: the segment is the child's own
+        if beat_file is not None:
+            heartbeat.set_owner(str(beat_file), os.getpid())
+
+    try:
+        child = subprocess.Popen(list(launch.command), env=env, preexec_fn=claim_segment)
+    except FileNotFoundError:
+        _cleanup(beat_file, None, launch.runtime_dir)
+        raise LaunchError(f"{launch.command[0]}: command not found") from None
+    except PermissionError:
+        _cleanup(beat_file, None, launch.runtime_dir)
+        raise LaunchError(f"{launch.command[0]}: permission denied") from None
+    for sig in FORWARDED:
+        signal.signal(sig, lambda s, _f: _forward(child, s))
+    # The terminal delivers Ctrl-C to the whole foreground group, the child included.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    me = procfs.identify(child.pid)
+    reg_written = None
+    if me is not None and beat_file is not None:
+        reg = Registration(
+            process=me, uid=os.getuid(), job=job_of(env, launch.job),
+            rank=launch.rank if launch.rank is not None else _int(env.get("RANK")),
+            local_rank=_int(env.get("LOCAL_RANK")), world_size=_int(env.get("WORLD_SIZE")),
+            heartbeat_timeout=launch.heartbeat_timeout, beat_file=str(beat_file),
+            cmdline=tuple(launch.command), source="run", registered_at=time.time(),
+        )
+        try:
+            registry.write(launch.runtime_dir / "registrations", reg)
+            reg_written = me
+        except OSError as exc:
+            print(f"hangwatchd: cannot register the workload ({exc.strerror}); it runs unwatched", file=sys.stderr)
+    try:
+        code = child.wait()
+    finally:
+        _cleanup(beat_file, reg_written, launch.runtime_dir)
+    return code if code >= 0 else 128 - code
+
+
+def _forward(child: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        child.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def _cleanup(beat_file: Path | None, process: registry.ProcessId | None, runtime_dir: Path) -> None:
+    if process is not None:
+        registry.remove(runtime_dir / "registrations", process)
+    if beat_file is not None:
+        beat_file.unlink(missing_ok=True)
+
+
+class LaunchError(Exception):
+    pass
+

@@ -1,0 +1,86 @@
+"""Every Prometheus metric hangwatchd exports, in one place.
+
+Naming follows Prometheus practice: the ``hangwatchd_`` prefix, units in the
+name, ``_total`` for counters, timestamps rather than ages. Labels that also
+exist in dcgm-exporter (``Hostname``, ``pod``, ``namespace``, ``container``)
+are added as constant labels from the environment where they apply.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+LOOP_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5)
+
+
+def constant_labels() -> dict[str, str]:
+    """dcgm-exporter's join labels: the node, and the pod when running as a sidecar."""
+    labels = {"Hostname": os.environ.get("NODE_NAME") or socket.gethostname()}
+    for label, env in (("pod", "POD_NAME"), ("namespace", "POD_NAMESPACE"), ("container", "CONTAINER_NAME")):
+        if os.environ.get(env):
+            labels[label] = os.environ[env]
+    return labels
+
+
+@dataclass
+class Metrics:
+    registry: CollectorRegistry
+    watched: Gauge
+    last_beat: Gauge
+    timeout: Gauge
+    hangs: Counter
+    state_changes: Counter
+    step_duration: Histogram
+    step_failures: Counter
+    loop_duration: Histogram
+    registration_errors: Counter
+    incidents: Counter
+    info: Info
+    const: dict[str, str]
+
+    def labels(self, **labels: str) -> dict[str, str]:
+        """The constant labels plus these, for ``metric.labels(**m.labels(step="pyspy"))``."""
+        return {**self.const, **labels}
+
+
+def create(registry: CollectorRegistry | None = None) -> Metrics:
+    reg = registry or CollectorRegistry()
+    const = constant_labels()
+    names = list(const)
+
+    def labels(*extra: str) -> list[str]:
+        return names + list(extra)
+
+    m = Metrics(
+        registry=reg,
+        watched=Gauge("hangwatchd_watched_processes", "Watched processes by state.", labels("state"), registry=reg),
+        last_beat=Gauge("hangwatchd_last_beat_timestamp_seconds", "Unix time of the last heartbeat of a watched process.",
+                        labels("job", "rank", "pid"), registry=reg),
+        timeout=Gauge("hangwatchd_heartbeat_timeout_seconds", "Seconds without a beat before a watched process is hung.",
+                      labels("job", "rank", "pid"), registry=reg),
+        hangs=Counter("hangwatchd_hangs_total", "Hung processes detected, by the signal that found them.",
+                      labels("reason"), registry=reg),
+        state_changes=Counter("hangwatchd_state_changes_total", "Watched processes entering a state.",
+                              labels("state"), registry=reg),
+        step_duration=Histogram("hangwatchd_capture_step_duration_seconds", "Duration of each capture step.",
+                                labels("step"), buckets=STEP_BUCKETS, registry=reg),
+        step_failures=Counter("hangwatchd_capture_step_failures_total", "Capture steps that failed or timed out.",
+                              labels("step"), registry=reg),
+        loop_duration=Histogram("hangwatchd_loop_iteration_duration_seconds",
+                                "Time the daemon's loop spends on one wake-up (its own latency).",
+                                names, buckets=LOOP_BUCKETS, registry=reg),
+        registration_errors=Counter("hangwatchd_registration_errors_total", "Registrations refused, by reason.",
+                                    labels("reason"), registry=reg),
+        incidents=Counter("hangwatchd_incidents_total", "Incidents stored, by reason.", labels("reason"), registry=reg),
+        info=Info("hangwatchd_build", "Version of hangwatchd.", registry=reg),
+        const=const,
+    )
+    for metric in (m.hangs, m.incidents):
+        metric.labels(**m.labels(reason="heartbeat"))  # present at 0 from the start, so increase() works
+    m.loop_duration.labels(**const)
+    return m

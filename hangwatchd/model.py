@@ -1,0 +1,82 @@
+"""The records that move between stages. Frozen: a stage hands them on, never edits them."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, order=True)
+class ProcessId:
+    """A process is (pid, start time in clock ticks since boot); a bare pid can be reused."""
+
+    pid: int
+    start_time: int
+
+    def __str__(self) -> str:
+        return f"{self.pid}@{self.start_time}"
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a launcher or a workload told us about a process it wants watched."""
+
+    process: ProcessId
+    uid: int
+    job: str | None = None
+    rank: int | None = None
+    local_rank: int | None = None
+    world_size: int | None = None
+    heartbeat_timeout: float | None = None
+    beat_file: str | None = None
+    cmdline: tuple[str, ...] = ()
+    source: str = "run"
+    registered_at: float = 0.0
+
+
+class State(str, enum.Enum):
+    STARTING = "starting"  # registered, no beat seen yet
+    HEALTHY = "healthy"
+    HUNG = "hung"  # confirmed: capture under way
+    CAPTURED = "captured"  # evidence stored; we do not capture the same hang twice
+    EXITED = "exited"
+
+
+@dataclass(frozen=True)
+class Suspicion:
+    """A detector's finding: this process stopped making progress."""
+
+    reason: str  # "heartbeat", "stack", ...
+    detail: str
+    since: float  # wall-clock time of the last sign of progress
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One capture step on one process: what it produced and how it went."""
+
+    step: str
+    ok: bool
+    seconds: float
+    error: str | None = None
+    files: tuple[str, ...] = ()
+    skipped: bool = False
+
+
+@dataclass(frozen=True)
+class ProcessCapture:
+    registration: Registration
+    steps: tuple[StepResult, ...]
+
+
+@dataclass(frozen=True)
+class Incident:
+    id: str
+    time: float
+    host: str
+    reason: str
+    detail: str
+    job: str | None
+    processes: tuple[ProcessCapture, ...] = field(default_factory=tuple)
+    complete: bool = True
+    verdict: str | None = None

@@ -1,0 +1,131 @@
+"""Facts about a live process read from /proc, each read bounded and failure-tolerant.
+
+/proc reads never block on the target (they are served by the kernel), so these
+need no deadline of their own; a vanished process simply yields None.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .model import ProcessId
+
+PROC = Path("/proc")
+
+
+def start_time(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat: when the process started, in clock ticks since boot."""
+    try:
+        raw = (PROC / str(pid) / "stat").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError, OSError):
+        return None
+    # The command name may hold spaces and parentheses: split after the last ')'.
+    rest = raw[raw.rfind(b")") + 2 :].split()
+    try:
+        return int(rest[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def identify(pid: int) -> ProcessId | None:
+    st = start_time(pid)
+    return ProcessId(pid, st) if st is not None else None
+
+
+def alive(proc: ProcessId) -> bool:
+    """True while this very process lives (not a later one given the same pid)."""
+    return start_time(proc.pid) == proc.start_time and state(proc.pid) not in ("Z", "X", None)
+
+
+def state(pid: int) -> str | None:
+    try:
+        raw = (PROC / str(pid) / "stat").read_bytes()
+    except OSError:
+        return None
+    rest = raw[raw.rfind(b")") + 2 :].split()
+    return rest[0].decode() if rest else None
+
+
+def uid(pid: int) -> int | None:
+    """The real uid of the process."""
+    try:
+        for line in (PROC / str(pid) / "status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def cmdline(pid: int) -> tuple[str, ...]:
+    try:
+        raw = (PROC / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return ()
+    return tuple(p.decode("utf-8", "replace") for p in raw.split(b"\0") if p)
+
+
+def environ(pid: int, keys: frozenset[str] | None = None) -> dict[str, str]:
+    """The process's environment (only ``keys`` if given). Needs the same uid or ptrace rights."""
+    try:
+        raw = (PROC / str(pid) / "environ").read_bytes()
+    except OSError:
+        return {}
+    out = {}
+    for item in raw.split(b"\0"):
+        k, sep, v = item.partition(b"=")
+        if not sep:
+            continue
+        key = k.decode("utf-8", "replace")
+        if keys is None or key in keys:
+            out[key] = v.decode("utf-8", "replace")
+    return out
+
+
+def threads(pid: int) -> list[dict[str, object]]:
+    """Each thread's id, name, state and wchan: where in the kernel it sleeps."""
+    out: list[dict[str, object]] = []
+    try:
+        tids = sorted(int(t) for t in os.listdir(PROC / str(pid) / "task"))
+    except OSError:
+        return out
+    for tid in tids:
+        base = PROC / str(pid) / "task" / str(tid)
+        try:
+            stat = (base / "stat").read_bytes()
+            name = stat[stat.find(b"(") + 1 : stat.rfind(b")")].decode("utf-8", "replace")
+            st = stat[stat.rfind(b")") + 2 :].split()[0].decode()
+            wchan = (base / "wchan").read_text().strip() if (base / "wchan").exists() else ""
+        except OSError:
+            continue
+        out.append({"tid": tid, "name": name, "state": st, "wchan": wchan or None})
+    return out
+
+
+def status(pid: int) -> dict[str, str]:
+    try:
+        text = (PROC / str(pid) / "status").read_text()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        k, _, v = line.partition(":")
+        out[k.strip()] = v.strip()
+    return out
+
+
+def fd_targets(pid: int) -> dict[int, str]:
+    """What each open file descriptor points at (needs the same uid or ptrace rights)."""
+    out: dict[int, str] = {}
+    base = PROC / str(pid) / "fd"
+    try:
+        fds = os.listdir(base)
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            out[int(fd)] = os.readlink(base / fd)
+        except (OSError, ValueError):
+            continue
+    return out

@@ -1,0 +1,190 @@
+"""Registrations: files in RUNTIME_DIR/registrations, one per watched process.
+
+A registration is only a claim. Before the daemon (root, with ptrace) acts on
+one, it checks the claim against /proc: the file is a regular file directly in
+the directory, the process lives and started when the file says (a reused pid
+is another process), the file belongs to the process's user, and the beat
+file lies in RUNTIME_DIR/beats and belongs to that user too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from . import procfs
+from .heartbeat import Reading
+from .model import ProcessId, Registration, State
+
+MAX_FILE = 64 * 1024
+SUFFIX = ".json"
+
+
+class RegistrationError(Exception):
+    """A registration that is refused; ``reason`` is the metric label, the message the log line."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def file_name(process: ProcessId) -> str:
+    return f"{process.pid}-{process.start_time}{SUFFIX}"
+
+
+def prepare_dirs(runtime_dir: Path) -> None:
+    """The shared dirs: world-writable with the sticky bit, like /tmp, so any user's job can register."""
+    runtime_dir.mkdir(parents=True, exist_ok=True)
+    for sub in ("registrations", "beats", "pipes"):
+        d = runtime_dir / sub
+        d.mkdir(exist_ok=True)
+        if os.stat(d).st_uid == os.geteuid():
+            os.chmod(d, 0o1777)
+
+
+def write(directory: Path, reg: Registration) -> Path:
+    """Write a registration atomically (a reader never sees half a file)."""
+    data = asdict(reg)
+    data["pid"] = reg.process.pid
+    data["start_time"] = reg.process.start_time
+    del data["process"]
+    data["version"] = 1
+    path = directory / file_name(reg.process)
+    tmp = directory / f".{path.name}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+    return path
+
+
+def remove(directory: Path, process: ProcessId) -> None:
+    try:
+        (directory / file_name(process)).unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _field(data: dict[str, Any], key: str, kind: type | tuple[type, ...], required: bool = False) -> Any:
+    value = data.get(key)
+    if value is None:
+        if required:
+            raise RegistrationError("bad_field", f"'{key}' is missing")
+        return None
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise RegistrationError("bad_field", f"'{key}' = {value!r} has the wrong type")
+    return value
+
+
+def load(path: Path, beats_dir: Path) -> Registration:
+    """Read and check one registration file; raise RegistrationError saying why it is refused."""
+    name = path.name
+    if "/" in name or name.startswith(".") or not name.endswith(SUFFIX):
+        raise RegistrationError("bad_name", f"{path}: not a registration file name")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        reason = "symlink" if exc.errno == 40 else "unreadable"
+        raise RegistrationError(reason, f"{path}: cannot open ({exc.strerror}); symlinks are refused") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RegistrationError("not_regular", f"{path}: not a regular file")
+        if st.st_size > MAX_FILE:
+            raise RegistrationError("too_big", f"{path}: {st.st_size} bytes, more than a registration can be")
+        raw = os.read(fd, MAX_FILE + 1)
+    finally:
+        os.close(fd)
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RegistrationError("bad_json", f"{path}: not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise RegistrationError("bad_json", f"{path}: not a JSON object")
+    try:
+        pid = _field(data, "pid", int, required=True)
+        start = _field(data, "start_time", int, required=True)
+        timeout = _field(data, "heartbeat_timeout", (int, float))
+        rank = _field(data, "rank", int)
+        local_rank = _field(data, "local_rank", int)
+        world = _field(data, "world_size", int)
+        job = _field(data, "job", str)
+        beat_file = _field(data, "beat_file", str)
+        cmd = _field(data, "cmdline", list) or []
+        source = _field(data, "source", str) or "run"
+        registered_at = _field(data, "registered_at", (int, float)) or st.st_mtime
+    except RegistrationError as exc:
+        raise RegistrationError(exc.reason, f"{path}: {exc}") from None
+    if pid <= 0 or (timeout is not None and timeout <= 0):
+        raise RegistrationError("bad_field", f"{path}: pid and heartbeat_timeout must be positive")
+    process = ProcessId(pid, start)
+    if name != file_name(process):
+        raise RegistrationError("bad_name", f"{path}: names another process than pid {pid} started at {start}")
+    actual_start = procfs.start_time(pid)
+    if actual_start is None:
+        raise RegistrationError("no_process", f"{path}: pid {pid} is not running")
+    if actual_start != start:
+        raise RegistrationError("pid_reused", f"{path}: pid {pid} now belongs to a process started at {actual_start}, not {start}")
+    owner = procfs.uid(pid)
+    if st.st_uid not in (0, owner):
+        raise RegistrationError("wrong_owner", f"{path}: file of uid {st.st_uid} registers pid {pid}, which runs as uid {owner}")
+    if beat_file is not None:
+        _check_beat_file(path, beat_file, beats_dir, owner)
+    return Registration(
+        process=process, uid=owner if owner is not None else st.st_uid, job=job, rank=rank,
+        local_rank=local_rank, world_size=world, heartbeat_timeout=float(timeout) if timeout else None,
+        beat_file=beat_file, cmdline=tuple(str(c) for c in cmd)[:64], source=source,
+        registered_at=float(registered_at),
+    )
+
+
+def _check_beat_file(path: Path, beat_file: str, beats_dir: Path, owner: int | None) -> None:
+    real_dir = os.path.realpath(beats_dir)
+    parent = os.path.realpath(os.path.dirname(beat_file))
+    if parent != real_dir:
+        raise RegistrationError("bad_beat_file", f"{path}: beat file {beat_file} lies outside {beats_dir}")
+    try:
+        st = os.lstat(beat_file)
+    except OSError:
+        raise RegistrationError("bad_beat_file", f"{path}: beat file {beat_file} does not exist") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise RegistrationError("bad_beat_file", f"{path}: beat file {beat_file} is not a regular file")
+    if st.st_uid not in (0, owner):
+        raise RegistrationError("bad_beat_file", f"{path}: beat file {beat_file} belongs to uid {st.st_uid}, not the process's uid {owner}")
+
+
+@dataclass
+class Watched:
+    """The daemon's running record of one watched process (mutable, owned by the daemon loop)."""
+
+    registration: Registration
+    state: State
+    seen_at: float  # monotonic: when the daemon first saw the registration
+    timeout: float
+    beat: Reading | None = None
+    last_progress: float | None = None  # monotonic time of the last beat seen
+    next_check: float = 0.0
+    incident: str | None = None
+    pidfd: int | None = None
+
+    @property
+    def process(self) -> ProcessId:
+        return self.registration.process
+
+    def summary(self) -> dict[str, Any]:
+        r = self.registration
+        age = (time.monotonic() - self.last_progress) if self.last_progress is not None else None
+        return {
+            "pid": r.process.pid, "start_time": r.process.start_time, "job": r.job, "rank": r.rank,
+            "local_rank": r.local_rank, "world_size": r.world_size, "state": self.state.value,
+            "timeout": self.timeout, "timeout_source": "registration" if r.heartbeat_timeout else "config",
+            "beats": self.beat.count if self.beat else 0,
+            "last_beat_age": round(age, 3) if age is not None else None,
+            "last_beat_time": (time.time() - age) if age is not None else None,
+            "beat_file": r.beat_file, "cmdline": list(r.cmdline), "incident": self.incident,
+        }

@@ -1,0 +1,88 @@
+"""An incident directory read back for people (text) and scripts (JSON).
+
+The reading is here once; the text renderer only formats what it returns.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+# Where library code lives; a frame elsewhere is the user's own code.
+_LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ", "/hangwatchd/client.py")
+
+
+def is_user_frame(frame: dict[str, Any]) -> bool:
+    filename = frame.get("filename") or ""
+    if frame.get("module") or filename.endswith(".so") or ".so." in filename:
+        return False  # native code
+    return not any(m in filename for m in _LIBRARY_MARKERS)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def load(incident_dir: Path) -> dict[str, Any]:
+    """incident.json with each process's captured files attached (stacks, proc facts)."""
+    data = _read_json(incident_dir / "incident.json")
+    if not isinstance(data, dict):
+        data = {"id": incident_dir.name, "complete": False, "note": "incident.json is missing or damaged"}
+    processes = data.get("processes") or []
+    if not processes:
+        processes = [{"pid": int(p.name), "dir": p.name} for p in sorted(incident_dir.iterdir())
+                     if p.is_dir() and p.name.isdigit()]
+    for proc in processes:
+        pdir = incident_dir / str(proc.get("dir") or proc.get("pid"))
+        proc["proc"] = _read_json(pdir / "proc.json")
+        native = _read_json(pdir / "pyspy-native.json")
+        plain = _read_json(pdir / "pyspy.json")
+        proc["stacks"] = native if isinstance(native, list) else plain if isinstance(plain, list) else None
+        proc["stacks_native"] = isinstance(native, list)
+    data["processes"] = processes
+    return data
+
+
+def _frame_line(frame: dict[str, Any]) -> str:
+    name = frame.get("name") or "??"
+    if frame.get("module") or not frame.get("line"):
+        where = frame.get("short_filename") or frame.get("filename") or "?"
+        return f"{name} ({where})"
+    return f"{name} ({frame.get('filename')}:{frame.get('line')})"
+
+
+def render_text(data: dict[str, Any]) -> str:
+    when = data.get("time")
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(when)) if isinstance(when, (int, float)) else "?"
+    state = "complete" if data.get("complete", True) else "INCOMPLETE"
+    out = [f"Incident {data.get('id')} ({state})",
+           f"  {stamp} on {data.get('host', '?')}: {data.get('reason', '?')} - {data.get('detail') or data.get('note') or ''}"]
+    if data.get("job"):
+        out.append(f"  job {data['job']}")
+    for proc in data["processes"]:
+        rank = f" rank {proc['rank']}" if proc.get("rank") is not None else ""
+        cmd = " ".join(proc.get("cmdline") or (proc.get("proc") or {}).get("cmdline") or [])
+        out += ["", f"Process {proc.get('pid')}{rank}: {cmd}"]
+        steps = proc.get("steps") or []
+        if steps:
+            out.append("  capture: " + "; ".join(
+                f"{s['step']} {'ok' if s['ok'] else 'FAILED'} {s['seconds']:.2f} s" + (f" ({s['error']})" if s.get("error") else "")
+                for s in steps))
+        stacks = proc.get("stacks")
+        if not stacks:
+            out.append("  (no stacks were captured)")
+            continue
+        for thread in stacks:
+            flags = ", ".join(f for f, on in (("active", thread.get("active")), ("holds the GIL", thread.get("owns_gil"))) if on)
+            out.append(f"  Thread {thread.get('os_thread_id') or thread.get('thread_id')} "
+                       f"\"{thread.get('thread_name') or ''}\"" + (f" ({flags})" if flags else " (idle)"))
+            for frame in thread.get("frames") or []:
+                mark = ">" if is_user_frame(frame) else " "
+                out.append(f"  {mark} {_frame_line(frame)}")
+    out += ["", "Frames run innermost first; '>' marks your code."]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,50 @@
+"""The files a running daemon keeps in its runtime dir for clients and the CLI to read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from . import procfs
+from .model import ProcessId
+
+DAEMON_FILE = "daemon.json"  # who the daemon is and where it keeps things
+STATUS_FILE = "status.json"  # every watched process, rewritten on each change
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Atomically: a reader sees the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(path)
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def daemon_info(runtime_dir: Path) -> dict[str, Any] | None:
+    """daemon.json of a daemon that is running now (checked against /proc), else None."""
+    info = _read(runtime_dir / DAEMON_FILE)
+    if info is None:
+        return None
+    try:
+        me = ProcessId(int(info.get("pid") or 0), int(info.get("start_time") or 0))
+    except (TypeError, ValueError):
+        return None
+    return info if procfs.alive(me) else None
+
+
+def status(runtime_dir: Path) -> dict[str, Any] | None:
+    """What a running daemon last wrote about its processes; None when no daemon runs."""
+    info = daemon_info(runtime_dir)
+    data = _read(runtime_dir / STATUS_FILE) if info else None
+    if data is None:
+        return None
+    data["daemon"] = info
+    return data

@@ -1,0 +1,188 @@
+"""Incidents on disk: one directory each under STATE_DIR/incidents, indexed in SQLite.
+
+An incident is assembled in ``incidents/.partial-ID`` and renamed into place
+only once ``incident.json`` is written, then marked complete in the index:
+nothing half-written is ever listed as complete. A crash in between is found
+at the next start (``recover``): a draft with its incident.json is finished,
+one without is kept and marked incomplete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .model import Incident
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS incidents (
+    id TEXT PRIMARY KEY,
+    time REAL NOT NULL,
+    host TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    job TEXT,
+    status TEXT NOT NULL,          -- capturing | complete | incomplete
+    processes TEXT NOT NULL,       -- JSON list of pids
+    summary TEXT
+);
+CREATE INDEX IF NOT EXISTS incidents_time ON incidents(time);
+"""
+
+
+class StoreError(Exception):
+    """The state dir cannot be used: the message says which and what to do."""
+
+
+@dataclass(frozen=True)
+class Draft:
+    id: str
+    time: float
+    path: Path
+
+
+def new_id(now: float) -> str:
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + secrets.token_hex(3)
+
+
+def incident_to_json(incident: Incident) -> dict[str, Any]:
+    data = asdict(incident)
+    data["processes"] = []
+    for pc in incident.processes:
+        r = pc.registration
+        data["processes"].append({
+            "pid": r.process.pid, "start_time": r.process.start_time, "job": r.job, "rank": r.rank,
+            "local_rank": r.local_rank, "world_size": r.world_size, "cmdline": list(r.cmdline),
+            "dir": str(r.process.pid),
+            "steps": [asdict(s) for s in pc.steps],
+        })
+    return data
+
+
+class Store:
+    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
+        self.root = Path(state_dir)
+        self.dir = self.root / "incidents"
+        self.index = self.root / "index.sqlite"
+
+    def open(self) -> None:
+        """Create the layout (or check it is usable) and the index."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            with self._db() as db:
+                db.executescript(SCHEMA)
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(f"state dir {self.root} is not usable ({exc}); pass --state-dir with a writable directory") from None
+        if not os.access(self.dir, os.W_OK):
+            raise StoreError(f"state dir {self.root} is not writable; pass --state-dir with a writable directory")
+
+    @contextmanager
+    def _db(self) -> Iterator[sqlite3.Connection]:
+        db = sqlite3.connect(self.index, timeout=10, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            yield db
+        finally:
+            db.close()
+
+    # -- writing ---------------------------------------------------------
+
+    def begin(self, reason: str, job: str | None, pids: list[int], now: float | None = None) -> Draft:
+        now = time.time() if now is None else now
+        incident_id = new_id(now)
+        draft = Draft(incident_id, now, self.dir / f".partial-{incident_id}")
+        draft.path.mkdir(parents=True)
+        with self._db() as db:
+            db.execute(
+                "INSERT INTO incidents (id, time, host, reason, job, status, processes) VALUES (?,?,?,?,?,?,?)",
+                (draft.id, now, socket.gethostname(), reason, job, "capturing", json.dumps(pids)),
+            )
+        return draft
+
+    def commit(self, draft: Draft, incident: Incident, summary: str) -> Path:
+        """Write incident.json, move the directory into place, mark it complete."""
+        data = incident_to_json(incident)
+        tmp = draft.path / ".incident.json.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(draft.path / "incident.json")
+        final = self.dir / draft.id
+        draft.path.replace(final)
+        self._fsync_dir(self.dir)
+        with self._db() as db:
+            db.execute("UPDATE incidents SET status=?, summary=? WHERE id=?",
+                       ("complete" if incident.complete else "incomplete", summary, draft.id))
+        return final
+
+    @staticmethod
+    def _fsync_dir(path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def recover(self) -> list[str]:
+        """Finish or mark incomplete what a crash left half-done; return the ids touched."""
+        touched = []
+        with self._db() as db:
+            rows = db.execute("SELECT id FROM incidents WHERE status='capturing'").fetchall()
+        for (incident_id,) in rows:
+            partial = self.dir / f".partial-{incident_id}"
+            final = self.dir / incident_id
+            status = "incomplete"
+            if (partial / "incident.json").exists():
+                partial.replace(final)
+                status = "complete"
+            elif partial.exists():
+                meta = {"id": incident_id, "complete": False,
+                        "note": "the daemon stopped while capturing this incident; what it had captured is kept"}
+                (partial / "incident.json").write_text(json.dumps(meta, indent=2))
+                partial.replace(final)
+            elif final.exists():
+                status = "complete"
+            with self._db() as db:
+                db.execute("UPDATE incidents SET status=?, summary=COALESCE(summary, ?) WHERE id=?",
+                           (status, "interrupted by a daemon restart" if status == "incomplete" else None, incident_id))
+            touched.append(incident_id)
+        for stray in self.dir.glob(".partial-*"):
+            if not (self.dir / stray.name.removeprefix(".partial-")).exists():
+                shutil.rmtree(stray, ignore_errors=True)  # never indexed: nothing refers to it
+        return touched
+
+    # -- reading ---------------------------------------------------------
+
+    def list(self, limit: int = 1000) -> list[dict[str, Any]]:
+        """Incidents newest first; never one still being captured."""
+        if not self.index.exists():
+            return []
+        with self._db() as db:
+            rows = db.execute(
+                "SELECT id, time, host, reason, job, status, processes, summary FROM incidents "
+                "WHERE status != 'capturing' ORDER BY time DESC, id DESC LIMIT ?", (limit,)).fetchall()
+        return [
+            {"id": r[0], "time": r[1], "host": r[2], "reason": r[3], "job": r[4], "complete": r[5] == "complete",
+             "processes": json.loads(r[6]), "summary": r[7], "dir": str(self.dir / r[0])}
+            for r in rows
+        ]
+
+    def path_of(self, incident_id: str) -> Path | None:
+        """The directory of a listed incident, by id or unique prefix."""
+        if "/" in incident_id or incident_id.startswith("."):
+            return None
+        matches = [i["id"] for i in self.list() if i["id"].startswith(incident_id)]
+        if len(matches) != 1:
+            return None
+        return self.dir / matches[0]
