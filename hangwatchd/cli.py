@@ -60,21 +60,15 @@ def _daemon_config(args: argparse.Namespace) -> Any:
 
 def cmd_daemon(args: argparse.Namespace) -> int:
     from . import log
-    from .daemon import Daemon
+    from .daemon import Daemon, SetupError
     from .store import StoreError
 
     cfg = _daemon_config(args)
     log.configure(cfg.log_format, cfg.log_level)
     try:
         return Daemon(cfg).run()
-    except StoreError as exc:
+    except (StoreError, SetupError) as exc:
         raise UsageError(str(exc)) from None
-    except PermissionError as exc:
-        raise UsageError(f"{exc.filename}: permission denied; run as root or pass --state-dir/--runtime-dir you can write") from None
-    except OSError as exc:
-        if exc.errno == 98:
-            raise UsageError(f"metrics address {cfg.metrics_address} is in use; pass --metrics-address HOST:PORT") from None
-        raise
 
 
 # -- run -------------------------------------------------------------------

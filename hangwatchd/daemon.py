@@ -41,6 +41,10 @@ log = structlog.get_logger("hangwatchd.daemon")
 STATUS_EVERY = 2.0
 
 
+class SetupError(Exception):
+    """The daemon cannot start here: one line saying what and where."""
+
+
 @dataclass
 class _Capture:
     watched: list[Watched]
@@ -74,6 +78,17 @@ class Daemon:
 
     def prepare(self) -> None:
         """Everything that can fail on bad setup, before READY=1."""
+        try:
+            self._prepare()
+        except OSError as exc:
+            where = exc.filename or self.config.runtime_dir
+            if exc.errno == 98:
+                raise SetupError(f"metrics address {self.config.metrics_address} is in use; "
+                                 "pass --metrics-address HOST:PORT") from None
+            raise SetupError(f"{where}: {exc.strerror}; pass --state-dir/--runtime-dir/--dump-dir "
+                             "that this user can create and write") from None
+
+    def _prepare(self) -> None:
         cfg = self.config
         self.store.open()
         for incident_id in self.store.recover():
@@ -83,7 +98,8 @@ class Daemon:
         if os.stat(cfg.dumps).st_uid == os.geteuid():
             os.chmod(cfg.dumps, 0o1777)  # workloads of any user write their CUDA dumps here
         self.inotify = INotify()
-        self.inotify.add_watch(cfg.registrations, inflags.CLOSE_WRITE | inflags.MOVED_TO | inflags.DELETE | inflags.MOVED_FROM)
+        self.inotify.add_watch(cfg.registrations, inflags.CLOSE_WRITE | inflags.MOVED_TO | inflags.CREATE
+                               | inflags.DELETE | inflags.MOVED_FROM)
         self.selector.register(self.inotify.fileno(), selectors.EVENT_READ, "inotify")
         self.selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         if cfg.metrics_address:
@@ -183,10 +199,16 @@ class Daemon:
             name = event.name
             if not name or name.startswith("."):
                 continue
+            path = self.config.registrations / name
             if event.mask & (inflags.DELETE | inflags.MOVED_FROM):
                 self._unregistered(name)
+            elif event.mask & inflags.CREATE:
+                # A regular file is read at CLOSE_WRITE, once complete; a symlink or
+                # directory never gets one, so it is judged (and refused) now.
+                if path.is_symlink() or path.is_dir():
+                    self._consider(path)
             else:
-                self._consider(self.config.registrations / name)
+                self._consider(path)
 
     def rescan(self) -> None:
         """The safety net under inotify: pick up anything missed, drop what vanished."""

@@ -1,0 +1,170 @@
+"""Test helpers that ship with hangwatchd, so users can test their own setup against it.
+
+- ``Daemon``: a real ``hangwatchd daemon`` in temporary dirs, with its metrics on a free port.
+- ``python -m hangwatchd.testing workload``: a fake watched process that beats, then
+  hangs (or exits, or spins) — a real process that really stops beating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from . import runtime
+from .store import Store
+
+T = TypeVar("T")
+
+
+def wait_for(check: Callable[[], T], seconds: float, what: str = "condition", every: float = 0.05) -> T:
+    end = time.monotonic() + seconds
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise TimeoutError(f"{what} did not happen within {seconds:g} s")
+        time.sleep(every)
+
+
+def hangwatchd_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hangwatchd", *args]
+
+
+def workload_argv(beats: int = 20, interval: float = 0.05, then: str = "hang") -> list[str]:
+    return [sys.executable, "-m", "hangwatchd.testing", "workload", "--beats", str(beats),
+            "--interval", str(interval), "--then", then]
+
+
+class Daemon:
+    """A real daemon process in ``base``; stop it with ``stop()`` or use it as a context manager."""
+
+    def __init__(self, base: Path, *extra: str, env: dict[str, str] | None = None, config: dict[str, Any] | None = None) -> None:
+        self.base = Path(base)
+        self.state_dir = self.base / "state"
+        self.runtime_dir = self.base / "run"
+        self.log = self.base / "daemon.log"
+        self.base.mkdir(parents=True, exist_ok=True)
+        argv = hangwatchd_argv("daemon", "--state-dir", str(self.state_dir), "--runtime-dir", str(self.runtime_dir),
+                               "--metrics-address", "127.0.0.1:0", *extra)
+        if config:
+            cfg = self.base / "hangwatchd.toml"
+            cfg.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in config.items()))
+            argv += ["--config", str(cfg)]
+        full_env = dict(os.environ, **(env or {}))
+        self._log = open(self.log, "ab")
+        self.proc = subprocess.Popen(argv, stderr=self._log, env=full_env)
+        self.info = wait_for(self._ready, 20, "the daemon's start")
+
+    def _ready(self) -> dict[str, Any] | None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the daemon exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+        return runtime.daemon_info(self.runtime_dir)
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.info['metrics_address']}/metrics"
+
+    def scrape(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as resp:
+            return resp.read().decode()
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """The value of one sample on /metrics, matched by name and the given labels."""
+        for line in self.scrape().splitlines():
+            if not line.startswith(name + "{") and not line.startswith(name + " "):
+                continue
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+        return None
+
+    def store(self) -> Store:
+        return Store(self.state_dir)
+
+    def run(self, command: Sequence[str], *options: str, **kw: Any) -> subprocess.Popen[bytes]:
+        """``hangwatchd run --runtime-dir ... OPTIONS -- COMMAND`` as a child process."""
+        return subprocess.Popen(hangwatchd_argv("run", "--runtime-dir", str(self.runtime_dir), *options, "--", *command), **kw)
+
+    def logs(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.log.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return out
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> Daemon:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+
+# -- the fake workload -----------------------------------------------------
+
+def hang_here() -> None:
+    """Where the fake workload sits once it stops beating: blocked, burning nothing."""
+    threading.Event().wait()
+
+
+def spin_here() -> None:
+    while True:
+        pass
+
+
+def _workload(args: argparse.Namespace) -> int:
+    import hangwatchd
+
+    if args.register:
+        hangwatchd.register(job=args.job, heartbeat_timeout=args.timeout)
+    for _ in range(args.beats):
+        hangwatchd.beat()
+        time.sleep(args.interval)
+    print("stopped beating", flush=True)
+    if args.then == "exit":
+        return 0
+    if args.then == "spin":
+        spin_here()
+    hang_here()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hangwatchd.testing")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("workload", help="beat, then hang, exit or spin")
+    w.add_argument("--beats", type=int, default=20)
+    w.add_argument("--interval", type=float, default=0.05)
+    w.add_argument("--then", choices=["hang", "exit", "spin"], default="hang")
+    w.add_argument("--register", action="store_true", help="register itself (hangwatchd.register())")
+    w.add_argument("--job")
+    w.add_argument("--timeout", type=float)
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return _workload(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""The daemon end to end, with real processes that really stop beating."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from hangwatchd.testing import Daemon, hangwatchd_argv, wait_for, workload_argv
+
+from .conftest import hangwatchd
+
+TIMEOUT = 2.0
+
+
+@pytest.fixture
+def daemon(tmp_path: Path):  # type: ignore[no-untyped-def]
+    d = Daemon(tmp_path)
+    yield d
+    d.stop()
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_workload_that_stops_beating_becomes_one_incident_with_its_stack(daemon: Daemon) -> None:
+    work = daemon.run(workload_argv(beats=20, interval=0.05), "--job", "train", "--rank", "3",
+                      "--heartbeat-timeout", str(TIMEOUT), stdout=subprocess.PIPE)
+    try:
+        assert work.stdout is not None
+        assert work.stdout.readline().strip() == b"stopped beating"
+        last_beat = time.monotonic()
+        store = daemon.store()
+        incidents = wait_for(store.list, TIMEOUT + 6, "an incident")
+        stored_after = time.monotonic() - last_beat
+        assert stored_after < TIMEOUT + 3, stored_after
+        (inc,) = incidents
+        assert inc["reason"] == "heartbeat" and inc["job"] == "train" and inc["complete"]
+        (pid,) = inc["processes"]  # the workload, the launcher's child
+        assert pid != work.pid and Path(f"/proc/{pid}").exists()
+
+        shown = hangwatchd("show", inc["id"], "--state-dir", str(daemon.state_dir))
+        assert shown.returncode == 0, shown.stderr
+        assert "rank 3" in shown.stdout
+        user_lines = [ln for ln in shown.stdout.splitlines() if ln.lstrip().startswith("> ")]
+        assert user_lines and "hang_here" in user_lines[0] and "testing.py" in user_lines[0]
+        assert "pyspy ok" in shown.stdout and "proc ok" in shown.stdout
+
+        files = {p.name for p in Path(inc["dir"]).rglob("*") if p.is_file()}
+        assert {"incident.json", "proc.json", "pyspy.json", "pyspy-native.json"} <= files
+        proc_json = json.loads(next(Path(inc["dir"]).rglob("proc.json")).read_text())
+        assert proc_json["rank"] == 3 and proc_json["job"] == "train" and proc_json["hostname"] == socket.gethostname()
+
+        assert daemon.metric("hangwatchd_hangs_total", reason="heartbeat") == 1.0
+        assert daemon.metric("hangwatchd_capture_step_duration_seconds_count", step="pyspy") == 1.0
+        assert daemon.metric("hangwatchd_watched_processes", state="captured") == 1.0
+
+        st = hangwatchd("status", "--json", "--runtime-dir", str(daemon.runtime_dir))
+        assert st.returncode == 0, st.stderr
+        (p,) = json.loads(st.stdout)["processes"]
+        assert (p["job"], p["rank"], p["state"], p["timeout"]) == ("train", 3, "captured", TIMEOUT)
+        assert p["last_beat_age"] >= TIMEOUT and p["incident"] == inc["id"]
+        table = hangwatchd("status", "--runtime-dir", str(daemon.runtime_dir))
+        assert "captured" in table.stdout and "train" in table.stdout
+
+        listing = json.loads(hangwatchd("incidents", "--json", "--state-dir", str(daemon.state_dir)).stdout)
+        assert [i["id"] for i in listing] == [inc["id"]]
+        # One hang, one incident: the daemon does not capture the same hang again.
+        time.sleep(TIMEOUT + 1)
+        assert len(store.list()) == 1
+    finally:
+        stop(work)
+
+
+def test_a_healthy_workload_raises_nothing_and_an_exited_one_is_forgotten(daemon: Daemon) -> None:
+    healthy = daemon.run(workload_argv(beats=10_000, interval=0.05), "--heartbeat-timeout", "1")
+    quick = daemon.run(workload_argv(beats=2, interval=0.01, then="exit"), "--heartbeat-timeout", "1")
+    try:
+        assert quick.wait(10) == 0
+        wait_for(lambda: any(e.get("event") == "process_forgotten" for e in daemon.logs()), 10, "forgetting")
+        time.sleep(3)
+        assert daemon.store().list() == []
+        assert daemon.metric("hangwatchd_hangs_total", reason="heartbeat") == 0.0
+        st = json.loads(hangwatchd("status", "--json", "--runtime-dir", str(daemon.runtime_dir)).stdout)
+        assert [p["state"] for p in st["processes"]] == ["healthy"]
+        assert not list((daemon.runtime_dir / "registrations").glob("*.json"))[1:]
+    finally:
+        stop(healthy)
+
+
+def test_a_workload_that_registers_itself(daemon: Daemon) -> None:
+    env = dict(os.environ, HANGWATCHD_RUNTIME_DIR=str(daemon.runtime_dir))
+    work = subprocess.Popen(workload_argv(beats=10, interval=0.05) + ["--register", "--job", "self", "--timeout", "1.5"], env=env)
+    try:
+        (inc,) = wait_for(daemon.store().list, 15, "an incident")
+        assert inc["job"] == "self" and inc["processes"] == [work.pid]
+    finally:
+        stop(work)
+
+
+def test_run_exit_status_env_and_warning_without_a_daemon(tmp_path: Path) -> None:
+    runtime_dir = tmp_path / "nothing-here"
+    script = ("import os,sys; print(os.environ['CUDA_ENABLE_USER_TRIGGERED_COREDUMP'], os.environ['CUDA_COREDUMP_PIPE'],"
+              " os.environ['TORCH_NCCL_TRACE_BUFFER_SIZE'], os.environ['TORCH_NCCL_DEBUG_INFO_PIPE_FILE']); sys.exit(7)")
+    res = subprocess.run(hangwatchd_argv("run", "--runtime-dir", str(runtime_dir), "--", "python3", "-c", script),
+                         capture_output=True, text=True, env=dict(os.environ, TORCH_NCCL_TRACE_BUFFER_SIZE="99"), timeout=30)
+    assert res.returncode == 7
+    assert res.stderr.count("no daemon is running") == 1
+    user_triggered, pipe, trace, fr_pipe = res.stdout.split()
+    assert user_triggered == "1" and pipe == str(runtime_dir / "pipes" / "cuda_pipe.%p")
+    assert trace == "99"  # what the user set wins
+    assert fr_pipe.startswith(str(runtime_dir / "pipes" / "nccl_trace_"))
+
+
+def test_run_forwards_signals_and_reports_death_by_signal(daemon: Daemon) -> None:
+    work = daemon.run(["python3", "-c", "import signal,time; signal.signal(signal.SIGTERM, lambda *a: exit(42));"
+                       " print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    assert work.stdout is not None and work.stdout.readline() == b"ready\n"
+    wait_for(lambda: list((daemon.runtime_dir / "registrations").glob("*.json")), 10, "registration")
+    work.send_signal(signal.SIGTERM)
+    assert work.wait(10) == 42
+    assert not list((daemon.runtime_dir / "registrations").glob("*.json"))  # cleaned up
+    killed = daemon.run(["python3", "-c", "import os,signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    assert killed.wait(10) == 128 + signal.SIGKILL
+
+
+def test_a_missing_command_is_bad_usage(tmp_path: Path) -> None:
+    res = hangwatchd("run", "--runtime-dir", str(tmp_path), "--", "no-such-program-xyz")
+    assert res.returncode == 127 and "command not found" in res.stderr
+    res = hangwatchd("run", "--runtime-dir", str(tmp_path))
+    assert res.returncode == 2 and "no command given" in res.stderr
+
+
+def test_sd_notify_ready_status_watchdog_stopping(tmp_path: Path) -> None:
+    sock_path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    sock.settimeout(10)
+    d = Daemon(tmp_path / "d", env={"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "400000"})
+    try:
+        got: list[str] = []
+        while sum(m == "WATCHDOG=1" for m in got) < 3:
+            got.append(sock.recv(4096).decode())
+        assert "READY=1" in got
+        assert got.index("READY=1") < got.index("WATCHDOG=1")
+        assert any(m.startswith("STATUS=") for m in got)
+        assert d.stop() == 0
+        rest = []
+        try:
+            while True:
+                rest.append(sock.recv(4096).decode())
+        except TimeoutError:
+            pass
+        assert "STOPPING=1" in rest
+    finally:
+        d.stop()
+        sock.close()
+
+
+def test_sigkill_during_a_capture_leaves_an_incomplete_incident_found_at_restart(tmp_path: Path) -> None:
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "py-spy").write_text("#!/bin/sh\nexec sleep 3600\n")  # a py-spy that hangs
+    (fake / "py-spy").chmod(0o755)
+    env = {"PATH": f"{fake}:{os.environ['PATH']}"}
+    d = Daemon(tmp_path / "d", env=env, config={"pyspy_timeout": 30.0})
+    work = d.run(workload_argv(beats=5, interval=0.02), "--heartbeat-timeout", "1")
+    try:
+        wait_for(lambda: list((d.state_dir / "incidents").glob(".partial-*/*/proc.json")), 15, "capture under way")
+        assert d.store().list() == []  # nothing half-written is listed
+        d.stop(signal.SIGKILL)
+        d2 = Daemon(tmp_path / "d", env=env)
+        try:
+            (inc,) = d2.store().list()
+            assert inc["complete"] is False
+            (pid,) = inc["processes"]
+            assert (Path(inc["dir"]) / str(pid) / "proc.json").exists()
+            shown = hangwatchd("show", inc["id"], "--state-dir", str(d2.state_dir))
+            assert shown.returncode == 0 and "INCOMPLETE" in shown.stdout
+            assert any(e.get("event") == "incident_recovered" for e in d2.logs())
+        finally:
+            d2.stop()
+    finally:
+        stop(work)
+        d.stop()
+        subprocess.run(["pkill", "-f", "sleep 3600"])  # what the SIGKILLed daemon's py-spy left
+
+
+def test_a_hanging_py_spy_is_killed_at_its_deadline(tmp_path: Path) -> None:
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "py-spy").write_text("#!/bin/sh\nexec sleep 3601\n")
+    (fake / "py-spy").chmod(0o755)
+    d = Daemon(tmp_path / "d", env={"PATH": f"{fake}:{os.environ['PATH']}"}, config={"pyspy_timeout": 1.0, "pyspy_native": False})
+    work = d.run(workload_argv(beats=5, interval=0.02), "--heartbeat-timeout", "1")
+    try:
+        (inc,) = wait_for(d.store().list, 15, "an incident")
+        data = json.loads((Path(inc["dir"]) / "incident.json").read_text())
+        steps = {s["step"]: s for s in data["processes"][0]["steps"]}
+        assert steps["proc"]["ok"] is True
+        assert steps["pyspy"]["ok"] is False and "killed" in steps["pyspy"]["error"]
+        assert steps["pyspy"]["seconds"] < 5
+        assert d.metric("hangwatchd_capture_step_failures_total", step="pyspy") == 1.0
+        assert not subprocess.run(["pgrep", "-f", "sleep 3601"], capture_output=True).stdout  # the group is gone
+    finally:
+        stop(work)
+        d.stop()
+
