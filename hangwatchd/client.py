@@ -11,7 +11,6 @@ import atexit
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from . import heartbeat, procfs, registry
@@ -21,36 +20,46 @@ from .model import Registration
 BEAT_FILE_ENV = "HANGWATCHD_BEAT_FILE"
 
 
-def _noop() -> None:
-    return None
+# The segment's mapping: None until the first beat looks for it, False when there is none.
+_mm: object = None
+_counter = None
+_pack = heartbeat.BEAT.pack_into
+_offset = heartbeat.BEAT_OFFSET
+_now = time.monotonic_ns
 
 
-def _first_beat() -> None:
+def beat() -> None:
+    """Tell the watchdog this process made progress. Call it once per step or request."""
+    mm = _mm
+    if mm:
+        _pack(mm, _offset, next(_counter), _now())  # type: ignore[call-overload]
+    elif mm is None:
+        _find_segment()
+
+
+def _find_segment() -> None:
     """Find this process's segment once; from then on every beat goes straight to it."""
-    global _writer
-    _writer = _noop
+    global _mm
+    _mm = False
     path = os.environ.get(BEAT_FILE_ENV)
     if path:
         try:
             # Only the process the segment was made for may beat into it, not its forks.
             if heartbeat.read(path).pid == os.getpid():
-                _writer = heartbeat.writer(path)
+                _attach(path)
+                beat()
         except heartbeat.SegmentError:
             pass
-    _writer()
 
 
-_writer: Callable[[], None] = _first_beat
-
-
-def beat() -> None:
-    """Tell the watchdog this process made progress. Call it once per step or request."""
-    _writer()
+def _attach(path: str) -> None:
+    global _mm, _counter
+    _mm, _counter = heartbeat.open_for_writing(path)
 
 
 def _reset_after_fork() -> None:
-    global _writer
-    _writer = _first_beat
+    global _mm
+    _mm = None
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
@@ -67,7 +76,6 @@ def register(
     Returns False (after one warning on stderr) when there is no runtime dir to
     register in; the program goes on unwatched.
     """
-    global _writer
     base = Path(runtime_dir) if runtime_dir else client_runtime_dir()
     me = procfs.identify(os.getpid())
     if me is None:
@@ -89,7 +97,7 @@ def register(
         print(f"hangwatchd: cannot register with the daemon in {base} ({exc.strerror}); running unwatched", file=sys.stderr)
         return False
     os.environ[BEAT_FILE_ENV] = str(beat_file)
-    _writer = heartbeat.writer(str(beat_file))
+    _attach(str(beat_file))
     atexit.register(_unregister, path, beat_file)
     return True
 

@@ -22,15 +22,15 @@ import mmap
 import os
 import struct
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 MAGIC = b"HWB1"
 VERSION = 1
 SIZE = 64
 _HEADER = struct.Struct("<4sII")
-_BEAT = struct.Struct("<QQ")
-_BEAT_OFFSET = 16
+BEAT = struct.Struct("<QQ")
+
+BEAT_OFFSET = 16
 
 
 class SegmentError(Exception):
@@ -57,8 +57,8 @@ def set_owner(path: str, pid: int) -> None:
         os.close(fd)
 
 
-def writer(path: str) -> Callable[[], None]:
-    """A function that records one beat. Raises SegmentError if the file is not a segment of ours."""
+def open_for_writing(path: str) -> tuple[mmap.mmap, itertools.count[int]]:
+    """The segment's mapping and a counter that goes on from its last count."""
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     try:
         if os.fstat(fd).st_size < SIZE:
@@ -70,13 +70,7 @@ def writer(path: str) -> Callable[[], None]:
     if magic != MAGIC or version != VERSION:
         mm.close()
         raise SegmentError(f"{path}: not a heartbeat segment")
-    counter = itertools.count(_BEAT.unpack_from(mm, _BEAT_OFFSET)[0] + 1)
-    pack, now, nxt = _BEAT.pack_into, time.monotonic_ns, next
-
-    def beat() -> None:
-        pack(mm, _BEAT_OFFSET, nxt(counter), now())
-
-    return beat
+    return mm, itertools.count(BEAT.unpack_from(mm, BEAT_OFFSET)[0] + 1)
 
 
 @dataclass(frozen=True)
@@ -112,5 +106,5 @@ def read(path: str) -> Reading:
     magic, version, pid = _HEADER.unpack_from(data, 0)
     if magic != MAGIC or version != VERSION:
         raise SegmentError(f"{path}: not a heartbeat segment")
-    count, last_ns = _BEAT.unpack_from(data, _BEAT_OFFSET)
+    count, last_ns = BEAT.unpack_from(data, BEAT_OFFSET)
     return Reading(pid, count, last_ns)

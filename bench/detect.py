@@ -1,0 +1,69 @@
+"""Detection latency: 20 workloads that beat, then stop, under a real daemon with a 3 s timeout.
+
+For each: from the workload's last beat to the daemon declaring it hung, and to its
+incident (with stacks) being stored. The baseline is the timeout itself: the ratio
+says how close to the theoretical best (declared exactly at the timeout) we are.
+
+Targets: every stall declared within timeout + 1 s, stored within timeout + 3 s.
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hangwatchd.testing import Daemon, wait_for  # noqa: E402
+
+TIMEOUT = 3.0
+TRIALS = 20
+AT_ONCE = 5
+
+
+def ts(event: dict[str, object]) -> float:
+    return datetime.datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
+
+
+def main() -> None:
+    declared: list[float] = []
+    stored: list[float] = []
+    code = ("import time, hangwatchd, threading\n"
+            "for _ in range(10): time.sleep(0.05); hangwatchd.beat()\n"
+            "print(time.time(), flush=True)\nthreading.Event().wait()\n")
+    with tempfile.TemporaryDirectory() as tmp, Daemon(Path(tmp)) as d:
+        for batch in range(TRIALS // AT_ONCE):
+            procs = [d.run([sys.executable, "-c", code], "--heartbeat-timeout", str(TIMEOUT), stdout=subprocess.PIPE)
+                     for _ in range(AT_ONCE)]
+            last = {}
+            for p in procs:
+                assert p.stdout is not None
+                last[p] = float(p.stdout.readline())
+            want = (batch + 1) * AT_ONCE
+            wait_for(lambda: len(d.store().list()) >= want, TIMEOUT + 15, "the incidents")
+            logs = d.logs()
+            for inc in d.store().list()[: AT_ONCE]:
+                pid = inc["processes"][0]
+                hung = next(e for e in logs if e.get("event") == "process_hung" and e.get("pid") == pid)
+                done = next(e for e in logs if e.get("event") == "incident_stored" and e.get("incident") == inc["id"])
+                launcher = next(p for p in procs if Path(f"/proc/{pid}/stat").exists() and
+                                int(Path(f"/proc/{pid}/stat").read_text().split()[3]) == p.pid)
+                declared.append(ts(hung) - last[launcher])
+                stored.append(ts(done) - last[launcher])
+            for p in procs:
+                p.terminate()
+                p.wait()
+    for name, xs in (("declared hung", declared), ("incident stored", stored)):
+        print(f"{name:>16}: median {statistics.median(xs):.2f} s, max {max(xs):.2f} s after the last beat "
+              f"(timeout {TIMEOUT:g} s; max/timeout = {max(xs) / TIMEOUT:.2f})")
+    ok = max(declared) <= TIMEOUT + 1 and max(stored) <= TIMEOUT + 3
+    print(f"{TRIALS} trials, {AT_ONCE} at a time: " + ("within targets" if ok else "MISSED the targets"))
+
+
+if __name__ == "__main__":
+    main()
