@@ -91,6 +91,42 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 127
 
 
+# -- capture by hand -------------------------------------------------------
+
+def cmd_capture(args: argparse.Namespace) -> int:
+    from . import config, registry
+    from .capture import capture_incident, make_steps
+    from .model import Suspicion
+    from .report import incident
+    from . import log
+    from .store import Store, StoreError
+
+    cfg = config.load(args.config, {"state_dir": args.state_dir, "runtime_dir": args.runtime_dir})
+    log.configure("console", "warning")
+    target = registry.from_proc(args.pid)
+    if target is None:
+        raise UsageError(f"capture: no process {args.pid}")
+    store = Store(cfg.state_dir)
+    try:
+        store.open()
+    except StoreError as exc:
+        raise UsageError(str(exc)) from None
+
+    def gate(_outdir: Path) -> str | None:
+        return None if args.gpu_dump else "not asked for (hangwatchd capture --gpu-dump)"
+
+    why = Suspicion("manual", "captured by hand with hangwatchd capture" + (" --gpu-dump" if args.gpu_dump else ""), time.time())
+    incident_id = capture_incident(store, make_steps(cfg), [target], why, cfg.capture_timeout, gate=gate)
+    path = store.path_of(incident_id)
+    assert path is not None
+    data = incident.load(path)
+    if args.json:
+        _print_json(data)
+    else:
+        sys.stdout.write(incident.render_text(data))
+    return 0
+
+
 # -- status, incidents, show ----------------------------------------------
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -222,6 +258,15 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--state-dir")
     sh.add_argument("--runtime-dir")
     sh.set_defaults(func=cmd_show)
+
+    c = sub.add_parser("capture", help="capture a process's evidence now, into a new incident")
+    c.add_argument("pid", type=int)
+    c.add_argument("--gpu-dump", action="store_true", help="also take a CUDA coredump (this ends the process)")
+    c.add_argument("--json", action="store_true")
+    c.add_argument("--config")
+    c.add_argument("--state-dir")
+    c.add_argument("--runtime-dir")
+    c.set_defaults(func=cmd_capture)
 
     s = sub.add_parser("symbolize", help="explain a CUDA coredump: kernels, warps, exceptions, inline chains")
     s.add_argument("dump", help="the coredump (raw, or compressed .xz/.gz/.zst)")

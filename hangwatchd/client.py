@@ -87,8 +87,8 @@ def register(
         env = os.environ
         reg = Registration(
             process=me, uid=os.getuid(), job=job or env.get("TORCHELASTIC_RUN_ID"),
-            rank=rank if rank is not None else _int(env.get("RANK")),
-            local_rank=_int(env.get("LOCAL_RANK")), world_size=_int(env.get("WORLD_SIZE")),
+            rank=rank if rank is not None else registry.env_int(env, "RANK"),
+            local_rank=registry.env_int(env, "LOCAL_RANK"), world_size=registry.env_int(env, "WORLD_SIZE"),
             heartbeat_timeout=heartbeat_timeout, beat_file=str(beat_file),
             cmdline=procfs.cmdline(me.pid), source="register", registered_at=time.time(),
         )
@@ -108,10 +108,3 @@ def _unregister(path: Path, beat_file: Path) -> None:
             p.unlink()
         except OSError:
             pass
-
-
-def _int(value: str | None) -> int | None:
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        return None

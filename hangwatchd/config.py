@@ -58,8 +58,11 @@ def _one_of(*allowed: str) -> Callable[[Any], str | None]:
     return check
 
 
+STEP_NAMES = ("proc", "pyspy", "nvml", "flight_recorder", "cuda_dump")
+
+
 def _steps(v: Any) -> str | None:
-    from_known = ("proc", "pyspy")
+    from_known = STEP_NAMES
     if isinstance(v, list) and v and all(s in from_known for s in v) and len(set(v)) == len(v):
         return None
     return "a list of capture steps without repeats, from: " + ", ".join(from_known)
@@ -77,10 +80,19 @@ KEYS: dict[str, Key] = {
     "heartbeat_timeout": Key(120.0, _positive, "seconds without a beat before a process is hung, when it registered none of its own"),
     "startup_grace": Key(600.0, _positive, "seconds a registered process may take to send its first beat"),
     "rescan_interval": Key(30.0, _positive, "seconds between full rescans of the registrations (inotify is the fast path)"),
-    "capture_steps": Key(["proc", "pyspy"], _steps, "capture steps to run on a hung process, in order"),
+    "capture_steps": Key(list(STEP_NAMES), _steps, "capture steps to run on a hung process, in order (cuda_dump is always last)"),
     "capture_timeout": Key(60.0, _positive, "seconds the whole capture of one process may take"),
     "pyspy_timeout": Key(10.0, _positive, "seconds one py-spy dump may take before it is killed"),
     "pyspy_native": Key(True, _bool, "also take native (C/C++/CUDA) frames with py-spy --native"),
+    "nvml_timeout": Key(10.0, _positive, "seconds the NVML probe may take before it is killed"),
+    "flight_recorder_timeout": Key(20.0, _positive, "seconds to wait for PyTorch's flight recorder dump"),
+    "gpu_dump": Key("confirmed", _one_of("always", "confirmed", "never"),
+                    "take a CUDA coredump of a hung process (it ends the process): always, never, or when "
+                    "confirmed (its native stack waits on the GPU or a collective, or you asked)"),
+    "gpu_dump_timeout": Key(120.0, _positive, "seconds to wait for the driver to finish writing a CUDA coredump"),
+    "max_state_bytes": Key(50 * 2**30, _positive, "the state dir's size bound: oldest dumps go first, then oldest incidents"),
+    "dump_max_age_days": Key(7.0, _positive, "raw GPU dumps older than this are deleted (their reports are kept)"),
+    "incident_max_age_days": Key(90.0, _positive, "incidents older than this are deleted, report and index entry too"),
     "log_format": Key("json", _one_of("json", "console"), "json: one JSON object a line; console: for a person"),
     "log_level": Key("info", _one_of("debug", "info", "warning", "error"), "the least severe events logged"),
 }
@@ -99,6 +111,13 @@ class Config:
     capture_timeout: float = KEYS["capture_timeout"].default
     pyspy_timeout: float = KEYS["pyspy_timeout"].default
     pyspy_native: bool = KEYS["pyspy_native"].default
+    nvml_timeout: float = KEYS["nvml_timeout"].default
+    flight_recorder_timeout: float = KEYS["flight_recorder_timeout"].default
+    gpu_dump: str = KEYS["gpu_dump"].default
+    gpu_dump_timeout: float = KEYS["gpu_dump_timeout"].default
+    max_state_bytes: float = KEYS["max_state_bytes"].default
+    dump_max_age_days: float = KEYS["dump_max_age_days"].default
+    incident_max_age_days: float = KEYS["incident_max_age_days"].default
     log_format: str = KEYS["log_format"].default
     log_level: str = KEYS["log_level"].default
 
@@ -113,6 +132,10 @@ class Config:
     @property
     def beats(self) -> Path:
         return Path(self.runtime_dir) / "beats"
+
+    @property
+    def driver_logs(self) -> Path:
+        return Path(self.runtime_dir) / "driver-logs"
 
 
 def _validate(values: Mapping[str, Any], where: str) -> dict[str, Any]:

@@ -25,13 +25,15 @@ from inotify_simple import INotify
 from inotify_simple import flags as inflags
 from prometheus_client import start_http_server
 
-from . import __version__, procfs, registry
+from . import __version__, gpudump, procfs, registry
+from .analyze.stacks import gpu_wait
+from .cudacore import driverlog
 from .runtime import DAEMON_FILE, STATUS_FILE, write_json
-from .capture import make_steps, run_steps
+from .capture import capture_incident, make_steps
 from .config import Config
 from .detect import HeartbeatDetector
 from .metrics import Metrics, create
-from .model import Incident, ProcessCapture, State, Suspicion
+from .model import Incident, ProcessCapture, ProcessId, Registration, State, StepResult, Suspicion
 from .notify import notify, watchdog_interval
 from .registry import RegistrationError, Watched
 from .store import Store
@@ -39,6 +41,7 @@ from .store import Store
 log = structlog.get_logger("hangwatchd.daemon")
 
 STATUS_EVERY = 2.0
+RETENTION_EVERY = 600.0
 
 
 class SetupError(Exception):
@@ -68,6 +71,9 @@ class Daemon:
         self.captures: list[_Capture] = []
         self.refused: dict[str, float] = {}  # registration name -> mtime already refused (no log spam)
         self.pidfds: dict[int, registry.ProcessId] = {}
+        self.dumping: set[int] = set()  # pids whose GPU dump a capture is taking: not exception dumps
+        self.ingested: set[str] = set()  # dump files already made into incidents
+        self.recent: dict[int, tuple[Registration, float]] = {}  # exited processes, to link late dumps
         self.stopping = False
         self.metrics_address = ""
         self._wake_r, self._wake_w = socket.socketpair()
@@ -97,9 +103,13 @@ class Daemon:
         cfg.dumps.mkdir(parents=True, exist_ok=True)
         if os.stat(cfg.dumps).st_uid == os.geteuid():
             os.chmod(cfg.dumps, 0o1777)  # workloads of any user write their CUDA dumps here
+        cfg.driver_logs.mkdir(exist_ok=True)
+        if os.stat(cfg.driver_logs).st_uid == os.geteuid():
+            os.chmod(cfg.driver_logs, 0o1777)
         self.inotify = INotify()
-        self.inotify.add_watch(cfg.registrations, inflags.CLOSE_WRITE | inflags.MOVED_TO | inflags.CREATE
-                               | inflags.DELETE | inflags.MOVED_FROM)
+        self.reg_wd = self.inotify.add_watch(cfg.registrations, inflags.CLOSE_WRITE | inflags.MOVED_TO | inflags.CREATE
+                                             | inflags.DELETE | inflags.MOVED_FROM)
+        self.dump_wd = self.inotify.add_watch(cfg.dumps, inflags.CLOSE_WRITE | inflags.MOVED_TO)
         self.selector.register(self.inotify.fileno(), selectors.EVENT_READ, "inotify")
         self.selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         if cfg.metrics_address:
@@ -148,9 +158,10 @@ class Daemon:
         ping_every = watchdog_interval()
         next_ping = now
         next_status = now
+        next_retention = now
         while not self.stopping:
             now = time.monotonic()
-            timers = [next_rescan, next_status] + [w.next_check for w in self.watched.values()]
+            timers = [next_rescan, next_status, next_retention] + [w.next_check for w in self.watched.values()]
             if ping_every:
                 timers.append(next_ping)
             timeout = max(0.0, min(timers) - now)
@@ -174,6 +185,9 @@ class Daemon:
             if now >= next_status:
                 self._write_status()
                 next_status = now + STATUS_EVERY
+            if now >= next_retention and not self.captures:
+                self.pool.submit(self._retention)
+                next_retention = now + RETENTION_EVERY
             if ping_every and now >= next_ping:
                 if self._healthy(now):
                     notify("WATCHDOG=1")
@@ -198,6 +212,9 @@ class Daemon:
         for event in self.inotify.read(timeout=0):
             name = event.name
             if not name or name.startswith("."):
+                continue
+            if event.wd == self.dump_wd:
+                self._dump_appeared(name)
                 continue
             path = self.config.registrations / name
             if event.mask & (inflags.DELETE | inflags.MOVED_FROM):
@@ -267,6 +284,9 @@ class Daemon:
     def _on_exit(self, process: registry.ProcessId) -> None:
         w = self.watched.get(process)
         if w is not None:
+            now = time.monotonic()
+            self.recent = {pid: v for pid, v in self.recent.items() if now - v[1] < 600}
+            self.recent[process.pid] = (w.registration, now)
             self._forget(w, "exited")
             registry.remove(self.config.registrations, process)
             if w.registration.beat_file:
@@ -333,26 +353,29 @@ class Daemon:
         log.warning("process_hung", pid=w.process.pid, job=w.registration.job, rank=w.registration.rank,
                     reason=suspicion.reason, detail=suspicion.detail)
         group = [w]
+        self.dumping.update(x.process.pid for x in group)
         future = self.pool.submit(self._capture, group, suspicion)
         future.add_done_callback(lambda _f: self._wake_w.send(b"c"))
         self.captures.append(_Capture(group, suspicion, time.monotonic(), future))
 
+    def _gate(self, outdir: Path) -> str | None:
+        """May this capture take a GPU dump (which ends the process)? None means yes."""
+        policy = self.config.gpu_dump
+        if policy == "always":
+            return None
+        if policy == "never":
+            return "gpu_dump = never"
+        waiting = gpu_wait(outdir)
+        if waiting:
+            log.info("gpu_dump_confirmed", dir=str(outdir), frame=waiting)
+            return None
+        return "not confirmed: no thread waits on the GPU or a collective (gpu_dump = confirmed)"
+
     # -- capture (on worker threads) -------------------------------------
 
     def _capture(self, group: list[Watched], suspicion: Suspicion) -> str | None:
-        job = group[0].registration.job
-        draft = self.store.begin(suspicion.reason, job, [w.process.pid for w in group])
-        captures: list[ProcessCapture] = []
-        for w in group:
-            captures.append(run_steps(self.steps, w.registration, draft.path / str(w.process.pid),
-                                      self.config.capture_timeout, self.metrics))
-        incident = Incident(
-            id=draft.id, time=draft.time, host=socket.gethostname(), reason=suspicion.reason,
-            detail=suspicion.detail, job=job, processes=tuple(captures),
-        )
-        summary = f"{suspicion.reason}: pid {group[0].process.pid} - {suspicion.detail}"
-        self.store.commit(draft, incident, summary)
-        return draft.id
+        return capture_incident(self.store, self.steps, [w.registration for w in group], suspicion,
+                                self.config.capture_timeout, self.metrics, self._gate)
 
     def _collect_captures(self) -> None:
         for c in [c for c in self.captures if c.future.done()]:
@@ -367,9 +390,78 @@ class Daemon:
                 log.warning("incident_stored", incident=incident_id, reason=c.suspicion.reason,
                             pids=[w.process.pid for w in c.watched], seconds=round(time.monotonic() - c.started, 3))
             for w in c.watched:
+                self.dumping.discard(w.process.pid)
                 w.incident = incident_id
                 if w.process in self.watched and w.state is State.HUNG:
                     self._set_state(w, State.CAPTURED)
+
+    def _retention(self) -> None:
+        cfg = self.config
+        try:
+            for path in self.store.enforce_retention(cfg.max_state_bytes, cfg.dump_max_age_days * 86400,
+                                                     cfg.incident_max_age_days * 86400):
+                log.info("retention_removed", path=path)
+        except OSError as exc:
+            log.error("retention_failed", error=str(exc))
+        cutoff = time.time() - 3600
+        for stale in cfg.driver_logs.glob("*.log"):
+            try:
+                if stale.stat().st_mtime < cutoff:
+                    stale.unlink()
+            except OSError:
+                pass
+
+    # -- GPU dumps nobody asked for: exceptions ---------------------------
+
+    def _dump_appeared(self, name: str) -> None:
+        if not (name.endswith(".nvcudmp") or name.endswith(gpudump.DRIVER_LOG_SUFFIX)) or name in self.ingested:
+            return
+        pid = gpudump.pid_of(name)
+        if pid is not None and pid in self.dumping:
+            return  # a capture asked for this one and takes it itself
+        self.ingested.add(name)
+        future = self.pool.submit(self._ingest, self.config.dumps / name, pid)
+        future.add_done_callback(lambda _f: self._wake_w.send(b"c"))
+        reg = self._registration_of(pid)
+        fake = Watched(reg, State.CAPTURED, seen_at=time.monotonic(), timeout=0) if reg else None
+        self.captures.append(_Capture([fake] if fake else [], Suspicion("gpu-exception", name, time.time()),
+                                      time.monotonic(), future))
+
+    def _registration_of(self, pid: int | None) -> Registration | None:
+        if pid is None:
+            return None
+        for w in self.watched.values():
+            if w.process.pid == pid:
+                return w.registration
+        return self.recent.get(pid, (None, 0.0))[0]
+
+    def _ingest(self, path: Path, pid: int | None) -> str:
+        """One dump (or driver report without a dump), one incident."""
+        reg = self._registration_of(pid) or Registration(ProcessId(pid or 0, 0), uid=-1)
+        start = time.monotonic()
+        draft = self.store.begin("gpu-exception", reg.job, [pid] if pid else [])
+        outdir = draft.path / str(pid or "unknown")
+        outdir.mkdir(parents=True)
+        if path.name.endswith(gpudump.DRIVER_LOG_SUFFIX):
+            lines = path.read_text(errors="replace").splitlines()
+            report = driverlog.parse(lines)
+            gpudump.copy_text(path, outdir / "driver.log")
+            path.unlink(missing_ok=True)
+            step = StepResult("driver_log", True, time.monotonic() - start, files=("driver.log",))
+            detail = f"the driver reported {report.summary()} but wrote no dump"
+            exc_type = report.exception or "UNKNOWN"
+        else:
+            stored = gpudump.store(path, outdir)
+            files = list(stored.files)
+            if pid and gpudump.copy_text(self.config.driver_logs / f"{pid}.log", outdir / "driver.log"):
+                files.append("driver.log")
+            step = StepResult("cuda_dump", bool(stored.files), time.monotonic() - start, stored.note, tuple(files))
+            detail, exc_type = _describe(stored.symbolized, path.name, stored.note)
+        self.metrics.gpu_exceptions.labels(**self.metrics.labels(type=exc_type)).inc()
+        incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason="gpu-exception",
+                            detail=detail, job=reg.job, processes=(ProcessCapture(reg, (step,)),))
+        self.store.commit(draft, incident, f"gpu-exception: {detail}")
+        return draft.id
 
     # -- status ----------------------------------------------------------
 
@@ -392,3 +484,16 @@ class Daemon:
             write_json(path, data)
         except OSError as exc:
             log.error("status_write_failed", file=str(path), error=str(exc))
+
+
+def _describe(sym: object, name: str, note: str | None) -> tuple[str, str]:
+    """One line for an exception dump: what, in which kernel, where; and the exception type."""
+    from .cudacore.symbolize import Symbolized
+
+    if not isinstance(sym, Symbolized):
+        return f"{name}: {note or 'unreadable dump'}", "UNREADABLE"
+    for e in sym.exceptions:
+        where = next((f" at {f.file}:{f.line}" for f in e.frames if f.file), "")
+        return f"{e.type} in {e.kernel or 'an unknown kernel'}{where}", e.type
+    kernels = ", ".join(k.name for k in sym.kernels) or "no running kernel"
+    return f"GPU coredump with no exception ({kernels})", "NONE"

@@ -11,15 +11,18 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import heartbeat, procfs, registry, runtime
+from . import gpudump, heartbeat, procfs, registry, runtime
 from .client import BEAT_FILE_ENV
+from .cudacore import driverlog
 from .config import RUNTIME_DIR_ENV, Config
 from .model import Registration
 
@@ -45,7 +48,7 @@ def workload_env(base: Mapping[str, str], runtime_dir: Path, dump_dir: Path, tag
         "CUDA_COREDUMP_SHOW_PROGRESS": "1",
         "CUDA_COREDUMP_GENERATION_FLAGS": COREDUMP_FLAGS,
         "CUDA_COREDUMP_PIPE": str(runtime_dir / "pipes" / "cuda_pipe.%p"),
-        "CUDA_COREDUMP_FILE": str(dump_dir / "core_%h.%p.%t.nvcudmp"),
+        "CUDA_COREDUMP_FILE": str(dump_dir / gpudump.NAME_PATTERN),
         "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         # PyTorch appends the rank (and ".pipe" to the pipe) to these prefixes.
@@ -57,23 +60,6 @@ def workload_env(base: Mapping[str, str], runtime_dir: Path, dump_dir: Path, tag
     for key, value in ours.items():
         env.setdefault(key, value)
     return env
-
-
-def _int(v: str | None) -> int | None:
-    try:
-        return int(v) if v not in (None, "") else None
-    except ValueError:
-        return None
-
-
-def job_of(env: Mapping[str, str], explicit: str | None) -> str | None:
-    if explicit:
-        return explicit
-    if env.get("TORCHELASTIC_RUN_ID") and env["TORCHELASTIC_RUN_ID"] != "none":
-        return env["TORCHELASTIC_RUN_ID"]
-    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
-        return f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
-    return None
 
 
 def run(launch: Launch) -> int:
@@ -97,13 +83,15 @@ def run(launch: Launch) -> int:
             heartbeat.set_owner(str(beat_file), os.getpid())
 
     try:
-        child = subprocess.Popen(list(launch.command), env=env, preexec_fn=claim_segment)
+        child = subprocess.Popen(list(launch.command), env=env, preexec_fn=claim_segment, stderr=subprocess.PIPE)
     except FileNotFoundError:
         _cleanup(beat_file, None, launch.runtime_dir)
         raise LaunchError(f"{launch.command[0]}: command not found") from None
     except PermissionError:
         _cleanup(beat_file, None, launch.runtime_dir)
         raise LaunchError(f"{launch.command[0]}: permission denied") from None
+    tee = StderrTee(child, launch.runtime_dir / "driver-logs" / f"{child.pid}.log")
+    tee.start()
     for sig in FORWARDED:
         signal.signal(sig, lambda s, _f: _forward(child, s))
     # The terminal delivers Ctrl-C to the whole foreground group, the child included.
@@ -112,9 +100,9 @@ def run(launch: Launch) -> int:
     reg_written = None
     if me is not None and beat_file is not None:
         reg = Registration(
-            process=me, uid=os.getuid(), job=job_of(env, launch.job),
-            rank=launch.rank if launch.rank is not None else _int(env.get("RANK")),
-            local_rank=_int(env.get("LOCAL_RANK")), world_size=_int(env.get("WORLD_SIZE")),
+            process=me, uid=os.getuid(), job=registry.job_of(env, launch.job),
+            rank=launch.rank if launch.rank is not None else registry.env_int(env, "RANK"),
+            local_rank=registry.env_int(env, "LOCAL_RANK"), world_size=registry.env_int(env, "WORLD_SIZE"),
             heartbeat_timeout=launch.heartbeat_timeout, beat_file=str(beat_file),
             cmdline=tuple(launch.command), source="run", registered_at=time.time(),
         )
@@ -125,9 +113,68 @@ def run(launch: Launch) -> int:
             print(f"hangwatchd: cannot register the workload ({exc.strerror}); it runs unwatched", file=sys.stderr)
     try:
         code = child.wait()
+        tee.join(timeout=5)
+        _report_lost_dump(tee.driver_lines, dump_dir, child.pid)
     finally:
         _cleanup(beat_file, reg_written, launch.runtime_dir)
     return code if code >= 0 else 128 - code
+
+
+class StderrTee(threading.Thread):
+    """Passes the workload's stderr through, keeping the CUDA driver's coredump: lines.
+
+    The lines go to RUNTIME_DIR/driver-logs/PID.log as they come, for the daemon
+    to put beside the dump in the incident.
+    """
+
+    def __init__(self, child: subprocess.Popen[bytes], log_path: Path) -> None:
+        super().__init__(name="stderr-tee", daemon=True)
+        self.child = child
+        self.log_path = log_path
+        self.driver_lines: list[str] = []
+
+    def run(self) -> None:
+        assert self.child.stderr is not None
+        out = sys.stderr.buffer
+        log = None
+        for raw in iter(self.child.stderr.readline, b""):
+            try:
+                out.write(raw)
+                out.flush()
+            except (OSError, ValueError):
+                pass
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            if driverlog.is_driver_line(line):
+                self.driver_lines.append(line)
+                if log is None:
+                    log = _open_log(self.log_path)
+                if log is not None:
+                    log.write(line + "\n")
+                    log.flush()
+        if log is not None:
+            log.close()
+
+
+def _open_log(path: Path):  # type: ignore[no-untyped-def]
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+    except OSError:
+        return None
+    return os.fdopen(fd, "w")
+
+
+def _report_lost_dump(lines: list[str], dump_dir: Path, pid: int) -> None:
+    """The driver reported an exception but wrote no dump: leave its lines where the daemon looks."""
+    report = driverlog.parse(lines)
+    if report.exception is None or report.dump_file is not None:
+        return
+    name = f"nodump_{socket.gethostname()}.{pid}.{int(time.time())}{gpudump.DRIVER_LOG_SUFFIX}"
+    try:
+        tmp = dump_dir / f".{name}.tmp"
+        tmp.write_text("\n".join(lines) + "\n")
+        tmp.replace(dump_dir / name)
+    except OSError:
+        pass
 
 
 def _forward(child: subprocess.Popen[bytes], sig: int) -> None:

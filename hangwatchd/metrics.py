@@ -40,6 +40,7 @@ class Metrics:
     loop_duration: Histogram
     registration_errors: Counter
     incidents: Counter
+    gpu_exceptions: Counter
     info: Info
     const: dict[str, str]
 
@@ -77,6 +78,8 @@ def create(registry: CollectorRegistry | None = None) -> Metrics:
         registration_errors=Counter("hangwatchd_registration_errors_total", "Registrations refused, by reason.",
                                     labels("reason"), registry=reg),
         incidents=Counter("hangwatchd_incidents_total", "Incidents stored, by reason.", labels("reason"), registry=reg),
+        gpu_exceptions=Counter("hangwatchd_gpu_exceptions_total", "GPU exceptions reported by the CUDA driver, by type.",
+                               labels("type"), registry=reg),
         info=Info("hangwatchd_build", "Version of hangwatchd.", registry=reg),
         const=const,
     )

@@ -129,3 +129,39 @@ def fd_targets(pid: int) -> dict[int, str]:
         except (OSError, ValueError):
             continue
     return out
+
+
+def held_fifos(pid: int) -> list[tuple[int, str, os.stat_result]]:
+    """FIFOs the process holds open for reading: (fd, path as the process sees it, the FIFO's stat).
+
+    The stat is of the very object behind /proc/PID/fd/N, so no path can be swapped under us.
+    """
+    import stat as stat_mod
+
+    out = []
+    for fd, target in fd_targets(pid).items():
+        link = PROC / str(pid) / "fd" / str(fd)
+        try:
+            st = os.stat(link)
+            flags = (PROC / str(pid) / "fdinfo" / str(fd)).read_text()
+        except OSError:
+            continue
+        if not stat_mod.S_ISFIFO(st.st_mode):
+            continue
+        mode = next((int(ln.split()[1], 8) for ln in flags.splitlines() if ln.startswith("flags:")), 1)
+        if mode & 3 == os.O_RDONLY:
+            out.append((fd, target, st))
+    return out
+
+
+def poke_fifo(pid: int, fd: int, data: bytes = b"\0") -> None:
+    """Write to the FIFO that the process holds as ``fd``, without blocking.
+
+    Opening /proc/PID/fd/N reaches exactly the object the process holds. Raises
+    OSError (ENXIO when nobody reads it, EAGAIN when it is full).
+    """
+    w = os.open(PROC / str(pid) / "fd" / str(fd), os.O_WRONLY | os.O_NONBLOCK)
+    try:
+        os.write(w, data)
+    finally:
+        os.close(w)

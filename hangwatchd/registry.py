@@ -13,6 +13,7 @@ import json
 import os
 import stat
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,37 @@ def remove(directory: Path, process: ProcessId) -> None:
         (directory / file_name(process)).unlink()
     except FileNotFoundError:
         pass
+
+
+def env_int(env: Mapping[str, str], key: str) -> int | None:
+    try:
+        return int(env[key]) if env.get(key) not in (None, "") else None
+    except ValueError:
+        return None
+
+
+def job_of(env: Mapping[str, str], explicit: str | None = None) -> str | None:
+    """A job's id: given, or torchelastic's run id, or the rendezvous address all its ranks share."""
+    if explicit:
+        return explicit
+    if env.get("TORCHELASTIC_RUN_ID") and env["TORCHELASTIC_RUN_ID"] != "none":
+        return env["TORCHELASTIC_RUN_ID"]
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    return None
+
+
+def from_proc(pid: int) -> Registration | None:
+    """A registration made from /proc alone, for a process nobody registered (capture by hand)."""
+    me = procfs.identify(pid)
+    if me is None:
+        return None
+    env = procfs.environ(pid, frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"}))
+    return Registration(
+        process=me, uid=procfs.uid(pid) or 0, job=job_of(env), rank=env_int(env, "RANK"),
+        local_rank=env_int(env, "LOCAL_RANK"), world_size=env_int(env, "WORLD_SIZE"),
+        cmdline=procfs.cmdline(pid), source="capture", registered_at=time.time(),
+    )
 
 
 def _field(data: dict[str, Any], key: str, kind: type | tuple[type, ...], required: bool = False) -> Any:

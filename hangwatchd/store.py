@@ -162,6 +162,51 @@ class Store:
                 shutil.rmtree(stray, ignore_errors=True)  # never indexed: nothing refers to it
         return touched
 
+    # -- retention -------------------------------------------------------
+
+    def enforce_retention(self, max_bytes: float, dump_max_age: float, incident_max_age: float,
+                          now: float | None = None) -> list[str]:
+        """Bound the state dir: raw dumps go first (past their age, then oldest first while
+        over the size), then whole incidents (past their age, then oldest first). The index
+        and the reports outlive the dumps. Returns what was removed, for the log."""
+        now = time.time() if now is None else now
+        removed: list[str] = []
+        done = [i for i in self.list(limit=1_000_000)]
+        done.sort(key=lambda i: i["time"])  # oldest first
+        dumps = [(i, p) for i in done for p in Path(i["dir"]).glob("*/coredump.nvcudmp*")]
+        for inc, dump in dumps:
+            if now - inc["time"] > dump_max_age:
+                removed.append(self._drop_dump(dump))
+        for inc, dump in dumps:
+            if self._size() <= max_bytes:
+                break
+            if dump.exists():
+                removed.append(self._drop_dump(dump))
+        for inc in done:
+            if now - inc["time"] > incident_max_age or self._size() > max_bytes:
+                shutil.rmtree(inc["dir"], ignore_errors=True)
+                with self._db() as db:
+                    db.execute("DELETE FROM incidents WHERE id=?", (inc["id"],))
+                removed.append(inc["dir"])
+        return removed
+
+    def _drop_dump(self, dump: Path) -> str:
+        dump.unlink(missing_ok=True)
+        note = dump.parent / "cuda_dump-notes.txt"
+        with open(note, "a") as f:
+            f.write("the raw dump was removed by retention; symbolized.json keeps what it said\n")
+        return str(dump)
+
+    def _size(self) -> int:
+        total = 0
+        for root, _dirs, files in os.walk(self.root):
+            for name in files:
+                try:
+                    total += os.lstat(os.path.join(root, name)).st_size
+                except OSError:
+                    pass
+        return total
+
     # -- reading ---------------------------------------------------------
 
     def list(self, limit: int = 1000) -> list[dict[str, Any]]:

@@ -151,6 +151,62 @@ def _workload(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fifo(path: str) -> int:
+    os.mkfifo(path, 0o600)
+    return os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+
+
+def _gpu_workload(args: argparse.Namespace) -> int:
+    """Plays the CUDA driver's and PyTorch's parts with real FIFOs: a coredump pipe that
+    answers with a dump (whole, half, or never), a flight-recorder pipe that answers or not."""
+    import lzma
+    import pickle
+    import select
+    import socket
+
+    import hangwatchd
+
+    pid, host = os.getpid(), socket.gethostname()
+    cuda_fd = fr_fd = None
+    if args.cuda != "none":
+        cuda_fd = _fifo(os.environ["CUDA_COREDUMP_PIPE"].replace("%p", str(pid)).replace("%h", host))
+    rank = os.environ.get("RANK", "0")
+    if args.fr != "none":
+        fr_fd = _fifo(os.environ["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] + rank + ".pipe")
+    for _ in range(args.beats):
+        hangwatchd.beat()
+        time.sleep(args.interval)
+    print("stopped beating", flush=True)
+    fds = [fd for fd in (cuda_fd, fr_fd) if fd is not None]
+    while True:
+        ready, _, _ = select.select(fds, [], [], 3600) if fds else ([], [], time.sleep(3600))
+        for fd in ready:
+            data = os.read(fd, 4096)
+            if not data:
+                time.sleep(0.05)  # the writer closed; wait for the next
+                continue
+            if fd == fr_fd and args.fr == "answer":
+                out = os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] + rank
+                with open(out, "wb") as f:
+                    pickle.dump({"version": "2.4", "pg_status": {}, "entries": [{"record_id": 0, "profiling_name": "nccl:all_gather"}]}, f)
+            if fd == cuda_fd and args.cuda in ("dump", "half"):
+                blob = lzma.decompress(Path(args.dump).read_bytes())
+                out = os.environ["CUDA_COREDUMP_FILE"].replace("%h", host).replace("%p", str(pid)).replace("%t", str(int(time.time())))
+                print(f"[00:00:00.000000] coredump: Writing ELF file to {out}", file=sys.stderr, flush=True)
+                f = open(out, "wb")
+                third = len(blob) // 3
+                for i in range(3):
+                    if args.cuda == "half" and i == 1:
+                        f.flush()
+                        time.sleep(3600)  # a driver that stops half way, file still open
+                    f.write(blob[i * third : (i + 1) * third if i < 2 else len(blob)])
+                    f.flush()
+                    time.sleep(0.2)
+                f.close()
+                print("[00:00:00.000000] coredump: All done (took 00s)", file=sys.stderr, flush=True)
+                os._exit(134)  # a user-triggered dump ends the process (SIGABRT)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hangwatchd.testing")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -161,9 +217,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     w.add_argument("--register", action="store_true", help="register itself (hangwatchd.register())")
     w.add_argument("--job")
     w.add_argument("--timeout", type=float)
+    g = sub.add_parser("gpu-workload", help="beat, then hang holding CUDA and flight-recorder FIFOs")
+    g.add_argument("--beats", type=int, default=10)
+    g.add_argument("--interval", type=float, default=0.05)
+    g.add_argument("--cuda", choices=["dump", "half", "ignore", "none"], default="dump")
+    g.add_argument("--fr", choices=["answer", "silent", "none"], default="answer")
+    g.add_argument("--dump", help="the .nvcudmp.xz to answer with")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    return _workload(args)
+    return _gpu_workload(args) if args.cmd == "gpu-workload" else _workload(args)
 
 
 if __name__ == "__main__":

@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..config import Config
 from .base import Step, StepFailed
-from .pipeline import run_steps
+from .cuda_dump import CudaDumpStep
+from .flight_recorder import FlightRecorderStep
+from .nvml import NvmlStep
+from .pipeline import capture_incident, run_steps
 from .proc import ProcStep
 from .pyspy import PySpyStep
 
 
 def make_steps(config: Config) -> list[tuple[Step, float]]:
-    """The configured steps with their timeouts, cheapest and least destructive first."""
-    factories = {
+    """The configured steps with their timeouts: cheapest and least destructive first, the GPU dump last."""
+    factories: dict[str, Callable[[], tuple[Step, float]]] = {
         "proc": lambda: (ProcStep(), 5.0),
         "pyspy": lambda: (PySpyStep(native=config.pyspy_native), config.pyspy_timeout),
+        "nvml": lambda: (NvmlStep(), config.nvml_timeout),
+        "flight_recorder": lambda: (FlightRecorderStep(), config.flight_recorder_timeout),
+        "cuda_dump": lambda: (CudaDumpStep(config.driver_logs), config.gpu_dump_timeout),
     }
-    return [factories[name]() for name in config.capture_steps]
+    names = [n for n in config.capture_steps if n != "cuda_dump"]
+    if "cuda_dump" in config.capture_steps:
+        names.append("cuda_dump")  # a GPU dump ends the process: nothing can come after it
+    return [factories[name]() for name in names]
 
 
-__all__ = ["Step", "StepFailed", "make_steps", "run_steps"]
+__all__ = ["Step", "StepFailed", "capture_incident", "make_steps", "run_steps"]

@@ -13,7 +13,7 @@ class StepFailed(Exception):
 
 
 class Step(Protocol):
-    name: str
+    name: str  # a step may also set ``destructive = True``: it runs last, and only when policy allows
 
     def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
         """Capture into ``outdir`` within ``timeout`` seconds; return the files written.

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import structlog
 
 from ..metrics import Metrics
-from ..model import ProcessCapture, Registration, StepResult
+from ..model import Incident, ProcessCapture, Registration, StepResult, Suspicion
+from ..store import Store
 from .base import Step, StepFailed
 
 log = structlog.get_logger("hangwatchd.capture")
@@ -21,17 +23,29 @@ def run_steps(
     outdir: Path,
     budget: float,
     metrics: Metrics | None = None,
+    gate: Callable[[Path], str | None] | None = None,
 ) -> ProcessCapture:
     """Run each (step, timeout) on ``target`` into ``outdir``; never raises for a step's failure.
 
     A step gets its own timeout or what is left of ``budget``, whichever is less;
-    when the budget is spent the remaining steps are skipped, and say so.
+    when the budget is spent the remaining steps are skipped, and say so. A
+    destructive step (the GPU dump) runs only if ``gate(outdir)`` gives no reason
+    against it, after seeing what the earlier steps captured.
     """
     outdir.mkdir(parents=True, exist_ok=True)
     end = time.monotonic() + budget
     results: list[StepResult] = []
     for step, timeout in steps:
-        left = end - time.monotonic()
+        if getattr(step, "destructive", False):
+            veto = gate(outdir) if gate else "no policy allows destructive steps here"
+            if veto:
+                results.append(StepResult(step.name, True, 0.0, f"skipped: {veto}", skipped=True))
+                log.info("capture_step_skipped", pid=target.process.pid, step=step.name, why=veto)
+                continue
+            # A GPU dump has its own deadline: the driver needs it whatever the others took.
+            left = timeout
+        else:
+            left = end - time.monotonic()
         if left <= 0:
             results.append(StepResult(step.name, False, 0.0, "skipped: the capture's time budget was spent", skipped=True))
             continue
@@ -51,3 +65,23 @@ def run_steps(
         log.info("capture_step", pid=target.process.pid, step=step.name, ok=result.ok,
                  seconds=round(result.seconds, 3), error=result.error, files=list(result.files))
     return ProcessCapture(target, tuple(results))
+
+
+def capture_incident(
+    store: Store,
+    steps: Sequence[tuple[Step, float]],
+    targets: Sequence[Registration],
+    suspicion: Suspicion,
+    budget: float,
+    metrics: Metrics | None = None,
+    gate: Callable[[Path], str | None] | None = None,
+) -> str:
+    """Capture every target into one new incident and store it; return the incident's id."""
+    job = targets[0].job if targets else None
+    draft = store.begin(suspicion.reason, job, [t.process.pid for t in targets])
+    captures = [run_steps(steps, t, draft.path / str(t.process.pid), budget, metrics, gate) for t in targets]
+    incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason=suspicion.reason,
+                        detail=suspicion.detail, job=job, processes=tuple(captures))
+    first = targets[0].process.pid if targets else "?"
+    store.commit(draft, incident, f"{suspicion.reason}: pid {first} - {suspicion.detail}")
+    return draft.id

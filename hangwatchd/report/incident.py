@@ -70,9 +70,11 @@ def render_text(data: dict[str, Any]) -> str:
         out += ["", f"Process {proc.get('pid')}{rank}: {cmd}"]
         steps = proc.get("steps") or []
         if steps:
-            out.append("  capture: " + "; ".join(
-                f"{s['step']} {'ok' if s['ok'] else 'FAILED'} {s['seconds']:.2f} s" + (f" ({s['error']})" if s.get("error") else "")
-                for s in steps))
+            out.append("  capture:")
+            for s in steps:
+                outcome = "skipped" if s.get("skipped") else "ok" if s["ok"] else "FAILED"
+                why = f" - {s['error']}" if s.get("error") else ""
+                out.append(f"    {s['step']:<16} {outcome:<8} {s['seconds']:6.2f} s{why}")
         stacks = proc.get("stacks")
         if not stacks:
             out.append("  (no stacks were captured)")

@@ -1,0 +1,1 @@
+"""Per-process and cross-rank verdicts from what was captured."""

@@ -1,0 +1,86 @@
+"""Last, the CUDA coredump: write to the process's coredump pipe, wait for the dump, explain it.
+
+The pipe is found among the FIFOs the process holds open (its default name
+lies in the process's working directory), checked to belong to the process's
+user, and written to without blocking. A GPU dump ends the process, so this
+runs after every other step, and only when the policy allows.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import gpudump, procfs
+from ..model import Registration
+from .base import StepFailed
+from .waitfile import Watch, owned_regular_file
+
+KEYS = frozenset({"CUDA_COREDUMP_PIPE", "CUDA_COREDUMP_FILE", "CUDA_ENABLE_USER_TRIGGERED_COREDUMP"})
+
+
+def _expand(pattern: str, pid: int) -> str:
+    return pattern.replace("%h", socket.gethostname()).replace("%p", str(pid))
+
+
+@dataclass
+class CudaDumpStep:
+    driver_logs: Path | None = None  # RUNTIME_DIR/driver-logs, where hangwatchd run keeps coredump: lines
+    name: str = "cuda_dump"
+    destructive: bool = True  # the dump ends the process
+
+    def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
+        proc = target.process
+        pid = proc.pid
+        if not procfs.alive(proc):
+            raise StepFailed(f"pid {pid} started at {proc.start_time} is gone")
+        env = procfs.environ(pid, KEYS)
+        cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
+        wanted = os.path.basename(_expand(env["CUDA_COREDUMP_PIPE"], pid)) if env.get("CUDA_COREDUMP_PIPE") else None
+        owner = procfs.uid(pid)
+        pipes = [(fd, path, st) for fd, path, st in procfs.held_fifos(pid)
+                 if os.path.basename(path) == wanted or os.path.basename(path).startswith(("corepipe", "cuda_pipe"))]
+        if not pipes:
+            raise StepFailed(f"pid {pid} holds no CUDA coredump pipe: it was not started with "
+                             "CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1 (start it with hangwatchd run)")
+        fd, path, st = pipes[0]
+        if st.st_uid not in (owner, 0):
+            raise StepFailed(f"{path} belongs to uid {st.st_uid}, not the process's uid {owner}; refusing to write to it")
+        pattern = env.get("CUDA_COREDUMP_FILE") or f"core_%t_{socket.gethostname()}_%p.nvcudmp"
+        target_glob = Path(gpudump.expand(pattern, pid))
+        if not target_glob.is_absolute():
+            target_glob = cwd / target_glob
+        watch = Watch(target_glob.parent, target_glob.name)
+        try:
+            try:
+                procfs.poke_fifo(pid, fd, b"\0")
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:
+                    raise StepFailed(f"nobody reads the coredump pipe {path}") from None
+                if exc.errno != errno.EAGAIN:
+                    raise StepFailed(f"cannot write to {path}: {exc.strerror}") from None
+            found = watch.wait(timeout, lambda: not procfs.alive(proc))
+            partial = watch.new_files()
+        finally:
+            watch.close()
+        if found is None:
+            if partial:
+                size = partial[0].stat().st_size
+                raise StepFailed(f"the driver wrote {size} bytes of {partial[0]} and did not finish within {timeout:g} s")
+            raise StepFailed(f"no dump appeared as {target_glob} within {timeout:g} s")
+        refused = owned_regular_file(found, owner)
+        if refused:
+            raise StepFailed(f"refusing to read the dump: {refused}")
+        stored = gpudump.store(found, outdir)
+        files = list(stored.files)
+        if self.driver_logs is not None and gpudump.copy_text(self.driver_logs / f"{pid}.log", outdir / "driver.log"):
+            files.append("driver.log")
+        if not stored.files:
+            raise StepFailed(stored.note or "the dump could not be kept")
+        if stored.note:
+            (outdir / "cuda_dump-notes.txt").write_text(stored.note + "\n")
+            files.append("cuda_dump-notes.txt")
+        return tuple(files)

@@ -1,0 +1,65 @@
+"""PyTorch's flight recorder: ask the process to dump its NCCL trace, keep it as flight-recorder.pkl.
+
+PyTorch (TORCH_NCCL_DEBUG_INFO_PIPE_FILE set) holds open a FIFO named
+PREFIX + rank + ".pipe" and, when something is written to it, writes its
+trace to TORCH_NCCL_DEBUG_INFO_TEMP_FILE + rank. We write only to a FIFO that
+very process holds open for reading, owned by its user.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import procfs
+from ..model import Registration
+from .base import StepFailed
+from .waitfile import Watch, owned_regular_file
+
+KEYS = frozenset({"TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "RANK"})
+
+
+@dataclass
+class FlightRecorderStep:
+    name: str = "flight_recorder"
+
+    def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
+        pid = target.process.pid
+        env = procfs.environ(pid, KEYS)
+        prefix, temp = env.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE"), env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+        if not prefix or not temp:
+            raise StepFailed("the process has no TORCH_NCCL_DEBUG_INFO_PIPE_FILE/TEMP_FILE (start it with hangwatchd run)")
+        rank = env.get("RANK", str(target.rank) if target.rank is not None else "0")
+        pipe_name = os.path.basename(prefix) + rank + ".pipe"
+        owner = procfs.uid(pid)
+        fifo = next(((fd, path, st) for fd, path, st in procfs.held_fifos(pid) if os.path.basename(path) == pipe_name), None)
+        if fifo is None:
+            raise StepFailed(f"pid {pid} holds no flight-recorder pipe {pipe_name} (no NCCL process group yet, or PyTorch < 2.3)")
+        fd, path, st = fifo
+        if st.st_uid not in (owner, 0):
+            raise StepFailed(f"{path} belongs to uid {st.st_uid}, not the process's uid {owner}; refusing to write to it")
+        dump = Path(temp + rank)
+        if not dump.is_absolute():
+            dump = Path(os.readlink(f"/proc/{pid}/cwd")) / dump
+        watch = Watch(dump.parent, dump.name)
+        try:
+            try:
+                procfs.poke_fifo(pid, fd, b"1")
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:
+                    raise StepFailed(f"nobody reads {path}") from None
+                if exc.errno != errno.EAGAIN:  # full: a request is already pending, fine
+                    raise StepFailed(f"cannot write to {path}: {exc.strerror}") from None
+            found = watch.wait(timeout, lambda: not procfs.alive(target.process))
+        finally:
+            watch.close()
+        if found is None:
+            raise StepFailed(f"the flight recorder wrote nothing to {dump} within {timeout:g} s")
+        refused = owned_regular_file(found, owner)
+        if refused:
+            raise StepFailed(f"refusing to read the trace: {refused}")
+        shutil.copyfile(found, outdir / "flight-recorder.pkl", follow_symlinks=False)
+        return ("flight-recorder.pkl",)

@@ -1,0 +1,34 @@
+"""GPU state from NVML: utilisation, memory, power, and which GPUs the process uses.
+
+NVML can hang on a sick GPU, and a hung call cannot be cancelled in-process,
+so the probe runs as a child process with a deadline (``nvml_probe``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import subproc
+from ..model import Registration
+from .base import StepFailed
+
+
+@dataclass
+class NvmlStep:
+    name: str = "nvml"
+
+    def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
+        res = subproc.run([sys.executable, "-m", "hangwatchd.capture.nvml_probe", str(target.process.pid)], timeout=timeout)
+        if res.timed_out:
+            raise StepFailed(f"NVML did not answer within {timeout:g} s (the probe was killed)")
+        if res.returncode != 0:
+            raise StepFailed(res.stderr_line() or f"the NVML probe failed with status {res.returncode}")
+        try:
+            data = json.loads(res.stdout)
+        except json.JSONDecodeError:
+            raise StepFailed("the NVML probe printed no JSON") from None
+        (outdir / "nvml.json").write_text(json.dumps(data, indent=1))
+        return ("nvml.json",)

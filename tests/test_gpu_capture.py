@@ -1,0 +1,183 @@
+"""GPU evidence on CPU: real FIFOs, real files written in pieces, the real fixture dumps.
+
+The fake workload (hangwatchd.testing gpu-workload) plays the driver's and
+PyTorch's parts: it holds the coredump and flight-recorder FIFOs open and
+answers them as they do (or fails to, as they sometimes do).
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from hangwatchd.store import Store
+from hangwatchd.testing import Daemon, wait_for
+
+from .conftest import FIXTURES, hangwatchd
+
+
+def gpu_workload(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hangwatchd.testing", "gpu-workload", *args]
+
+
+def steps_of(inc: dict) -> dict[str, dict]:
+    data = json.loads((Path(inc["dir"]) / "incident.json").read_text())
+    return {s["step"]: s for s in data["processes"][0]["steps"]}
+
+
+def stop(p: subprocess.Popen[bytes]) -> None:
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def test_a_hung_process_goes_through_every_step_and_its_gpu_dump_is_explained(tmp_path: Path) -> None:
+    d = Daemon(tmp_path, config={"gpu_dump": "always", "pyspy_native": False})
+    work = d.run(gpu_workload("--dump", str(FIXTURES / "cpp_hang" / "coredump.nvcudmp.xz")),
+                 "--heartbeat-timeout", "1", "--rank", "0", stderr=subprocess.PIPE)
+    try:
+        (inc,) = wait_for(d.store().list, 30, "an incident")
+        steps = steps_of(inc)
+        assert list(steps) == ["proc", "pyspy", "nvml", "flight_recorder", "cuda_dump"]
+        assert steps["flight_recorder"]["ok"], steps["flight_recorder"]
+        assert steps["cuda_dump"]["ok"], steps["cuda_dump"]
+        assert not steps["nvml"]["ok"] and "NVML" in steps["nvml"]["error"]  # no GPU here: recorded, not fatal
+        pdir = Path(inc["dir"]) / str(inc["processes"][0])
+        sym = json.loads((pdir / "symbolized.json").read_text())
+        assert sym["kernels"][0]["name"] == "consumer_kernel(int volatile*, int*)"
+        assert [f["line"] for f in sym["pcs"][0]["frames"]] == [21, 25]
+        raw = lzma.decompress((FIXTURES / "cpp_hang" / "coredump.nvcudmp.xz").read_bytes())
+        assert zstandard.ZstdDecompressor().stream_reader(open(pdir / "coredump.nvcudmp.zst", "rb")).read() == raw
+        assert (pdir / "flight-recorder.pkl").stat().st_size > 0
+        assert "coredump: All done" in (pdir / "driver.log").read_text()
+        assert work.wait(10) == 134  # the dump ended it
+        time.sleep(2)
+        # The dump the capture asked for is not taken again as an exception dump.
+        assert len(d.store().list()) == 1 and not list(d.state_dir.glob("dumps/*.nvcudmp"))
+    finally:
+        stop(work)
+        d.stop()
+
+
+@pytest.mark.parametrize("mode, expect", [
+    ("ignore", "no dump appeared"),
+    ("half", "did not finish"),
+])
+def test_a_driver_that_never_dumps_or_stops_half_way(tmp_path: Path, mode: str, expect: str) -> None:
+    d = Daemon(tmp_path, config={"gpu_dump": "always", "gpu_dump_timeout": 3.0, "flight_recorder_timeout": 1.0,
+                                 "capture_steps": ["proc", "flight_recorder", "cuda_dump"]})
+    work = d.run(gpu_workload("--cuda", mode, "--fr", "silent", "--dump", str(FIXTURES / "cpp_hang" / "coredump.nvcudmp.xz")),
+                 "--heartbeat-timeout", "1")
+    try:
+        (inc,) = wait_for(d.store().list, 30, "an incident")
+        steps = steps_of(inc)
+        assert steps["proc"]["ok"]
+        assert not steps["flight_recorder"]["ok"] and "wrote nothing" in steps["flight_recorder"]["error"]
+        assert not steps["cuda_dump"]["ok"] and expect in steps["cuda_dump"]["error"], steps["cuda_dump"]
+        assert steps["cuda_dump"]["seconds"] < 6
+    finally:
+        stop(work)
+        d.stop()
+
+
+def test_a_process_without_pipes_and_a_fifo_of_another_user(tmp_path: Path) -> None:
+    d = Daemon(tmp_path, config={"gpu_dump": "always", "capture_steps": ["flight_recorder", "cuda_dump"]})
+    plain = d.run([sys.executable, "-m", "hangwatchd.testing", "workload", "--beats", "3"], "--heartbeat-timeout", "1")
+    try:
+        (inc,) = wait_for(d.store().list, 20, "an incident")
+        steps = steps_of(inc)
+        assert "holds no CUDA coredump pipe" in steps["cuda_dump"]["error"]
+        assert "holds no flight-recorder pipe" in steps["flight_recorder"]["error"]
+    finally:
+        stop(plain)
+    # A FIFO that belongs to another user is never written to.
+    work = d.run(gpu_workload("--cuda", "ignore", "--fr", "none", "--beats", "40"), "--heartbeat-timeout", "1")
+    try:
+        fifo = wait_for(lambda: list((d.runtime_dir / "pipes").glob("cuda_pipe.*")), 10, "the FIFO")[0]
+        os.chown(fifo, 12345, 12345)
+        incs = wait_for(lambda: [i for i in d.store().list() if i["id"] != inc["id"]], 20, "a second incident")
+        err = steps_of(incs[0])["cuda_dump"]["error"]
+        assert "belongs to uid 12345" in err and "refusing" in err
+    finally:
+        stop(work)
+        d.stop()
+
+
+def drop_in_pieces(path: Path, blob: bytes, pause: float) -> None:
+    with open(path, "wb") as f:
+        half = len(blob) // 2
+        f.write(blob[:half])
+        f.flush()
+        time.sleep(pause)
+        f.write(blob[half:])
+
+
+def test_an_exception_dump_becomes_exactly_one_symbolised_incident(tmp_path: Path) -> None:
+    with Daemon(tmp_path) as d:
+        blob = lzma.decompress((FIXTURES / "cpp_ima" / "coredump.nvcudmp.xz").read_bytes())
+        name = f"core_{socket.gethostname()}.4242.1795977360.nvcudmp"
+        drop_in_pieces(d.state_dir / "dumps" / name, blob, pause=1.5)
+        (inc,) = wait_for(d.store().list, 20, "an incident")
+        assert inc["reason"] == "gpu-exception"
+        assert "WARP_ILLEGAL_ADDRESS in faulty_epilogue_kernel(int*, long) at /srv/gpuapp/inlined.cu:9" in inc["summary"]
+        sym = json.loads((Path(inc["dir"]) / "4242" / "symbolized.json").read_text())
+        assert [f["line"] for f in sym["exceptions"][0]["frames"]] == [9, 13, 17]
+        assert not (d.state_dir / "dumps" / name).exists()
+        assert d.metric("hangwatchd_gpu_exceptions_total", type="WARP_ILLEGAL_ADDRESS") == 1.0
+        time.sleep(1)
+        assert len(d.store().list()) == 1  # one dump, one incident
+        shown = hangwatchd("show", inc["id"], "--state-dir", str(d.state_dir))
+        assert "gpu-exception" in shown.stdout
+
+
+def test_a_driver_that_reports_an_exception_but_writes_no_dump(tmp_path: Path) -> None:
+    lines = (FIXTURES / "graph_ima" / "stderr.log").read_text()
+    with Daemon(tmp_path) as d:
+        script = f"import sys; sys.stderr.write({lines!r}); sys.exit(1)"
+        work = d.run([sys.executable, "-c", script], stderr=subprocess.PIPE)
+        _, err = work.communicate(timeout=20)
+        assert work.returncode == 1
+        assert b"torch.AcceleratorError" in err  # stderr still passes through
+        (inc,) = wait_for(d.store().list, 20, "an incident")
+        assert inc["reason"] == "gpu-exception"
+        assert "WARP_ILLEGAL_ADDRESS in void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<unsigned char>" in inc["summary"]
+        assert "wrote no dump" in inc["summary"]
+        (pid,) = inc["processes"]
+        assert "Detected an exception" in (Path(inc["dir"]) / str(pid) / "driver.log").read_text()
+
+
+def test_a_full_disk_keeps_the_report_and_drops_the_dump(tmp_path: Path) -> None:
+    state = tmp_path / "small"
+    state.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(state)]).returncode != 0:
+        pytest.fail("this test needs root to mount a small tmpfs (CI runs as root)")
+    try:
+        dumps = tmp_path / "dumps"
+        d = Daemon(tmp_path, "--state-dir", str(state), "--dump-dir", str(dumps))
+        try:
+            free = os.statvfs(state).f_bavail * os.statvfs(state).f_frsize
+            (state / "filler").write_bytes(b"\0" * (free - 160 * 1024))
+            blob = lzma.decompress((FIXTURES / "torch_ima" / "coredump.nvcudmp.xz").read_bytes())
+            drop_in_pieces(dumps / f"core_{socket.gethostname()}.77.1.nvcudmp", blob, pause=0.1)
+            (inc,) = wait_for(Store(state).list, 30, "an incident")
+            step = steps_of(inc)["cuda_dump"]
+            assert "disk is full" in step["error"] and "report is kept" in step["error"]
+            assert (Path(inc["dir"]) / "77" / "symbolized.json").exists()
+            assert not (Path(inc["dir"]) / "77" / "coredump.nvcudmp.zst").exists()
+            assert (dumps / f"core_{socket.gethostname()}.77.1.nvcudmp").exists()  # not deleted: nowhere else to keep it
+        finally:
+            d.stop()
+    finally:
+        subprocess.run(["umount", str(state)])
