@@ -127,6 +127,21 @@ def cmd_capture(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- check -----------------------------------------------------------------
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from . import check, config
+
+    cfg = config.load(args.config, {"state_dir": args.state_dir, "runtime_dir": args.runtime_dir,
+                                    "dump_dir": args.dump_dir, "metrics_address": args.metrics_address})
+    checks = check.run_checks(cfg)
+    if args.json:
+        _print_json([dataclasses.asdict(c) for c in checks])
+    else:
+        sys.stdout.write(check.render(checks))
+    return 0 if all(c.ok or not c.required for c in checks) else 1
+
+
 # -- status, incidents, show ----------------------------------------------
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -267,6 +282,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--state-dir")
     c.add_argument("--runtime-dir")
     c.set_defaults(func=cmd_capture)
+
+    ck = sub.add_parser("check", help="can this node do the job? ptrace, py-spy, nvdisasm, NVML, dirs, port, inotify")
+    ck.add_argument("--json", action="store_true")
+    ck.add_argument("--config")
+    ck.add_argument("--state-dir")
+    ck.add_argument("--runtime-dir")
+    ck.add_argument("--dump-dir")
+    ck.add_argument("--metrics-address")
+    ck.set_defaults(func=cmd_check)
 
     s = sub.add_parser("symbolize", help="explain a CUDA coredump: kernels, warps, exceptions, inline chains")
     s.add_argument("dump", help="the coredump (raw, or compressed .xz/.gz/.zst)")

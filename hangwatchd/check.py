@@ -1,0 +1,144 @@
+"""``hangwatchd check``: can this node do the job? One screen, each part checked for real."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import subproc
+from .capture.pyspy import find_pyspy, ptrace_hint
+from .config import Config
+from .cudacore.cudagdb import find_cuda_gdb
+from .cudacore.nvdisasm import INSTALL_HINT, find_nvdisasm
+
+CAP_SYS_PTRACE = 19
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    required: bool = True
+
+
+def _ptrace() -> Check:
+    try:
+        scope = Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip()
+    except OSError:
+        scope = None
+    cap = False
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            cap = bool(int(line.split()[1], 16) >> CAP_SYS_PTRACE & 1)
+    scope_text = f"kernel.yama.ptrace_scope={scope}" if scope is not None else "no Yama LSM"
+    if scope == "3":
+        return Check("ptrace", False, f"{scope_text} forbids ptrace even for root; set it to 1 or lower")
+    if cap:
+        return Check("ptrace", True, f"CAP_SYS_PTRACE held, {scope_text}")
+    if scope in (None, "0"):
+        return Check("ptrace", True, f"no CAP_SYS_PTRACE, but {scope_text}: processes of this user only (uid {os.geteuid()})")
+    return Check("ptrace", False, f"no CAP_SYS_PTRACE with {scope_text}: {ptrace_hint()}")
+
+
+def _pyspy() -> Check:
+    tool = find_pyspy()
+    if tool is None:
+        return Check("py-spy", False, "not installed: pip install py-spy")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        import time
+
+        time.sleep(0.3)
+        res = subproc.run([tool, "dump", "--pid", str(child.pid)], timeout=10)
+    finally:
+        child.kill()
+        child.wait()
+    if res.ok:
+        return Check("py-spy", True, f"{tool} read a test child's stack in {res.seconds:.2f} s")
+    return Check("py-spy", False, f"{tool} could not read a test child: {res.stderr_line() or 'timed out'} ({ptrace_hint()})")
+
+
+def _nvdisasm() -> Check:
+    tool = find_nvdisasm()
+    if tool is None:
+        return Check("nvdisasm", False, f"not found: GPU dumps give kernels and PCs but no source lines; {INSTALL_HINT}", False)
+    res = subproc.run([tool, "--version"], timeout=10)
+    version = next((ln for ln in res.stdout.decode(errors="replace").splitlines() if "release" in ln), "").strip()
+    return Check("nvdisasm", res.ok, f"{tool} {version}".strip(), False)
+
+
+def _nvml() -> Check:
+    res = subproc.run([sys.executable, "-m", "hangwatchd.capture.nvml_probe", str(os.getpid())], timeout=15)
+    if res.timed_out:
+        return Check("NVML", False, "the NVML probe hung for 15 s and was killed", False)
+    if not res.ok:
+        return Check("NVML", False, res.stderr_line() or "the NVML probe failed", False)
+    import json
+
+    data = json.loads(res.stdout)
+    names = ", ".join(f"{d['index']}: {d['name']}" for d in data.get("devices", []))
+    return Check("NVML", True, f"driver {data.get('driver')}, GPUs {names or 'none'}", False)
+
+
+def _cuda_gdb() -> Check:
+    tool = find_cuda_gdb()
+    return Check("cuda-gdb", tool is not None, tool or "not installed (optional: only for --cuda-gdb cross-checks)", False)
+
+
+def _writable(name: str, path: Path) -> Check:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".check-"):
+            pass
+    except OSError as exc:
+        return Check(name, False, f"{path}: {exc.strerror}; pass another --{name.replace(' ', '-')} or fix its permissions")
+    return Check(name, True, f"{path} is writable")
+
+
+def _port(address: str) -> Check:
+    if not address:
+        return Check("metrics port", True, "metrics are off (metrics_address = \"\")")
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host or "0.0.0.0", int(port)))
+    except OSError as exc:
+        return Check("metrics port", False, f"{address}: {exc.strerror} (is a daemon already running?)")
+    return Check("metrics port", True, f"{address} is free")
+
+
+def _inotify() -> Check:
+    base = Path("/proc/sys/fs/inotify")
+    try:
+        watches = int((base / "max_user_watches").read_text())
+        instances = int((base / "max_user_instances").read_text())
+    except (OSError, ValueError):
+        return Check("inotify", False, "no /proc/sys/fs/inotify: this kernel has no inotify")
+    ok = watches >= 64 and instances >= 8
+    return Check("inotify", ok, f"max_user_watches={watches}, max_user_instances={instances}"
+                 + ("" if ok else "; raise them with sysctl fs.inotify.max_user_instances=128"))
+
+
+def run_checks(config: Config) -> list[Check]:
+    return [
+        _ptrace(), _pyspy(), _nvdisasm(), _nvml(), _cuda_gdb(),
+        _writable("state dir", Path(config.state_dir)), _writable("runtime dir", Path(config.runtime_dir)),
+        _writable("dump dir", config.dumps), _port(config.metrics_address), _inotify(),
+    ]
+
+
+def render(checks: list[Check]) -> str:
+    lines = []
+    for c in checks:
+        mark = "ok" if c.ok else ("FAIL" if c.required else "warn")
+        lines.append(f"{mark:<5} {c.name:<13} {c.detail}")
+    failed = [c.name for c in checks if c.required and not c.ok]
+    lines.append("")
+    lines.append("this node can run hangwatchd" if not failed else f"this node cannot run hangwatchd yet: fix {', '.join(failed)}")
+    return "\n".join(lines) + "\n"
