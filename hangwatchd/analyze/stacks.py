@@ -26,11 +26,20 @@ def load_threads(process_dir: Path) -> list[dict[str, Any]] | None:
     return None
 
 
+# Libraries whose frames mean the thread is inside the CUDA driver or NCCL: a hung
+# process blocked there (even in cuLaunchKernel, behind a full launch queue) waits on the GPU.
+GPU_LIBRARIES = ("libcuda.so", "libnccl.so")
+
+
 def gpu_wait(process_dir: Path) -> str | None:
     """The first native frame that waits on the GPU or a collective, if any thread shows one."""
-    for thread in load_threads(process_dir) or []:
-        for frame in thread.get("frames") or []:
-            name = str(frame.get("name") or "")
-            if any(w in name for w in GPU_WAITS + COLLECTIVE_WAITS):
-                return name
+    frames = [f for t in load_threads(process_dir) or [] for f in t.get("frames") or []]
+    for frame in frames:  # a named wait says most
+        name = str(frame.get("name") or "")
+        if any(w in name for w in GPU_WAITS + COLLECTIVE_WAITS):
+            return name
+    for frame in frames:
+        lib = str(frame.get("short_filename") or "")
+        if lib.startswith(GPU_LIBRARIES):
+            return f"{frame.get('name')} ({lib})"
     return None

@@ -57,6 +57,12 @@ def new_incident(d: Daemon, seen: set[str], seconds: float) -> dict:
     return inc
 
 
+def kill(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.kill()
+        p.wait()
+
+
 def main(out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     base = Path("/tmp/hangwatchd-gpu")
@@ -67,7 +73,7 @@ def main(out: Path) -> int:
     try:
         # 1. triton_hang
         work = d.run([sys.executable, str(ROOT / "tests/gpu/triton_hang.py")], "--heartbeat-timeout", "5",
-                     "--job", "triton", stdout=subprocess.PIPE)
+                     "--job", "triton", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         line = work.stdout.readline().decode()
         stall = float(line.split()[1])
         inc = new_incident(d, seen, 120)
@@ -82,7 +88,11 @@ def main(out: Path) -> int:
             "pcs": [[(f["function"], f["line"]) for f in p["frames"]] for p in sym.get("pcs", [])],
         }
         show(d, inc, out, "triton_hang")
-        work.wait(30)
+        try:
+            results["triton_hang"]["workload_exit"] = work.wait(30)
+        except subprocess.TimeoutExpired:
+            results["triton_hang"]["workload_exit"] = "still running: killed"
+            kill(work)
 
         # 2. cpp_ima and 4. cpp_hang need the C++ program
         binary = base / "inlined"
@@ -116,7 +126,7 @@ def main(out: Path) -> int:
                    CUDA_COREDUMP_FILE=str(base / "manual-dumps" / "core_%h.%p.%t.nvcudmp"),
                    CUDA_COREDUMP_GENERATION_FLAGS="skip_nonrelocated_elf_images,skip_global_memory,skip_shared_memory,skip_local_memory,skip_constbank_memory")
         (base / "manual-dumps").mkdir()
-        hang = subprocess.Popen([str(binary), "h"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        hang = subprocess.Popen([str(binary), "h"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         hang.stdout.readline()
         time.sleep(2)
         start = time.time()
@@ -132,10 +142,15 @@ def main(out: Path) -> int:
             "kernels": [(k["name"], k["sms"]) for k in sym.get("kernels", [])],
             "pcs": [[(f["function"], f["line"]) for f in p["frames"]] for p in sym.get("pcs", [])],
         }
-        hang.kill()
+        kill(hang)
+    except Exception as exc:  # record how far it got; the summary says what failed
+        results["error"] = f"{type(exc).__name__}: {exc}"
     finally:
         d.stop()
         shutil.copy(d.log, out / "daemon.log")
+        subprocess.run(["pkill", "-9", "-f", str(base)])
+        subprocess.run(["pkill", "-9", "-f", "triton_hang.py"])
+        subprocess.run(["pkill", "-9", "-f", "graph_ima.py"])
     (out / "summary.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     return 0
