@@ -35,7 +35,7 @@ def cmd_symbolize(args: argparse.Namespace) -> int:
     from .cudacore.symbolize import symbolize
     from .report.gpu import render
 
-    result = symbolize(args.dump)
+    result = symbolize(args.dump, chains=args.chains)
     if args.cuda_gdb:
         result = dataclasses.replace(result, cuda_gdb=cross_check(args.dump))
     if args.json:
@@ -296,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("dump", help="the coredump (raw, or compressed .xz/.gz/.zst)")
     s.add_argument("--json", action="store_true", help="print JSON instead of text")
     s.add_argument("--cuda-gdb", action="store_true", help="also run cuda-gdb, where installed, and show its answer")
+    s.add_argument("--chains", choices=["line-table", "nvdisasm"], default="line-table",
+                   help="where inline chains come from: the cubins' line tables (default, fast) or nvdisasm -gi")
     s.set_defaults(func=cmd_symbolize)
     return p
 

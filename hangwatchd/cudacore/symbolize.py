@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from . import layout as L
 from .cubin import Cubin, Function, demangle
 from .errors import CoreDumpError
-from .inlinenames import InlineNames
+from .linetable import LineTable
 from .nvdisasm import INSTALL_HINT, NvdisasmError, SourceLine, find_nvdisasm, line_table
 from .reader import CoreDump, Grid, Module, open_dump
 
@@ -88,9 +88,10 @@ class _Resolver:
     dump: CoreDump
     strict: bool
     nvdisasm: str | None
+    chains: str = "line-table"
     notes: list[str] = field(default_factory=list)
     _cubins: dict[int, Cubin] = field(default_factory=dict)
-    _names: dict[int, InlineNames] = field(default_factory=dict)
+    _tables: dict[int, LineTable] = field(default_factory=dict)
     _lines: dict[tuple[int, int], dict[int, tuple[SourceLine, ...]]] = field(default_factory=dict)
     _frames: dict[tuple[int, int], tuple[Frame, ...]] = field(default_factory=dict)
 
@@ -137,20 +138,21 @@ class _Resolver:
         if not fn.has_line_info:
             self.note(f"{_short(fn.name)}: its cubin has no line information (compile with -lineinfo for source lines)")
             return bare
+        if self.chains == "line-table":
+            located = self._table(module).chain_at(pc)
+            if located:
+                last = len(located) - 1
+                return tuple(Frame(fn.name if i == last else (demangle(loc.function) if loc.function else None),
+                                   loc.file, loc.line) for i, loc in enumerate(located))
+        # nvdisasm: asked for, or the line program is one our reader does not know.
         if self.nvdisasm is None:
-            self.note(f"nvdisasm not found, so no source lines or inline chains; {INSTALL_HINT}")
+            self.note(f"nvdisasm not found, so no source lines for this cubin; {INSTALL_HINT}")
             return bare
         chain = self._chain(module, fn, pc)
         if not chain:
             return bare
-        names = self._inline_names(module).names_at(pc)
-        if len(names) != len(chain):
-            names = [None] * len(chain)
-        out = []
-        for i, (src, name) in enumerate(zip(chain, names)):
-            outermost = i == len(chain) - 1
-            out.append(Frame(fn.name if outermost else (demangle(name) if name else None), src.file, src.line))
-        return tuple(out)
+        last = len(chain) - 1
+        return tuple(Frame(fn.name if i == last else None, src.file, src.line) for i, src in enumerate(chain))
 
     def _chain(self, module: Module, fn: Function, pc: int) -> tuple[SourceLine, ...]:
         key = (id(module), fn.symbol_index)
@@ -162,18 +164,24 @@ class _Resolver:
                 self._lines[key] = {}
         return self._lines[key].get(pc, ())
 
-    def _inline_names(self, module: Module) -> InlineNames:
+    def _table(self, module: Module) -> LineTable:
         key = id(module)
-        if key not in self._names:
-            self._names[key] = InlineNames(self.dump.image(module))
-        return self._names[key]
+        if key not in self._tables:
+            self._tables[key] = LineTable(self.dump.image(module))
+        return self._tables[key]
 
 
-def symbolize(path: str | os.PathLike[str], strict: bool = True, nvdisasm: str | None = "auto") -> Symbolized:
-    """Read the dump at ``path``. strict: a damaged cubin is an error, not a note."""
+def symbolize(path: str | os.PathLike[str], strict: bool = True, nvdisasm: str | None = "auto",
+              chains: str = "line-table") -> Symbolized:
+    """Read the dump at ``path``.
+
+    strict: a damaged cubin is an error, not a note. chains: "line-table" reads the
+    cubins' line tables directly (nvdisasm only where that fails); "nvdisasm" asks
+    nvdisasm for every chain, as a cross-check.
+    """
     tool = find_nvdisasm() if nvdisasm == "auto" else nvdisasm
     with open_dump(path) as dump:
-        r = _Resolver(dump, strict, tool)
+        r = _Resolver(dump, strict, tool, chains)
         grids = {(g.device, g.grid_id): g for g in dump.grids}
         modules = {(g.device, g.grid_id): dump.module_for(g.device, g.module_handle) for g in dump.grids}
         kernels = {key: _kernel(r, g, modules[key], dump) for key, g in grids.items()}

@@ -34,8 +34,8 @@ def find_section(data: bytes, type_: int) -> int:
     raise AssertionError(type_)
 
 
-def refused(path: Path, *needles: str) -> str:
-    res = hangwatchd("symbolize", str(path), timeout=60)
+def refused(path: Path, *needles: str, extra: tuple[str, ...] = ()) -> str:
+    res = hangwatchd("symbolize", *extra, str(path), timeout=60)
     assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1, res.stderr
@@ -108,7 +108,7 @@ def test_a_cubin_nvdisasm_rejects(tmp_path: Path) -> None:
     assert img is not None
     # Scramble the kernel's instructions region header: the cubin's ELF flags name no GPU.
     struct.pack_into("<I", data, img.offset + 0x30, 0xFFFFFFFF)
-    line = refused(write(tmp_path, "bad-cubin.nvcudmp", bytes(data)), "nvdisasm")
+    line = refused(write(tmp_path, "bad-cubin.nvcudmp", bytes(data)), "nvdisasm", extra=("--chains", "nvdisasm"))
     assert "module 9" in line
 
 

@@ -115,8 +115,16 @@ def test_text_output_leads_with_the_exception_then_the_chain() -> None:
     assert chain == sorted(chain)
 
 
-def test_without_nvdisasm_everything_but_the_chains_still_works(tmp_path: Path) -> None:
+def test_without_nvdisasm_the_line_tables_still_give_every_chain() -> None:
     res = hangwatchd("symbolize", "--json", str(FIXTURES / "cpp_ima" / "coredump.nvcudmp.xz"),
+                     env={"HANGWATCHD_NVDISASM": "none"})
+    assert res.returncode == 0, res.stderr
+    (e,) = json.loads(res.stdout)["exceptions"]
+    assert [f["line"] for f in e["frames"]] == [9, 13, 17]
+
+
+def test_asked_for_nvdisasm_chains_without_nvdisasm_everything_else_still_works() -> None:
+    res = hangwatchd("symbolize", "--json", "--chains", "nvdisasm", str(FIXTURES / "cpp_ima" / "coredump.nvcudmp.xz"),
                      env={"HANGWATCHD_NVDISASM": "none"})
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
@@ -124,6 +132,18 @@ def test_without_nvdisasm_everything_but_the_chains_still_works(tmp_path: Path) 
     assert e["type"] == "WARP_ILLEGAL_ADDRESS" and e["pc"] == "0x7fb56b7a00b0"
     assert e["frames"] == [{"function": "faulty_epilogue_kernel(int*, long)", "file": None, "line": None}]
     assert any("nvdisasm not found" in n and "pip install nvidia-cuda-nvdisasm" in n for n in out["notes"])
+
+
+@pytest.mark.parametrize("name", ["cpp_hang", "cpp_ima", "triton_hang"])
+def test_line_table_chains_agree_with_nvdisasm_at_every_pc(name: str) -> None:
+    """Our reader of the cubins' line tables says what nvdisasm -gi says, frame for frame."""
+    dump = FIXTURES / name / "coredump.nvcudmp.xz"
+    ours = symbolize(dump)
+    theirs = symbolize(dump, chains="nvdisasm")
+    assert theirs.notes == ()
+    for a, b in zip(ours.pcs + tuple(ours.exceptions), theirs.pcs + tuple(theirs.exceptions)):
+        assert [(f.file, f.line) for f in a.frames] == [(f.file, f.line) for f in b.frames]
+        assert a.frames[-1].function == b.frames[-1].function
 
 
 def test_raw_gzip_and_zstd_dumps_give_the_same_answer(raw_dumps: dict[str, Path], tmp_path: Path) -> None:
