@@ -1,0 +1,89 @@
+"""The shipped files an operator installs: checked by the tools operators use."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import yaml
+
+from hangwatchd import config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_example_config_loads_and_holds_every_key_with_its_default() -> None:
+    path = ROOT / "config" / "hangwatchd.toml"
+    raw = tomllib.loads(path.read_text())
+    assert set(raw) == set(config.KEYS)
+    for key, value in raw.items():
+        default = config.KEYS[key].default
+        assert value == default, key
+    assert config.load(path) == config.Config()
+    text = path.read_text().splitlines()
+    for i, line in enumerate(text):  # a one-line comment above every key
+        if "=" in line and not line.startswith("#"):
+            assert text[i - 1].startswith("#"), line
+
+
+def test_systemd_accepts_the_unit(tmp_path: Path) -> None:
+    unit = (ROOT / "systemd" / "hangwatchd.service").read_text()
+    exe = shutil.which("hangwatchd") or str(Path(__import__("sys").executable).parent / "hangwatchd")
+    (tmp_path / "hangwatchd.service").write_text(unit.replace("/opt/hangwatchd/bin/hangwatchd", exe))
+    res = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "hangwatchd.service")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "" and res.stderr.strip() == "", res.stdout + res.stderr
+    for needed in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "StateDirectory=hangwatchd",
+                   "RuntimeDirectory=hangwatchd", "CAP_SYS_PTRACE", "SystemCallFilter=@system-service ptrace",
+                   "ProtectSystem=strict", "ReadWritePaths=/var/lib/hangwatchd /run/hangwatchd"):
+        assert needed in unit, needed
+    assert "PrivateTmp=yes" not in unit
+
+
+def test_promtool_checks_and_tests_the_alert_rules() -> None:
+    cfg = ROOT / "config"
+    check = subprocess.run(["promtool", "check", "rules", "alerts.yaml"], cwd=cfg, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    test = subprocess.run(["promtool", "test", "rules", "alerts.test.yaml"], cwd=cfg, capture_output=True, text=True)
+    assert test.returncode == 0, test.stdout + test.stderr
+    rules = yaml.safe_load((cfg / "alerts.yaml").read_text())["groups"][0]["rules"]
+    exprs = " ".join(r["expr"] for r in rules)
+    for metric in ("hangwatchd_hangs_total", "hangwatchd_gpu_exceptions_total", "hangwatchd_last_beat_timestamp_seconds",
+                   "up{job=\"hangwatchd\"}", "hangwatchd_capture_step_failures_total"):
+        assert metric in exprs, metric
+    assert all("for" in r and r["annotations"]["summary"] for r in rules)
+
+
+def test_the_kubernetes_example_holds_every_piece() -> None:
+    docs = list(yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "pod.yaml").read_text()))
+    kinds = {d["kind"]: d for d in docs}
+    assert set(kinds) == {"Pod", "PersistentVolumeClaim", "ConfigMap", "Service"}
+    pod = kinds["Pod"]
+    assert pod["apiVersion"] == "v1" and pod["spec"]["shareProcessNamespace"] is True
+    (sidecar,) = pod["spec"]["initContainers"]
+    assert sidecar["restartPolicy"] == "Always"
+    assert "SYS_PTRACE" in sidecar["securityContext"]["capabilities"]["add"]
+    env = {e["name"]: e for e in sidecar["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert "emptyDir" in volumes["hangwatchd-run"] and "persistentVolumeClaim" in volumes["hangwatchd-state"]
+    (trainer,) = pod["spec"]["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in trainer["volumeMounts"]}
+    side_mounts = {m["name"]: m["mountPath"] for m in sidecar["volumeMounts"]}
+    assert mounts["hangwatchd-run"] == side_mounts["hangwatchd-run"] == config.DEFAULT_RUNTIME_DIR
+    assert trainer["command"][:2] == ["hangwatchd", "run"]
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert kinds["Service"]["spec"]["ports"][0]["port"] == 9842
+    cm = tomllib.loads(kinds["ConfigMap"]["data"]["hangwatchd.toml"])
+    config.load(None, cm)  # every key in it is one the daemon knows, with an allowed value
+
+
+def test_the_dockerfile_installs_the_package_with_its_tools() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert 'pip install ".[nvdisasm]" nvidia-ml-py' in text
+    assert 'ENTRYPOINT ["hangwatchd"]' in text and "EXPOSE 9842" in text
+    for path in ("pyproject.toml", "hangwatchd", "config/hangwatchd.toml"):
+        assert (ROOT / path).exists(), path
