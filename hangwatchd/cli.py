@@ -81,11 +81,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         raise UsageError("run: no command given; usage: hangwatchd run [options] -- CMD [ARGS...]")
-    if args.heartbeat_timeout is not None and args.heartbeat_timeout <= 0:
-        raise UsageError("run: --heartbeat-timeout must be a number of seconds greater than 0")
+    for flag, value in (("--heartbeat-timeout", args.heartbeat_timeout), ("--stack-timeout", args.stack_timeout)):
+        if value is not None and value <= 0:
+            raise UsageError(f"run: {flag} must be a number of seconds greater than 0")
     runtime_dir = Path(args.runtime_dir) if args.runtime_dir else client_runtime_dir()
     try:
-        return run(Launch(tuple(command), runtime_dir, args.job, args.rank, args.heartbeat_timeout))
+        return run(Launch(tuple(command), runtime_dir, args.job, args.rank, args.heartbeat_timeout, args.stack_timeout))
     except LaunchError as exc:
         print(f"hangwatchd: {exc}", file=sys.stderr)
         return 127
@@ -171,7 +172,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         rows.append((
             str(p["pid"]), p.get("job") or "-", str(p["rank"]) if p.get("rank") is not None else "-", p["state"],
             f"{age:.1f}s ago" if age is not None else "never",
-            f"{p['timeout']:g}s ({p.get('timeout_source', 'config')})", p.get("incident") or "-",
+            f"{p['timeout']:.3g}s ({p.get('timeout_source', 'config')})", p.get("incident") or "-",
             " ".join(p.get("cmdline") or [])[:60],
         ))
     _table(rows)
@@ -250,7 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a workload watched: hangwatchd run [options] -- CMD ...")
     r.add_argument("--job", help="job id (default: $TORCHELASTIC_RUN_ID, or $MASTER_ADDR:$MASTER_PORT)")
     r.add_argument("--rank", type=int, help="rank (default: $RANK)")
-    r.add_argument("--heartbeat-timeout", type=float, help="seconds without hangwatchd.beat() before it is hung")
+    r.add_argument("--heartbeat-timeout", type=float, help="seconds without hangwatchd.beat() (or sd_notify WATCHDOG=1) "
+                   "before it is hung (default: learned from its beats)")
+    r.add_argument("--stack-timeout", type=float, help="seconds its Python stack may stay the same: it must keep moving")
     r.add_argument("--runtime-dir", help="the daemon's runtime dir (default $HANGWATCHD_RUNTIME_DIR or /run/hangwatchd)")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     r.set_defaults(func=cmd_run)

@@ -72,6 +72,30 @@ def _bool(v: Any) -> str | None:
     return None if isinstance(v, bool) else "true or false"
 
 
+def _optional_regex(v: Any) -> str | None:
+    return None if v == "" else _regex(v)
+
+
+def _regex(v: Any) -> str | None:
+    import re
+
+    try:
+        re.compile(v)
+    except (re.error, TypeError):
+        return "a regular expression"
+    return None
+
+
+def _regex_list(v: Any) -> str | None:
+    ok = isinstance(v, list) and all(isinstance(x, str) and _regex(x) is None for x in v)
+    return None if ok else "a list of regular expressions"
+
+
+def _timeouts_by_command(v: Any) -> str | None:
+    ok = isinstance(v, dict) and all(_regex(k) is None and _positive(t) is None for k, t in v.items())
+    return None if ok else "a table of command-line regular expression = seconds greater than 0"
+
+
 KEYS: dict[str, Key] = {
     "state_dir": Key("/var/lib/hangwatchd", _path, "incidents and their index"),
     "runtime_dir": Key(DEFAULT_RUNTIME_DIR, _path, "registrations, heartbeat segments, pipes; clients find it through $HANGWATCHD_RUNTIME_DIR"),
@@ -84,6 +108,17 @@ KEYS: dict[str, Key] = {
     "capture_timeout": Key(60.0, _positive, "seconds the whole capture of one process may take"),
     "pyspy_timeout": Key(10.0, _positive, "seconds one py-spy dump may take before it is killed"),
     "pyspy_native": Key(True, _bool, "also take native (C/C++/CUDA) frames with py-spy --native"),
+    "learn_timeouts": Key(True, _bool, "learn a process's heartbeat timeout from its beats when it declared none"),
+    "learned_timeout_factor": Key(10.0, _positive, "a learned timeout is this many times the longest recent beat interval"),
+    "learned_timeout_min": Key(5.0, _positive, "the shortest learned timeout, in seconds"),
+    "learned_timeout_max": Key(1800.0, _positive, "the longest learned timeout, in seconds"),
+    "learn_min_beats": Key(20, _positive, "beat intervals seen before a timeout is learned"),
+    "stack_interval": Key(5.0, _positive, "seconds between py-spy samples of a process watched by its stack"),
+    "stack_window": Key(120.0, _positive, "seconds a stack must hold to count as frozen, where the process declared no stack timeout"),
+    "stack_timeouts": Key({}, _timeouts_by_command, "stack timeouts by command line: { \"regex\" = seconds }, like hangwatchd run --stack-timeout"),
+    "stack_blocking_patterns": Key([], _regex_list, "extra frame patterns that mean 'blocked, waiting for something that should come'"),
+    "stack_idle_pattern": Key("", _optional_regex, "frame pattern that means 'idle, waiting for work' (\"\" keeps the built-in one)"),
+    "discover": Key(False, _bool, "also watch, by stack alone, every process that holds /dev/nvidia* open"),
     "nvml_timeout": Key(10.0, _positive, "seconds the NVML probe may take before it is killed"),
     "flight_recorder_timeout": Key(20.0, _positive, "seconds to wait for PyTorch's flight recorder dump"),
     "gpu_dump": Key("confirmed", _one_of("always", "confirmed", "never"),
@@ -111,6 +146,17 @@ class Config:
     capture_timeout: float = KEYS["capture_timeout"].default
     pyspy_timeout: float = KEYS["pyspy_timeout"].default
     pyspy_native: bool = KEYS["pyspy_native"].default
+    learn_timeouts: bool = KEYS["learn_timeouts"].default
+    learned_timeout_factor: float = KEYS["learned_timeout_factor"].default
+    learned_timeout_min: float = KEYS["learned_timeout_min"].default
+    learned_timeout_max: float = KEYS["learned_timeout_max"].default
+    learn_min_beats: int = KEYS["learn_min_beats"].default
+    stack_interval: float = KEYS["stack_interval"].default
+    stack_window: float = KEYS["stack_window"].default
+    stack_timeouts: dict[str, float] = dataclasses.field(default_factory=dict)
+    stack_blocking_patterns: tuple[str, ...] = ()
+    stack_idle_pattern: str = KEYS["stack_idle_pattern"].default
+    discover: bool = KEYS["discover"].default
     nvml_timeout: float = KEYS["nvml_timeout"].default
     flight_recorder_timeout: float = KEYS["flight_recorder_timeout"].default
     gpu_dump: str = KEYS["gpu_dump"].default

@@ -11,6 +11,8 @@ run on worker threads with their own deadlines.
 from __future__ import annotations
 
 import concurrent.futures
+import queue
+import re
 import os
 import selectors
 import signal
@@ -32,10 +34,12 @@ from .runtime import DAEMON_FILE, STATUS_FILE, write_json
 from .capture import capture_incident, make_steps
 from .config import Config
 from .detect import HeartbeatDetector
+from .detect.stack import BLOCKING, IDLE, classify, take_sample
 from .metrics import Metrics, create
 from .model import Incident, ProcessCapture, ProcessId, Registration, State, StepResult, Suspicion
 from .notify import notify, watchdog_interval
 from .registry import RegistrationError, Watched
+from .samples import Sample
 from .store import Store
 
 log = structlog.get_logger("hangwatchd.daemon")
@@ -64,7 +68,13 @@ class Daemon:
 
     def __post_init__(self) -> None:
         self.store = Store(self.config.state_dir)
-        self.detector = HeartbeatDetector(self.config.startup_grace)
+        cfg = self.config
+        self.detector = HeartbeatDetector(cfg.startup_grace, cfg.learn_timeouts, cfg.learned_timeout_factor,
+                                          cfg.learned_timeout_min, cfg.learned_timeout_max, int(cfg.learn_min_beats))
+        self.blocking = tuple(BLOCKING) + tuple(cfg.stack_blocking_patterns)
+        self.idle = cfg.stack_idle_pattern or IDLE
+        self.sampler = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="sample")
+        self.samples: queue.SimpleQueue[tuple[registry.ProcessId, Sample, bool]] = queue.SimpleQueue()
         self.steps = make_steps(self.config)
         self.selector = selectors.DefaultSelector()
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="capture")
@@ -144,6 +154,7 @@ class Daemon:
             notify("STOPPING=1")
             log.info("daemon_stopping", captures_in_flight=len(self.captures))
             self.pool.shutdown(wait=True, cancel_futures=True)
+            self.sampler.shutdown(wait=True, cancel_futures=True)
             for s, h in old.items():
                 signal.signal(s, h)
             for name in (DAEMON_FILE, STATUS_FILE):
@@ -161,7 +172,8 @@ class Daemon:
         next_retention = now
         while not self.stopping:
             now = time.monotonic()
-            timers = [next_rescan, next_status, next_retention] + [w.next_check for w in self.watched.values()]
+            timers = [next_rescan, next_status, next_retention]
+            timers += [min(w.next_check, w.next_sample) for w in self.watched.values()]
             if ping_every:
                 timers.append(next_ping)
             timeout = max(0.0, min(timers) - now)
@@ -176,9 +188,12 @@ class Daemon:
                     self._on_exit(key.data)
             now = time.monotonic()
             self._collect_captures()
+            self._collect_samples(now)
             for w in list(self.watched.values()):
                 if w.next_check <= now:
                     self._observe(w, now)
+                if w.next_sample <= now and not w.sampling:
+                    self._sample(w, now)
             if now >= next_rescan:
                 self.rescan()
                 next_rescan = now + self.config.rescan_interval
@@ -236,10 +251,12 @@ class Daemon:
             return
         for name in names:
             self._consider(self.config.registrations / name)
-        for pid_key in list(self.watched):
-            if registry.file_name(pid_key) not in names:
+        for pid_key, w in list(self.watched.items()):
+            if w.registration.source != "discovered" and registry.file_name(pid_key) not in names:
                 self._unregistered(registry.file_name(pid_key))
         self.refused = {k: v for k, v in self.refused.items() if k in names}
+        if self.config.discover:
+            self._discover()
 
     def _consider(self, path: Path) -> None:
         try:
@@ -255,8 +272,14 @@ class Daemon:
             self.metrics.registration_errors.labels(**self.metrics.labels(reason=exc.reason)).inc()
             log.warning("registration_refused", file=str(path), reason=exc.reason, error=str(exc))
             return
-        if reg.process in self.watched:
-            return
+        old = self.watched.get(reg.process)
+        if old is not None:
+            if old.registration.source != "discovered":
+                return
+            self._forget(old, "registered")  # a registration says more than discovery
+        self._watch(reg)
+
+    def _watch(self, reg: Registration) -> None:
         try:
             pidfd = os.pidfd_open(reg.process.pid)
         except OSError:
@@ -266,15 +289,37 @@ class Daemon:
             return
         now = time.monotonic()
         timeout = reg.heartbeat_timeout or self.config.heartbeat_timeout
-        w = Watched(reg, State.STARTING, seen_at=now, timeout=timeout, next_check=now)
+        source = "registration" if reg.heartbeat_timeout else "config"
+        state = State.STARTING if reg.beat_file else State.HEALTHY
+        w = Watched(reg, state, seen_at=now, timeout=timeout, next_check=now, timeout_source=source,
+                    stack_timeout=reg.stack_timeout or self._stack_timeout_for(reg))
         self.watched[reg.process] = w
         self.pidfds[pidfd] = reg.process
         self.selector.register(pidfd, selectors.EVENT_READ, reg.process)
         w.pidfd = pidfd
+        if w.watched_by_stack:
+            w.next_sample = now
         log.info("process_registered", pid=reg.process.pid, job=reg.job, rank=reg.rank, timeout=timeout,
-                 source=reg.source, cmdline=" ".join(reg.cmdline)[:200])
-        self._set_state(w, State.STARTING)
+                 stack_timeout=w.stack_timeout, source=reg.source, cmdline=" ".join(reg.cmdline)[:200])
+        self._set_state(w, state)
         self._observe(w, now)
+
+    def _stack_timeout_for(self, reg: Registration) -> float | None:
+        command = " ".join(reg.cmdline)
+        for pattern, seconds in self.config.stack_timeouts.items():
+            if re.search(pattern, command):
+                return float(seconds)
+        return None
+
+    def _discover(self) -> None:
+        """Every process holding /dev/nvidia* open, watched by its stack (a sidecar's view of the pod)."""
+        known = {p.pid for p in self.watched} | {os.getpid()}
+        for pid in procfs.gpu_processes():
+            if pid in known:
+                continue
+            reg = registry.from_proc(pid, source="discovered")
+            if reg is not None:
+                self._watch(reg)
 
     def _unregistered(self, name: str) -> None:
         for key, w in list(self.watched.items()):
@@ -320,15 +365,144 @@ class Daemon:
         self.metrics.timeout.labels(**labels).set(w.timeout)
         if w.beat is not None and w.beat.count:
             self.metrics.last_beat.labels(**labels).set(w.beat.wall_time() or 0)
-        if obs.state is State.HUNG:
-            if w.state in (State.STARTING, State.HEALTHY):
-                self._hung(w, obs.suspicion)
-            # Hung or captured: look again later in case it recovers, without spinning.
-            w.next_check = now + min(w.timeout, 5.0)
-        elif obs.state is not w.state and not (w.state is State.HUNG and obs.state is State.HEALTHY):
-            if w.state is State.CAPTURED and obs.state is State.HEALTHY:
+        if w.state in (State.HUNG, State.CAPTURED):
+            if obs.state is State.HEALTHY and w.state is State.CAPTURED:
                 log.info("process_recovered", pid=r.process.pid, incident=w.incident)
+                self._set_state(w, State.HEALTHY)
+            else:
+                w.next_check = now + min(w.timeout, 5.0)  # look again later in case it recovers
+            return
+        if obs.state is State.SUSPECT:
+            if w.state is not State.SUSPECT:
+                self._suspect(w, obs.suspicion, now)
+            elif now >= w.confirm_by:
+                self._confirm(w, now)
+            w.next_check = max(now + 0.1, min(w.confirm_by, now + 1.0))
+            return
+        if w.state is State.SUSPECT and w.suspicion and w.suspicion.reason == "heartbeat":
+            log.info("suspicion_dropped", pid=r.process.pid, why="a beat came")
+            w.suspicion = None
+        if obs.state is not w.state and not (w.state is State.SUSPECT and w.suspicion):
             self._set_state(w, obs.state)
+
+    def _suspect(self, w: Watched, suspicion: Suspicion | None, now: float) -> None:
+        """One signal says stalled. Confirm before anything is done about it."""
+        assert suspicion is not None
+        w.suspicion = suspicion
+        self._set_state(w, State.SUSPECT)
+        log.info("process_suspect", pid=w.process.pid, reason=suspicion.reason, detail=suspicion.detail)
+        if suspicion.reason == "heartbeat" and w.timeout_source == "learned":
+            # A learned timeout may only mean a new phase: the stack must hold still too.
+            w.history = type(w.history)()
+            w.confirm_by = now + max(3.0, min(10.0, w.timeout / 2))
+            w.next_sample = now
+        else:
+            w.confirm_by = now + 0.5  # a declared timeout: one more look, then act
+
+    def _confirm(self, w: Watched, now: float) -> None:
+        suspicion = w.suspicion
+        assert suspicion is not None
+        signals = set(suspicion.signals)
+        if w.history.frozen_for() >= 2.0:
+            signals.add("stack")
+        why_not = None
+        if suspicion.reason == "heartbeat" and w.timeout_source == "learned":
+            busy = w.history.cpu_share() if w.history.samples else None
+            blocked, _ = classify(w.history.samples[-1].frames if w.history.samples else (), self.blocking, self.idle)
+            if "stack" not in signals:
+                why_not = "the stack moved"
+            elif busy is not None and busy >= 0.5 and not blocked:
+                why_not = "busy on the CPU, blocked on nothing"
+        if why_not:
+            # The beats paused but the process works: a new phase, not a hang. Learn the longer gap.
+            log.info("suspicion_dropped", pid=w.process.pid, why=why_not, paused=round(now - (w.last_progress or now), 1))
+            w.intervals.append(now - (w.last_progress or now))
+            w.last_progress = now
+            w.suspicion = None
+            w.next_sample = float("inf") if not w.watched_by_stack else now + self.config.stack_interval
+            self._set_state(w, State.HEALTHY)
+            return
+        if w.beat is not None and w.last_progress is not None and suspicion.reason == "stack":
+            if now - w.last_progress > w.timeout:
+                signals.add("heartbeat")
+        evidence = f"; {w.history.evidence()}" if w.history.samples and "stack" in signals else ""
+        self._hung(w, Suspicion(suspicion.reason, suspicion.detail + evidence, suspicion.since, tuple(sorted(signals))))
+
+    # -- stack sampling (on the sampler's threads) ------------------------
+
+    def _sample(self, w: Watched, now: float) -> None:
+        w.sampling = True
+        pid = w.process
+        native = w.state is State.SUSPECT and w.suspicion is not None and w.suspicion.reason == "stack"
+        future = self.sampler.submit(take_sample, pid.pid, self.config.pyspy_timeout, native)
+
+        def done(f: concurrent.futures.Future[Sample]) -> None:
+            if not f.cancelled() and f.exception() is None:
+                self.samples.put((pid, f.result(), native))
+            self._wake_w.send(b"s")
+
+        future.add_done_callback(done)
+
+    def _collect_samples(self, now: float) -> None:
+        while True:
+            try:
+                pid, sample, native = self.samples.get_nowait()
+            except queue.Empty:
+                return
+            w = self.watched.get(pid)
+            if w is None:
+                continue
+            w.sampling = False
+            if not procfs.alive(pid):
+                continue
+            if sample.error:
+                log.warning("stack_sample_failed", pid=pid.pid, error=sample.error)
+            else:
+                w.history.add(sample)
+            self._judge_stack(w, sample, native, now)
+
+    def _judge_stack(self, w: Watched, sample: Sample, native: bool, now: float) -> None:
+        suspect = w.state is State.SUSPECT and w.suspicion is not None
+        if suspect and w.suspicion.reason == "heartbeat":  # type: ignore[union-attr]
+            if len(w.history.samples) <= 1 and now < w.confirm_by:
+                w.next_sample = now + 1.0  # confirming: sample fast
+            elif w.history.frozen_for() >= 2.0 or now >= w.confirm_by:
+                self._confirm(w, now)
+            else:
+                w.next_sample = now + 1.0
+            return
+        if suspect and native:  # the one native look at a frozen stack: does it count?
+            blocked, idle = classify(sample.frames, self.blocking, self.idle)
+            declared = w.stack_timeout is not None
+            if declared or (blocked and not idle):
+                why = "declared --stack-timeout" if declared and not blocked else f"blocked in {blocked}"
+                w.suspicion = Suspicion("stack", f"the same stack for {w.history.frozen_for():.0f} s ({why})",
+                                        w.suspicion.since, ("stack",))  # type: ignore[union-attr]
+                self._confirm(w, now)
+            else:
+                if not w.idle_noted:
+                    log.info("stack_frozen_idle", pid=w.process.pid, why="idle pattern" if idle else "no blocking call")
+                    w.idle_noted = True
+                w.suspicion = None
+                self._set_state(w, State.HEALTHY)
+                w.next_sample = now + self.config.stack_interval
+            return
+        if not w.watched_by_stack or w.state in (State.HUNG, State.CAPTURED):
+            w.next_sample = float("inf") if not w.watched_by_stack else now + self.config.stack_interval
+            if w.state is State.CAPTURED and len(w.history.samples) == 1:
+                self._set_state(w, State.HEALTHY)  # its stack moved on: not hung any more
+            return
+        window = w.stack_timeout or self.config.stack_window
+        if len(w.history.samples) == 1:
+            w.idle_noted = False
+        if w.history.frozen_for() >= window and not w.idle_noted:
+            w.suspicion = Suspicion("stack", f"the same stack for {w.history.frozen_for():.0f} s", time.time() - w.history.frozen_for(), ("stack",))
+            self._set_state(w, State.SUSPECT)
+            log.info("process_suspect", pid=w.process.pid, reason="stack", detail=w.history.evidence())
+            w.confirm_by = now + self.config.pyspy_timeout + 5
+            w.next_sample = now  # the native look
+        else:
+            w.next_sample = now + self.config.stack_interval
 
     def _set_state(self, w: Watched, state: State) -> None:
         old = w.state
@@ -351,31 +525,37 @@ class Daemon:
         self._set_state(w, State.HUNG)
         self.metrics.hangs.labels(**self.metrics.labels(reason=suspicion.reason)).inc()
         log.warning("process_hung", pid=w.process.pid, job=w.registration.job, rank=w.registration.rank,
-                    reason=suspicion.reason, detail=suspicion.detail)
+                    reason=suspicion.reason, detail=suspicion.detail, signals=list(suspicion.signals))
+        w.suspicion = None
         group = [w]
         self.dumping.update(x.process.pid for x in group)
         future = self.pool.submit(self._capture, group, suspicion)
         future.add_done_callback(lambda _f: self._wake_w.send(b"c"))
         self.captures.append(_Capture(group, suspicion, time.monotonic(), future))
 
-    def _gate(self, outdir: Path) -> str | None:
+    def _gate(self, outdir: Path, signals: tuple[str, ...] = ()) -> str | None:
         """May this capture take a GPU dump (which ends the process)? None means yes."""
         policy = self.config.gpu_dump
         if policy == "always":
             return None
         if policy == "never":
             return "gpu_dump = never"
+        if {"heartbeat", "stack"} <= set(signals):
+            log.info("gpu_dump_confirmed", dir=str(outdir), signals=list(signals))
+            return None
         waiting = gpu_wait(outdir)
         if waiting:
             log.info("gpu_dump_confirmed", dir=str(outdir), frame=waiting)
             return None
-        return "not confirmed: no thread waits on the GPU or a collective (gpu_dump = confirmed)"
+        return ("not confirmed: only one signal, and no thread waits on the GPU or a collective "
+                "(gpu_dump = confirmed)")
 
     # -- capture (on worker threads) -------------------------------------
 
     def _capture(self, group: list[Watched], suspicion: Suspicion) -> str | None:
         return capture_incident(self.store, self.steps, [w.registration for w in group], suspicion,
-                                self.config.capture_timeout, self.metrics, self._gate)
+                                self.config.capture_timeout, self.metrics,
+                                lambda outdir: self._gate(outdir, suspicion.signals), group[0].notify_status())
 
     def _collect_captures(self) -> None:
         for c in [c for c in self.captures if c.future.done()]:

@@ -38,6 +38,7 @@ class Launch:
     job: str | None = None
     rank: int | None = None
     heartbeat_timeout: float | None = None
+    stack_timeout: float | None = None
 
 
 def workload_env(base: Mapping[str, str], runtime_dir: Path, dump_dir: Path, tag: str) -> dict[str, str]:
@@ -72,9 +73,14 @@ def run(launch: Launch) -> int:
     tag = f"{os.getpid()}-{secrets.token_hex(2)}"
     env = workload_env(os.environ, launch.runtime_dir, dump_dir, tag)
     beat_file: Path | None = launch.runtime_dir / "beats" / f"run-{tag}.beat"
+    notify: NotifyProxy | None = None
     try:
         heartbeat.create(str(beat_file), 0)
         env[BEAT_FILE_ENV] = str(beat_file)
+        notify = NotifyProxy(launch.runtime_dir / "beats" / f"run-{tag}", beat_file, env.get("NOTIFY_SOCKET"))
+        env["NOTIFY_SOCKET"] = str(notify.address)
+        if launch.heartbeat_timeout and "WATCHDOG_USEC" not in env:
+            env["WATCHDOG_USEC"] = str(int(launch.heartbeat_timeout * 1e6))
     except OSError:
         beat_file = None  # no runtime dir we can write: run unwatched
 
@@ -92,6 +98,8 @@ def run(launch: Launch) -> int:
         raise LaunchError(f"{launch.command[0]}: permission denied") from None
     tee = StderrTee(child, launch.runtime_dir / "driver-logs" / f"{child.pid}.log")
     tee.start()
+    if notify is not None:
+        notify.start()
     for sig in FORWARDED:
         signal.signal(sig, lambda s, _f: _forward(child, s))
     # The terminal delivers Ctrl-C to the whole foreground group, the child included.
@@ -103,7 +111,8 @@ def run(launch: Launch) -> int:
             process=me, uid=os.getuid(), job=registry.job_of(env, launch.job),
             rank=launch.rank if launch.rank is not None else registry.env_int(env, "RANK"),
             local_rank=registry.env_int(env, "LOCAL_RANK"), world_size=registry.env_int(env, "WORLD_SIZE"),
-            heartbeat_timeout=launch.heartbeat_timeout, beat_file=str(beat_file),
+            heartbeat_timeout=launch.heartbeat_timeout, stack_timeout=launch.stack_timeout,
+            beat_file=str(beat_file), status_file=str(notify.status_file) if notify else None,
             cmdline=tuple(launch.command), source="run", registered_at=time.time(),
         )
         try:
@@ -116,8 +125,61 @@ def run(launch: Launch) -> int:
         tee.join(timeout=5)
         _report_lost_dump(tee.driver_lines, dump_dir, child.pid)
     finally:
+        if notify is not None:
+            notify.close()
         _cleanup(beat_file, reg_written, launch.runtime_dir)
     return code if code >= 0 else 128 - code
+
+
+class NotifyProxy(threading.Thread):
+    """A NOTIFY_SOCKET for the workload: systemd's protocol, understood as heartbeats.
+
+    WATCHDOG=1 (and READY=1) count as a beat; STATUS= is kept for the status and
+    the incident. Every datagram is passed on to the launcher's own NOTIFY_SOCKET,
+    if it has one (hangwatchd run under systemd). Anything else is ignored.
+    """
+
+    def __init__(self, base: Path, beat_file: Path, upstream: str | None) -> None:
+        super().__init__(name="notify", daemon=True)
+        self.address = base.with_suffix(".notify")
+        self.status_file = base.with_suffix(".status")
+        self.upstream = upstream
+        self.address.unlink(missing_ok=True)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self.sock.bind(str(self.address))
+        os.chmod(self.address, 0o666)  # the workload may run as another user than the launcher
+        self.mm, self.counter = heartbeat.open_for_writing(str(beat_file))
+        self.closed = False
+
+    def run(self) -> None:
+        while not self.closed:
+            try:
+                data = self.sock.recv(4096)
+            except OSError:
+                return
+            self._handle(data)
+
+    def _handle(self, data: bytes) -> None:
+        for line in data.decode("utf-8", "replace").splitlines():
+            if line in ("WATCHDOG=1", "READY=1"):
+                heartbeat.BEAT.pack_into(self.mm, heartbeat.BEAT_OFFSET, next(self.counter), time.monotonic_ns())
+            elif line.startswith("STATUS="):
+                try:
+                    tmp = self.status_file.with_name(f".{self.status_file.name}.tmp")
+                    tmp.write_text(line[7:][:1024])
+                    tmp.replace(self.status_file)
+                except OSError:
+                    pass
+        if self.upstream:
+            from .notify import notify
+
+            notify(data.decode("utf-8", "replace"))
+
+    def close(self) -> None:
+        self.closed = True
+        self.sock.close()
+        self.address.unlink(missing_ok=True)
+        self.status_file.unlink(missing_ok=True)
 
 
 class StderrTee(threading.Thread):

@@ -28,7 +28,9 @@ class Registration:
     local_rank: int | None = None
     world_size: int | None = None
     heartbeat_timeout: float | None = None
+    stack_timeout: float | None = None  # declared: the stack must change within this many seconds
     beat_file: str | None = None
+    status_file: str | None = None  # where hangwatchd run keeps the workload's sd_notify STATUS=
     cmdline: tuple[str, ...] = ()
     source: str = "run"
     registered_at: float = 0.0
@@ -37,6 +39,7 @@ class Registration:
 class State(str, enum.Enum):
     STARTING = "starting"  # registered, no beat seen yet
     HEALTHY = "healthy"
+    SUSPECT = "suspect"  # one signal says stalled; confirming before anything is done
     HUNG = "hung"  # confirmed: capture under way
     CAPTURED = "captured"  # evidence stored; we do not capture the same hang twice
     EXITED = "exited"
@@ -49,6 +52,7 @@ class Suspicion:
     reason: str  # "heartbeat", "stack", ...
     detail: str
     since: float  # wall-clock time of the last sign of progress
+    signals: tuple[str, ...] = ()  # every signal that agreed, e.g. ("heartbeat", "stack")
 
 
 @dataclass(frozen=True)
@@ -80,3 +84,5 @@ class Incident:
     processes: tuple[ProcessCapture, ...] = field(default_factory=tuple)
     complete: bool = True
     verdict: str | None = None
+    signals: tuple[str, ...] = ()
+    notify_status: str | None = None  # the workload's last sd_notify STATUS=

@@ -165,3 +165,14 @@ def poke_fifo(pid: int, fd: int, data: bytes = b"\0") -> None:
         os.write(w, data)
     finally:
         os.close(w)
+
+
+def gpu_processes() -> list[int]:
+    """Pids of the processes that hold a /dev/nvidia* device open (they use a GPU)."""
+    out = []
+    for entry in os.listdir(PROC):
+        if not entry.isdigit():
+            continue
+        if any(t.startswith("/dev/nvidia") and t != "/dev/nvidiactl" for t in fd_targets(int(entry)).values()):
+            out.append(int(entry))
+    return out

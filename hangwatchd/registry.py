@@ -14,13 +14,15 @@ import os
 import stat
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from collections import deque
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import procfs
 from .heartbeat import Reading
-from .model import ProcessId, Registration, State
+from .model import ProcessId, Registration, State, Suspicion
+from .samples import StackHistory
 
 MAX_FILE = 64 * 1024
 SUFFIX = ".json"
@@ -89,8 +91,8 @@ def job_of(env: Mapping[str, str], explicit: str | None = None) -> str | None:
     return None
 
 
-def from_proc(pid: int) -> Registration | None:
-    """A registration made from /proc alone, for a process nobody registered (capture by hand)."""
+def from_proc(pid: int, source: str = "capture") -> Registration | None:
+    """A registration made from /proc alone, for a process nobody registered (discovery, capture by hand)."""
     me = procfs.identify(pid)
     if me is None:
         return None
@@ -98,7 +100,7 @@ def from_proc(pid: int) -> Registration | None:
     return Registration(
         process=me, uid=procfs.uid(pid) or 0, job=job_of(env), rank=env_int(env, "RANK"),
         local_rank=env_int(env, "LOCAL_RANK"), world_size=env_int(env, "WORLD_SIZE"),
-        cmdline=procfs.cmdline(pid), source="capture", registered_at=time.time(),
+        cmdline=procfs.cmdline(pid), source=source, registered_at=time.time(),
     )
 
 
@@ -142,6 +144,8 @@ def load(path: Path, beats_dir: Path) -> Registration:
         pid = _field(data, "pid", int, required=True)
         start = _field(data, "start_time", int, required=True)
         timeout = _field(data, "heartbeat_timeout", (int, float))
+        stack_timeout = _field(data, "stack_timeout", (int, float))
+        status_file = _field(data, "status_file", str)
         rank = _field(data, "rank", int)
         local_rank = _field(data, "local_rank", int)
         world = _field(data, "world_size", int)
@@ -152,8 +156,8 @@ def load(path: Path, beats_dir: Path) -> Registration:
         registered_at = _field(data, "registered_at", (int, float)) or st.st_mtime
     except RegistrationError as exc:
         raise RegistrationError(exc.reason, f"{path}: {exc}") from None
-    if pid <= 0 or (timeout is not None and timeout <= 0):
-        raise RegistrationError("bad_field", f"{path}: pid and heartbeat_timeout must be positive")
+    if pid <= 0 or any(t is not None and t <= 0 for t in (timeout, stack_timeout)):
+        raise RegistrationError("bad_field", f"{path}: pid, heartbeat_timeout and stack_timeout must be positive")
     process = ProcessId(pid, start)
     if name != file_name(process):
         raise RegistrationError("bad_name", f"{path}: names another process than pid {pid} started at {start}")
@@ -167,15 +171,17 @@ def load(path: Path, beats_dir: Path) -> Registration:
         raise RegistrationError("wrong_owner", f"{path}: file of uid {st.st_uid} registers pid {pid}, which runs as uid {owner}")
     if beat_file is not None:
         _check_beat_file(path, beat_file, beats_dir, owner)
+    if status_file is not None:  # written only once the workload sends STATUS=
+        _check_beat_file(path, status_file, beats_dir, owner, may_be_missing=True)
     return Registration(
         process=process, uid=owner if owner is not None else st.st_uid, job=job, rank=rank,
         local_rank=local_rank, world_size=world, heartbeat_timeout=float(timeout) if timeout else None,
-        beat_file=beat_file, cmdline=tuple(str(c) for c in cmd)[:64], source=source,
+        stack_timeout=float(stack_timeout) if stack_timeout else None, beat_file=beat_file, status_file=status_file, cmdline=tuple(str(c) for c in cmd)[:64], source=source,
         registered_at=float(registered_at),
     )
 
 
-def _check_beat_file(path: Path, beat_file: str, beats_dir: Path, owner: int | None) -> None:
+def _check_beat_file(path: Path, beat_file: str, beats_dir: Path, owner: int | None, may_be_missing: bool = False) -> None:
     real_dir = os.path.realpath(beats_dir)
     parent = os.path.realpath(os.path.dirname(beat_file))
     if parent != real_dir:
@@ -183,6 +189,8 @@ def _check_beat_file(path: Path, beat_file: str, beats_dir: Path, owner: int | N
     try:
         st = os.lstat(beat_file)
     except OSError:
+        if may_be_missing:
+            return
         raise RegistrationError("bad_beat_file", f"{path}: beat file {beat_file} does not exist") from None
     if not stat.S_ISREG(st.st_mode):
         raise RegistrationError("bad_beat_file", f"{path}: beat file {beat_file} is not a regular file")
@@ -203,6 +211,35 @@ class Watched:
     next_check: float = 0.0
     incident: str | None = None
     pidfd: int | None = None
+    timeout_source: str = "config"  # "registration", "config" or "learned"
+    intervals: deque[float] = field(default_factory=lambda: deque(maxlen=200))  # observed seconds per beat
+    beats_observed: int = 0
+    stack_timeout: float | None = None  # declared, or from the config's stack_timeouts
+    history: StackHistory = field(default_factory=StackHistory)
+    next_sample: float = float("inf")
+    sampling: bool = False
+    suspicion: Suspicion | None = None
+    confirm_by: float = 0.0  # SUSPECT: by when the suspicion is confirmed or dropped
+    idle_noted: bool = False  # a frozen but idle stack was logged once
+
+    @property
+    def watched_by_stack(self) -> bool:
+        return self.registration.beat_file is None or self.stack_timeout is not None
+
+    def notify_status(self) -> str | None:
+        path = self.registration.status_file
+        if not path:
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return None
+        try:
+            if os.fstat(fd).st_uid not in (0, self.registration.uid):
+                return None
+            return os.read(fd, 4096).decode("utf-8", "replace").strip() or None
+        finally:
+            os.close(fd)
 
     @property
     def process(self) -> ProcessId:
@@ -214,7 +251,8 @@ class Watched:
         return {
             "pid": r.process.pid, "start_time": r.process.start_time, "job": r.job, "rank": r.rank,
             "local_rank": r.local_rank, "world_size": r.world_size, "state": self.state.value,
-            "timeout": self.timeout, "timeout_source": "registration" if r.heartbeat_timeout else "config",
+            "timeout": self.timeout, "timeout_source": self.timeout_source, "stack_timeout": self.stack_timeout,
+            "source": r.source, "notify_status": self.notify_status(),
             "beats": self.beat.count if self.beat else 0,
             "last_beat_age": round(age, 3) if age is not None else None,
             "last_beat_time": (time.time() - age) if age is not None else None,

@@ -75,13 +75,15 @@ def capture_incident(
     budget: float,
     metrics: Metrics | None = None,
     gate: Callable[[Path], str | None] | None = None,
+    notify_status: str | None = None,
 ) -> str:
     """Capture every target into one new incident and store it; return the incident's id."""
     job = targets[0].job if targets else None
     draft = store.begin(suspicion.reason, job, [t.process.pid for t in targets])
     captures = [run_steps(steps, t, draft.path / str(t.process.pid), budget, metrics, gate) for t in targets]
     incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason=suspicion.reason,
-                        detail=suspicion.detail, job=job, processes=tuple(captures))
+                        detail=suspicion.detail, job=job, processes=tuple(captures), signals=suspicion.signals,
+                        notify_status=notify_status)
     first = targets[0].process.pid if targets else "?"
     store.commit(draft, incident, f"{suspicion.reason}: pid {first} - {suspicion.detail}")
     return draft.id

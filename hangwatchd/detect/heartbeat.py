@@ -1,4 +1,9 @@
-"""The heartbeat detector: a process is hung when its beat counter stops for its timeout."""
+"""The heartbeat detector: a process is suspect when its beat counter stops for its timeout.
+
+When a process declared no timeout, one is learned from its beats once enough
+are seen: a multiple of the longest recent interval, between a floor and a
+ceiling, following the job as it moves between phases.
+"""
 
 from __future__ import annotations
 
@@ -14,17 +19,27 @@ from .base import Observation
 @dataclass
 class HeartbeatDetector:
     startup_grace: float
+    learn: bool = True
+    factor: float = 10.0
+    floor: float = 5.0
+    ceiling: float = 1800.0
+    min_beats: int = 20
     name: str = "heartbeat"
 
     def observe(self, w: Watched, now: float) -> Observation:
         path = w.registration.beat_file
         if path is None:
-            return Observation(w.state, now + 3600.0)  # nothing to read: other detectors' business
+            return Observation(w.state, now + 3600.0)  # nothing to read: the stack detector's business
         try:
             reading = heartbeat.read(path)
         except heartbeat.SegmentError as exc:
-            return Observation(State.HUNG, now, Suspicion("heartbeat", f"beat segment unreadable: {exc}", time.time()))
+            return Observation(State.SUSPECT, now, Suspicion("heartbeat", f"beat segment unreadable: {exc}", time.time(), ("heartbeat",)))
         if w.beat is None or reading.count != w.beat.count:
+            if w.beat is not None and w.beat.count and reading.count > w.beat.count:
+                beats = reading.count - w.beat.count
+                w.intervals.append((reading.last_ns - w.beat.last_ns) / 1e9 / beats)
+                w.beats_observed += beats
+                self._learn(w)
             w.beat = reading
             if reading.count:
                 # The beat's own monotonic timestamp, not when we happened to look.
@@ -32,15 +47,26 @@ class HeartbeatDetector:
         if w.last_progress is None:
             deadline = w.seen_at + self.startup_grace
             if now >= deadline:
-                return Observation(State.HUNG, now, Suspicion(
+                return Observation(State.SUSPECT, now, Suspicion(
                     "heartbeat", f"no first beat within the startup grace of {self.startup_grace:g} s",
-                    time.time() - (now - w.seen_at)))
+                    time.time() - (now - w.seen_at), ("heartbeat",)))
             # A first beat raises no event: look again soon, so the timeout starts from it.
             return Observation(State.STARTING, min(deadline, now + min(1.0, w.timeout / 4)))
         deadline = w.last_progress + w.timeout
         if now >= deadline:
             silent = now - w.last_progress
-            return Observation(State.HUNG, now, Suspicion(
-                "heartbeat", f"no beat for {silent:.1f} s (timeout {w.timeout:g} s, {reading.count} beats before)",
-                time.time() - silent))
+            return Observation(State.SUSPECT, now, Suspicion(
+                "heartbeat", f"no beat for {silent:.1f} s (timeout {w.timeout:g} s, {w.timeout_source}; "
+                f"{reading.count} beats before)", time.time() - silent, ("heartbeat",)))
+        if self._learning(w):
+            return Observation(State.HEALTHY, min(deadline, now + min(1.0, max(0.25, w.timeout / 4))))
         return Observation(State.HEALTHY, deadline)
+
+    def _learning(self, w: Watched) -> bool:
+        return self.learn and w.timeout_source != "registration"
+
+    def _learn(self, w: Watched) -> None:
+        if not self._learning(w) or w.beats_observed < self.min_beats or len(w.intervals) < 3:
+            return
+        w.timeout = min(self.ceiling, max(self.floor, self.factor * max(w.intervals)))
+        w.timeout_source = "learned"

@@ -64,6 +64,10 @@ def render_text(data: dict[str, Any]) -> str:
            f"  {stamp} on {data.get('host', '?')}: {data.get('reason', '?')} - {data.get('detail') or data.get('note') or ''}"]
     if data.get("job"):
         out.append(f"  job {data['job']}")
+    if data.get("signals"):
+        out.append(f"  signals that agreed: {', '.join(data['signals'])}")
+    if data.get("notify_status"):
+        out.append(f"  the workload's last STATUS=: {data['notify_status']}")
     for proc in data["processes"]:
         rank = f" rank {proc['rank']}" if proc.get("rank") is not None else ""
         cmd = " ".join(proc.get("cmdline") or (proc.get("proc") or {}).get("cmdline") or [])

@@ -1,0 +1,84 @@
+"""The frozen-stack detector: low-rate py-spy samples; frozen when the same stacks hold.
+
+A sample is one plain ``py-spy dump --json`` (about 10 ms of pause for the
+target; ``--native`` would pause it for up to a second, so it is kept for the
+one look that classifies a frozen process). A process is frozen when every
+sample over the window shows the same signature: each thread's frames
+(function, file, line), innermost first, ignoring what does not identify
+progress (thread ids, the idle/active flags). CPU time and context switches
+are kept beside, as evidence.
+
+An idle server also shows one stack for hours. So by default a frozen stack
+counts only where it waits on the GPU, a collective, a lock or a known
+blocking call, and does not sit in an idle pattern (an event loop waiting
+for requests) - or where the user declared the process must keep moving
+(``--stack-timeout``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Sequence
+
+from .. import procfs, subproc
+from ..capture.pyspy import find_pyspy
+from ..samples import Sample, signature_of
+
+# Frames (Python or native) whose presence means the thread is blocked on something
+# that should come: the GPU, a collective, a lock, a join.
+BLOCKING = (
+    r"cuStreamSynchronize|cuCtxSynchronize|cuEventSynchronize|cudaDeviceSynchronize|cudaStreamSynchronize",
+    r"\bsynchronize\b|\bitem\b|\bcpu\b|__repr__",  # torch calls that wait for the GPU
+    r"nccl|all_reduce|all_gather|reduce_scatter|broadcast|barrier|all_to_all|\bsend\b|\brecv\b|_wait|wait_tensor",
+    r"acquire|lock_PyThread|_wait_for_tstate_lock|\bjoin\b|Condition\.wait|Event\.wait",
+)
+# Where a server waits for work: a frozen stack here is idleness, not a hang.
+IDLE = (r"selectors|select\.|epoll|asyncio|_run_once|accept|zmq|uvloop|serve_forever|Queue\.get|recv_pyobj")
+
+
+def _cpu_and_ctx(pid: int) -> tuple[int | None, int | None]:
+    try:
+        raw = open(f"/proc/{pid}/stat", "rb").read()
+        rest = raw[raw.rfind(b")") + 2 :].split()
+        cpu = int(rest[11]) + int(rest[12])
+    except (OSError, IndexError, ValueError):
+        return None, None
+    st = procfs.status(pid)
+    try:
+        ctx = int(st.get("voluntary_ctxt_switches", "0")) + int(st.get("nonvoluntary_ctxt_switches", "0"))
+    except ValueError:
+        ctx = None
+    return cpu, ctx
+
+
+def take_sample(pid: int, timeout: float, native: bool = False) -> Sample:
+    """One py-spy dump of ``pid``; never raises (an error is in the sample)."""
+    now = time.monotonic()
+    cpu, ctx = _cpu_and_ctx(pid)
+    tool = find_pyspy()
+    if tool is None:
+        return Sample(now, (), (), cpu, ctx, "py-spy is not installed; pip install py-spy")
+    res = subproc.run([tool, "dump", "--json", "--pid", str(pid)] + (["--native"] if native else []), timeout=timeout)
+    if not res.ok:
+        why = "timed out and was killed" if res.timed_out else (res.stderr_line() or f"exit status {res.returncode}")
+        return Sample(now, (), (), cpu, ctx, f"py-spy: {why}")
+    try:
+        threads = json.loads(res.stdout)
+    except json.JSONDecodeError:
+        return Sample(now, (), (), cpu, ctx, "py-spy printed no JSON")
+    names = tuple(str(f.get("name")) for t in threads for f in t.get("frames") or [])
+    return Sample(now, signature_of(threads), names, cpu, ctx)
+
+
+def classify(frames: Sequence[str], blocking: Sequence[str] = BLOCKING, idle: str = IDLE) -> tuple[str | None, bool]:
+    """(the first blocking frame, whether an idle pattern shows) for a frozen process's frames."""
+    idle_re = re.compile(idle) if idle else None
+    is_idle = bool(idle_re and any(idle_re.search(f) for f in frames))
+    for pattern in blocking:
+        rx = re.compile(pattern)
+        for f in frames:
+            if rx.search(f):
+                return f, is_idle
+    return None, is_idle

@@ -1,0 +1,62 @@
+"""Stack samples of a watched process and the run of them that share one stack."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Sample:
+    time: float  # monotonic
+    signature: tuple[tuple[tuple[str, str, int], ...], ...]
+    frames: tuple[str, ...]  # every frame name, for the pattern checks
+    cpu_ticks: int | None
+    ctx_switches: int | None
+    error: str | None = None
+
+
+def signature_of(threads: Sequence[dict[str, Any]]) -> tuple[tuple[tuple[str, str, int], ...], ...]:
+    sig = []
+    for t in threads:
+        frames = tuple((str(f.get("name")), str(f.get("filename")), int(f.get("line") or 0)) for f in t.get("frames") or [])
+        sig.append(frames)
+    return tuple(sorted(sig))
+
+
+@dataclass
+class StackHistory:
+    """The samples of one process since its stack last changed."""
+
+    samples: list[Sample] = field(default_factory=list)
+
+    def add(self, s: Sample) -> None:
+        if s.error:
+            return
+        if self.samples and self.samples[-1].signature != s.signature:
+            self.samples = []
+        self.samples.append(s)
+
+    def frozen_for(self) -> float:
+        """Seconds the same stack has held (0 with fewer than two samples)."""
+        if len(self.samples) < 2:
+            return 0.0
+        return self.samples[-1].time - self.samples[0].time
+
+    def cpu_share(self) -> float | None:
+        """CPU seconds per second over the run (1.0: one core busy all along)."""
+        first, last = self.samples[0], self.samples[-1]
+        span = last.time - first.time
+        if first.cpu_ticks is None or last.cpu_ticks is None or span <= 0:
+            return None
+        return (last.cpu_ticks - first.cpu_ticks) / 100 / span
+
+    def evidence(self) -> str:
+        first, last = self.samples[0], self.samples[-1]
+        parts = [f"{len(self.samples)} samples with the same stack over {self.frozen_for():.0f} s"]
+        if first.cpu_ticks is not None and last.cpu_ticks is not None:
+            parts.append(f"CPU +{(last.cpu_ticks - first.cpu_ticks) / 100:.2f} s")
+        if first.ctx_switches is not None and last.ctx_switches is not None:
+            parts.append(f"context switches +{last.ctx_switches - first.ctx_switches}")
+        return ", ".join(parts)

@@ -1,0 +1,159 @@
+"""Watching without code changes: frozen stacks, discovery, learned timeouts, sd_notify."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hangwatchd.testing import Daemon, wait_for
+
+from .conftest import hangwatchd
+
+FAST = {"stack_interval": 0.5, "stack_window": 3.0, "pyspy_native": False, "gpu_dump": "never"}
+
+
+def stop(p: subprocess.Popen[bytes]) -> None:
+    if p.poll() is None:
+        p.kill()
+        p.wait()
+
+
+def python(code: str, **kw: object) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", code], **kw)  # type: ignore[call-overload]
+
+
+@pytest.fixture
+def fake_gpu():  # type: ignore[no-untyped-def]
+    """A file named like an NVIDIA device node: holding it open is what discovery looks for."""
+    path = Path(f"/dev/nvidia-hangwatchd-test-{secrets.token_hex(3)}")
+    path.write_text("")
+    yield path
+    path.unlink()
+
+
+def test_discovery_finds_a_gpu_process_that_never_imports_hangwatchd_and_catches_its_deadlock(tmp_path: Path, fake_gpu: Path) -> None:
+    code = (f"import threading, time\nf = open({str(fake_gpu)!r})\n"
+            "for i in range(20): time.sleep(0.05)\n"
+            "lock = threading.Lock(); lock.acquire()\n"
+            "def stuck_on_lock():\n    lock.acquire()\nstuck_on_lock()\n")
+    with Daemon(tmp_path, config={**FAST, "discover": True, "rescan_interval": 0.5}) as d:
+        work = python(code)
+        try:
+            (inc,) = wait_for(d.store().list, 30, "a stack incident")
+            assert inc["reason"] == "stack" and inc["processes"] == [work.pid]
+            assert "blocked in" in inc["summary"] and "same stack" in inc["summary"]
+            data = json.loads((Path(inc["dir"]) / "incident.json").read_text())
+            assert data["signals"] == ["stack"]
+            shown = hangwatchd("show", inc["id"], "--state-dir", str(d.state_dir)).stdout
+            assert "stuck_on_lock" in shown
+            assert d.metric("hangwatchd_hangs_total", reason="stack") == 1.0
+            st = json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)
+            assert [p["source"] for p in st["processes"]] == ["discovered"]
+        finally:
+            stop(work)
+
+
+def test_healthy_and_idle_processes_raise_nothing_under_sampling(tmp_path: Path, fake_gpu: Path) -> None:
+    busy = (f"import time\nf = open({str(fake_gpu)!r})\n"
+            "def work(n):\n    return sum(i * i for i in range(n))\n"
+            "while True:\n    for n in range(1, 4000): work(n)\n")
+    idle = (f"import selectors, socket\nf = open({str(fake_gpu)!r})\ns = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+            "sel = selectors.DefaultSelector(); sel.register(s, selectors.EVENT_READ)\n"
+            "def serve_forever():\n    while True: sel.select()\nserve_forever()\n")
+    with Daemon(tmp_path, config={**FAST, "discover": True, "rescan_interval": 0.5}) as d:
+        procs = [python(busy), python(idle)]
+        try:
+            wait_for(lambda: len(json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)["processes"]) == 2,
+                     10, "both discovered")
+            time.sleep(10)
+            assert d.store().list() == []
+            assert any(e.get("event") == "stack_frozen_idle" for e in d.logs())  # the idle one was seen, and let be
+        finally:
+            for p in procs:
+                stop(p)
+
+
+def test_a_declared_stack_timeout_catches_a_process_that_merely_stopped_moving(tmp_path: Path) -> None:
+    with Daemon(tmp_path, config=FAST) as d:
+        work = d.run([sys.executable, "-c", "import time\ndef poll_forever():\n    while True: time.sleep(0.2)\npoll_forever()"],
+                     "--stack-timeout", "2", "--heartbeat-timeout", "3600")
+        try:
+            (inc,) = wait_for(d.store().list, 30, "a stack incident")
+            assert inc["reason"] == "stack" and "declared --stack-timeout" in inc["summary"]
+        finally:
+            stop(work)
+
+
+def test_a_learned_timeout_catches_a_fast_loop_within_seconds(tmp_path: Path) -> None:
+    code = ("import time, hangwatchd\n"
+            "for _ in range(80): hangwatchd.beat(); time.sleep(0.05)\n"
+            "print('hanging', time.time(), flush=True)\n"
+            "import threading; threading.Event().wait()\n")
+    with Daemon(tmp_path, config={**FAST, "heartbeat_timeout": 120.0}) as d:
+        work = d.run([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        try:
+            assert work.stdout is not None
+            hung_at = float(work.stdout.readline().split()[1])
+            (inc,) = wait_for(d.store().list, 30, "an incident")
+            data = json.loads((Path(inc["dir"]) / "incident.json").read_text())
+            assert data["reason"] == "heartbeat" and "learned" in data["detail"]
+            assert data["signals"] == ["heartbeat", "stack"]  # a learned timeout waits for the stack to agree
+            assert data["time"] - hung_at < 15  # a timeout of seconds, not the configured 120 s
+            st = json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)
+            (p,) = st["processes"]
+            assert p["timeout_source"] == "learned" and p["timeout"] == 5.0
+        finally:
+            stop(work)
+
+
+def test_a_phase_without_beats_whose_stack_moves_is_not_a_hang(tmp_path: Path) -> None:
+    code = ("import time, hangwatchd\n"
+            "for _ in range(80): hangwatchd.beat(); time.sleep(0.05)\n"
+            "def checkpoint(t):\n    end = time.time() + t\n    n = 0\n    while time.time() < end:\n        n += sum(range(n % 5000))\n"
+            "checkpoint(9)\n"
+            "while True: hangwatchd.beat(); time.sleep(0.05)\n")
+    with Daemon(tmp_path, config={**FAST, "heartbeat_timeout": 120.0}) as d:
+        work = d.run([sys.executable, "-c", code])
+        try:
+            wait_for(lambda: any(e.get("event") == "suspicion_dropped" and e.get("why") in
+                                 ("the stack moved", "busy on the CPU, blocked on nothing") for e in d.logs()),
+                     30, "the checkpoint phase to be let be")
+            time.sleep(6)
+            assert d.store().list() == []
+            st = json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)
+            (p,) = st["processes"]
+            assert p["state"] == "healthy" and p["timeout"] > 5.0  # the pause was learned
+        finally:
+            stop(work)
+
+
+def test_sd_notify_watchdog_counts_as_a_beat_and_status_is_kept(tmp_path: Path) -> None:
+    code = ("import os, socket, time\n"
+            "s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); addr = os.environ['NOTIFY_SOCKET']\n"
+            "for i in range(3000): s.sendto(os.urandom(64), addr)\n"  # a flood of garbage first
+            "s.sendto(b'READY=1', addr)\n"
+            "for i in range(30): s.sendto(f'WATCHDOG=1\\nSTATUS=serving step {i}'.encode(), addr); time.sleep(0.05)\n"
+            "print('stopped', flush=True)\n"
+            "import threading; threading.Event().wait()\n")
+    with Daemon(tmp_path, config={**FAST, "learn_timeouts": False}) as d:
+        work = d.run([sys.executable, "-c", code], "--heartbeat-timeout", "2", stdout=subprocess.PIPE)
+        try:
+            assert work.stdout is not None and work.stdout.readline() == b"stopped\n"
+            def status() -> dict:
+                (p,) = json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)["processes"]
+                return p
+            p = wait_for(lambda: (lambda p: p if p["notify_status"] == "serving step 29" else None)(status()), 5, "the status")
+            assert p["beats"] >= 30
+            (inc,) = wait_for(d.store().list, 20, "an incident")
+            data = json.loads((Path(inc["dir"]) / "incident.json").read_text())
+            assert data["notify_status"] == "serving step 29"
+            assert d.proc.poll() is None
+        finally:
+            stop(work)
