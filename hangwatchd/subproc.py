@@ -28,9 +28,10 @@ class Result:
         return self.returncode == 0 and not self.timed_out
 
     def stderr_line(self) -> str:
-        """The last non-empty line of stderr: what a tool says when it fails."""
+        """What a tool says when it fails: its "Error:" line, else the last non-empty line of stderr."""
         lines = [ln.strip() for ln in self.stderr.decode("utf-8", "replace").splitlines() if ln.strip()]
-        return lines[-1] if lines else ""
+        errors = [ln for ln in lines if ln.lower().startswith(("error:", "fatal:"))]
+        return errors[0] if errors else (lines[-1] if lines else "")
 
 
 def run(

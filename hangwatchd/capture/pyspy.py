@@ -20,7 +20,10 @@ from .base import StepFailed
 
 
 def find_pyspy() -> str | None:
-    """py-spy on PATH, or beside the Python running us (a virtualenv's bin)."""
+    """$HANGWATCHD_PYSPY ('none' to go without), py-spy on PATH, or beside the Python running us (a virtualenv's bin)."""
+    chosen = os.environ.get("HANGWATCHD_PYSPY")
+    if chosen:
+        return None if chosen == "none" else chosen
     found = shutil.which("py-spy")
     if found:
         return found
@@ -66,7 +69,7 @@ class PySpyStep:
                 errors.append(f"{label} took longer than {timeout:g} s and was killed")
                 continue
             if not res.ok:
-                errors.append(f"{label}: {self._why(res.stderr_line(), res.returncode)}")
+                errors.append(f"{label}: {self._why(res.stderr_line(), res.stderr.decode('utf-8', 'replace'), res.returncode)}")
                 continue
             try:
                 stacks = json.loads(res.stdout)
@@ -88,9 +91,9 @@ class PySpyStep:
         return tuple(files)
 
     @staticmethod
-    def _why(line: str, code: int | None) -> str:
-        low = line.lower()
-        if "permission" in low or "operation not permitted" in low:
+    def _why(line: str, stderr: str, code: int | None) -> str:
+        low = stderr.lower()
+        if "permission denied" in low or "operation not permitted" in low:
             return f"{line} ({ptrace_hint()})"
         if "failed to find python version" in low or "not a python" in low:
             return f"{line} (not a Python program)"

@@ -1,8 +1,8 @@
 """The frozen-stack detector: low-rate py-spy samples; frozen when the same stacks hold.
 
-A sample is one plain ``py-spy dump --json`` (about 10 ms of pause for the
-target; ``--native`` would pause it for up to a second, so it is kept for the
-one look that classifies a frozen process). A process is frozen when every
+A sample is one plain ``py-spy dump --json --nonblocking``: it does not pause
+the target (``--native`` would, for up to a second, so it is kept for the one
+look that classifies a frozen process). A process is frozen when every
 sample over the window shows the same signature: each thread's frames
 (function, file, line), innermost first, ignoring what does not identify
 progress (thread ids, the idle/active flags). CPU time and context switches
@@ -60,7 +60,10 @@ def take_sample(pid: int, timeout: float, native: bool = False) -> Sample:
     tool = find_pyspy()
     if tool is None:
         return Sample(now, (), (), cpu, ctx, "py-spy is not installed; pip install py-spy")
-    res = subproc.run([tool, "dump", "--json", "--pid", str(pid)] + (["--native"] if native else []), timeout=timeout)
+    # --nonblocking: read without pausing the target. A frozen process reads the same either
+    # way; a moving one may read torn, which only ever looks like movement.
+    flags = ["--native"] if native else ["--nonblocking"]
+    res = subproc.run([tool, "dump", "--json", "--pid", str(pid), *flags], timeout=timeout)
     if not res.ok:
         why = "timed out and was killed" if res.timed_out else (res.stderr_line() or f"exit status {res.returncode}")
         return Sample(now, (), (), cpu, ctx, f"py-spy: {why}")
