@@ -128,6 +128,23 @@ def cmd_capture(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- analyze ---------------------------------------------------------------
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from .analyze.verdict import analyze
+    from .report.incident import render_analysis
+
+    path = Path(args.dir)
+    if not path.is_dir():
+        raise UsageError(f"analyze: {path} is not a directory; give an incident directory (one subdirectory per process)")
+    result = analyze(path)
+    if args.json:
+        _print_json(result.to_dict())
+    else:
+        sys.stdout.write(render_analysis(result.to_dict()))
+    return 0
+
+
 # -- check -----------------------------------------------------------------
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -285,6 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--state-dir")
     c.add_argument("--runtime-dir")
     c.set_defaults(func=cmd_capture)
+
+    an = sub.add_parser("analyze", help="explain an incident directory: each rank's verdict, the rank that diverged")
+    an.add_argument("dir", help="an incident directory (also one put together by hand)")
+    an.add_argument("--json", action="store_true")
+    an.set_defaults(func=cmd_analyze)
 
     ck = sub.add_parser("check", help="can this node do the job? ptrace, py-spy, nvdisasm, NVML, dirs, port, inotify")
     ck.add_argument("--json", action="store_true")

@@ -527,7 +527,15 @@ class Daemon:
         log.warning("process_hung", pid=w.process.pid, job=w.registration.job, rank=w.registration.rank,
                     reason=suspicion.reason, detail=suspicion.detail, signals=list(suspicion.signals))
         w.suspicion = None
-        group = [w]
+        # Every rank of the same job on this node goes into the same incident: the rank
+        # that differs is the answer, and it may be one that looks healthy.
+        mates = [x for x in self.watched.values() if x is not w and w.registration.job
+                 and x.registration.job == w.registration.job
+                 and x.state in (State.STARTING, State.HEALTHY, State.SUSPECT)]
+        for x in mates:
+            x.suspicion = None
+            self._set_state(x, State.HUNG)
+        group = [w] + mates
         self.dumping.update(x.process.pid for x in group)
         future = self.pool.submit(self._capture, group, suspicion)
         future.add_done_callback(lambda _f: self._wake_w.send(b"c"))
@@ -553,9 +561,13 @@ class Daemon:
     # -- capture (on worker threads) -------------------------------------
 
     def _capture(self, group: list[Watched], suspicion: Suspicion) -> str | None:
+        first = str(group[0].process.pid)
+
+        def gate(outdir: Path) -> str | None:  # a job-mate's GPU dump needs its own evidence
+            return self._gate(outdir, suspicion.signals if outdir.name == first else ())
+
         return capture_incident(self.store, self.steps, [w.registration for w in group], suspicion,
-                                self.config.capture_timeout, self.metrics,
-                                lambda outdir: self._gate(outdir, suspicion.signals), group[0].notify_status())
+                                self.config.capture_timeout, self.metrics, gate, group[0].notify_status())
 
     def _collect_captures(self) -> None:
         for c in [c for c in self.captures if c.future.done()]:

@@ -109,9 +109,11 @@ class Store:
             )
         return draft
 
-    def commit(self, draft: Draft, incident: Incident, summary: str) -> Path:
+    def commit(self, draft: Draft, incident: Incident, summary: str, analysis: dict[str, Any] | None = None) -> Path:
         """Write incident.json, move the directory into place, mark it complete."""
         data = incident_to_json(incident)
+        if analysis is not None:
+            data["analysis"] = analysis
         tmp = draft.path / ".incident.json.tmp"
         with open(tmp, "w") as f:
             json.dump(data, f, indent=2, default=str)

@@ -15,6 +15,17 @@ COLLECTIVE_WAITS = ("ncclGroupEnd", "ncclAllReduce", "ncclAllGather", "ncclBroad
                     "c10d::ProcessGroupNCCL::WorkNCCL::wait", "c10d::ProcessGroupNCCL::WorkNCCL::synchronize")
 
 
+# Where library code lives; a frame elsewhere is the user's own code.
+_LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ", "/hangwatchd/client.py")
+
+
+def is_user_frame(frame: dict[str, Any]) -> bool:
+    filename = frame.get("filename") or ""
+    if frame.get("module") or filename.endswith(".so") or ".so." in filename:
+        return False  # native code
+    return not any(m in filename for m in _LIBRARY_MARKERS)
+
+
 def load_threads(process_dir: Path) -> list[dict[str, Any]] | None:
     for name in ("pyspy-native.json", "pyspy.json"):
         try:

@@ -11,6 +11,7 @@ import structlog
 
 from ..metrics import Metrics
 from ..model import Incident, ProcessCapture, Registration, StepResult, Suspicion
+from ..analyze.verdict import analyze
 from ..store import Store
 from .base import Step, StepFailed
 
@@ -81,9 +82,9 @@ def capture_incident(
     job = targets[0].job if targets else None
     draft = store.begin(suspicion.reason, job, [t.process.pid for t in targets])
     captures = [run_steps(steps, t, draft.path / str(t.process.pid), budget, metrics, gate) for t in targets]
+    analysis = analyze(draft.path)
     incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason=suspicion.reason,
                         detail=suspicion.detail, job=job, processes=tuple(captures), signals=suspicion.signals,
-                        notify_status=notify_status)
-    first = targets[0].process.pid if targets else "?"
-    store.commit(draft, incident, f"{suspicion.reason}: pid {first} - {suspicion.detail}")
+                        notify_status=notify_status, verdict=analysis.summary)
+    store.commit(draft, incident, f"{analysis.summary} ({suspicion.detail})", analysis.to_dict())
     return draft.id

@@ -10,16 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Where library code lives; a frame elsewhere is the user's own code.
-_LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ", "/hangwatchd/client.py")
-
-
-def is_user_frame(frame: dict[str, Any]) -> bool:
-    filename = frame.get("filename") or ""
-    if frame.get("module") or filename.endswith(".so") or ".so." in filename:
-        return False  # native code
-    return not any(m in filename for m in _LIBRARY_MARKERS)
-
+from ..analyze.stacks import is_user_frame
 
 def _read_json(path: Path) -> Any:
     try:
@@ -45,6 +36,10 @@ def load(incident_dir: Path) -> dict[str, Any]:
         proc["stacks"] = native if isinstance(native, list) else plain if isinstance(plain, list) else None
         proc["stacks_native"] = isinstance(native, list)
     data["processes"] = processes
+    if not data.get("analysis"):
+        from ..analyze.verdict import analyze
+
+        data["analysis"] = analyze(incident_dir).to_dict()
     return data
 
 
@@ -56,11 +51,32 @@ def _frame_line(frame: dict[str, Any]) -> str:
     return f"{name} ({frame.get('filename')}:{frame.get('line')})"
 
 
+def render_analysis(a: dict[str, Any]) -> str:
+    out = [a["summary"], ""]
+    for c in a.get("culprits", []):
+        out.append(f"Culprit: rank {c['rank']} (pid {c['pid']}): {c['reason']}" + (f", at {c['location']}" if c.get("location") else ""))
+    if a.get("ranks"):
+        out += ["", "Ranks:"]
+        for r in a["ranks"]:
+            last = f"; last collective {r['last_collective'][0]}#{r['last_collective'][1]}" if r.get("last_collective") else ""
+            out.append(f"  rank {r['rank']} pid {r['pid']}: {r['verdict']} - {r['detail']}"
+                       + (f" at {r['location']}" if r.get("location") else "") + last)
+    if a.get("collectives"):
+        out += ["", "Collectives (flight recorder):"]
+        for c in a["collectives"]:
+            out.append(f"  pg {c['pg']} #{c['seq']} {c['name']}: entered by {list(c['ranks_entered'])}"
+                       + (f", never by {list(c['ranks_missing'])}" if c["ranks_missing"] else "")
+                       + (f"; {c['mismatch']}" if c.get("mismatch") else ""))
+    return "\n".join(out) + "\n"
+
+
 def render_text(data: dict[str, Any]) -> str:
     when = data.get("time")
     stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(when)) if isinstance(when, (int, float)) else "?"
     state = "complete" if data.get("complete", True) else "INCOMPLETE"
-    out = [f"Incident {data.get('id')} ({state})",
+    analysis = data.get("analysis")
+    out = [analysis["summary"], ""] if analysis else []
+    out += [f"Incident {data.get('id')} ({state})",
            f"  {stamp} on {data.get('host', '?')}: {data.get('reason', '?')} - {data.get('detail') or data.get('note') or ''}"]
     if data.get("job"):
         out.append(f"  job {data['job']}")
@@ -90,5 +106,7 @@ def render_text(data: dict[str, Any]) -> str:
             for frame in thread.get("frames") or []:
                 mark = ">" if is_user_frame(frame) else " "
                 out.append(f"  {mark} {_frame_line(frame)}")
+    if analysis:
+        out += ["", "Analysis:"] + ["  " + ln for ln in render_analysis(analysis).splitlines()[2:] if ln]
     out += ["", "Frames run innermost first; '>' marks your code."]
     return "\n".join(out) + "\n"
