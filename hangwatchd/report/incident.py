@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..analyze.stacks import is_user_frame
+from ..analyze.verdict import analyze
 
 def _read_json(path: Path) -> Any:
     try:
@@ -36,10 +37,8 @@ def load(incident_dir: Path) -> dict[str, Any]:
         proc["stacks"] = native if isinstance(native, list) else plain if isinstance(plain, list) else None
         proc["stacks_native"] = isinstance(native, list)
     data["processes"] = processes
-    if not data.get("analysis"):
-        from ..analyze.verdict import analyze
-
-        data["analysis"] = analyze(incident_dir).to_dict()
+    # Derived from the files, so always redone: a trace added by hand later counts too.
+    data["analysis"] = analyze(incident_dir).to_dict()
     return data
 
 
