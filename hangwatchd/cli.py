@@ -121,7 +121,16 @@ def cmd_capture(args: argparse.Namespace) -> int:
     path = store.path_of(incident_id)
     assert path is not None
     data = incident.load(path)
-    if args.json:
+    if args.html is not None:
+        from .report import html
+
+        out = Path(args.html or f"hangwatchd-{data.get('id') or path.name}.html")
+        try:
+            out.write_text(html.render(data, path))
+        except OSError as exc:
+            raise UsageError(f"show: cannot write {out} ({exc.strerror}); pass --html FILE somewhere writable") from None
+        print(out)
+    elif args.json:
         _print_json(data)
     else:
         sys.stdout.write(incident.render_text(data))
@@ -241,7 +250,16 @@ def cmd_show(args: argparse.Namespace) -> int:
     if path is None:
         raise UsageError(f"no incident '{args.id}' in {store.root}; 'hangwatchd incidents' lists them")
     data = incident.load(path)
-    if args.json:
+    if args.html is not None:
+        from .report import html
+
+        out = Path(args.html or f"hangwatchd-{data.get('id') or path.name}.html")
+        try:
+            out.write_text(html.render(data, path))
+        except OSError as exc:
+            raise UsageError(f"show: cannot write {out} ({exc.strerror}); pass --html FILE somewhere writable") from None
+        print(out)
+    elif args.json:
         _print_json(data)
     else:
         sys.stdout.write(incident.render_text(data))
@@ -290,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     sh = sub.add_parser("show", help="the report of one incident")
     sh.add_argument("id", help="incident id (a unique prefix will do)")
     sh.add_argument("--json", action="store_true")
+    sh.add_argument("--html", nargs="?", const="", metavar="FILE",
+                    help="write one self-contained HTML page (default ./hangwatchd-ID.html) and print its path")
     sh.add_argument("--state-dir")
     sh.add_argument("--runtime-dir")
     sh.set_defaults(func=cmd_show)

@@ -145,3 +145,25 @@ def test_single_process_verdicts_from_real_captures(tmp_path: Path) -> None:
 def test_analyze_refuses_what_is_not_a_directory(tmp_path: Path) -> None:
     res = hangwatchd("analyze", str(tmp_path / "nope"))
     assert res.returncode == 2 and "not a directory" in res.stderr
+
+
+def test_the_html_page_renders_in_a_real_headless_browser(tmp_path: Path) -> None:
+    with Daemon(tmp_path / "d") as d:
+        blob = __import__("lzma").decompress((FIXTURES / "cpp_ima" / "coredump.nvcudmp.xz").read_bytes())
+        (d.state_dir / "dumps" / f"core_{__import__('socket').gethostname()}.77.1.nvcudmp").write_bytes(blob)
+        (inc,) = wait_for(d.store().list, 20, "an incident")
+    page = tmp_path / "report.html"
+    res = hangwatchd("show", inc["id"], "--html", str(page), "--state-dir", str(d.state_dir))
+    assert res.returncode == 0 and res.stdout.strip() == str(page), res.stderr
+    text = page.read_text()
+    assert "http://" not in text and "https://" not in text and "<script" not in text  # self-contained
+    browser = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+               "--disable-component-update", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run(browser + ["--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert 'id="summary"' in dom.stdout and "WARP_ILLEGAL_ADDRESS" in dom.stdout
+    assert "store_at(int*, long, int) (/srv/gpuapp/inlined.cu:9)" in dom.stdout
+    shot = tmp_path / "page.png"
+    subprocess.run(browser + [f"--screenshot={shot}", "--window-size=1200,900", page.as_uri()],
+                   capture_output=True, timeout=120)
+    assert shot.exists() and shot.stat().st_size > 10_000
