@@ -120,21 +120,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
     incident_id = capture_incident(store, make_steps(cfg), [target], why, cfg.capture_timeout, gate=gate)
     path = store.path_of(incident_id)
     assert path is not None
-    data = incident.load(path)
-    if args.html is not None:
-        from .report import html
-
-        out = Path(args.html or f"hangwatchd-{data.get('id') or path.name}.html")
-        try:
-            out.write_text(html.render(data, path))
-        except OSError as exc:
-            raise UsageError(f"show: cannot write {out} ({exc.strerror}); pass --html FILE somewhere writable") from None
-        print(out)
-    elif args.json:
-        _print_json(data)
-    else:
-        sys.stdout.write(incident.render_text(data))
-    return 0
+    return _print_incident(args, path)
 
 
 # -- analyze ---------------------------------------------------------------
@@ -167,6 +153,27 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(check.render(checks))
     return 0 if all(c.ok or not c.required for c in checks) else 1
+
+
+def _print_incident(args: argparse.Namespace, path: Path) -> int:
+    """An incident for a person (text), a script (--json) or a ticket (--html)."""
+    from .report import incident
+
+    data = incident.load(path)
+    if getattr(args, "html", None) is not None:
+        from .report import html
+
+        out = Path(args.html or f"hangwatchd-{data.get('id') or path.name}.html")
+        try:
+            out.write_text(html.render(data, path))
+        except OSError as exc:
+            raise UsageError(f"show: cannot write {out} ({exc.strerror}); pass --html FILE somewhere writable") from None
+        print(out)
+    elif args.json:
+        _print_json(data)
+    else:
+        sys.stdout.write(incident.render_text(data))
+    return 0
 
 
 # -- status, incidents, show ----------------------------------------------
@@ -243,27 +250,11 @@ def cmd_incidents(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from .report import incident
-
     store = _store(args)
     path = store.path_of(args.id)
     if path is None:
         raise UsageError(f"no incident '{args.id}' in {store.root}; 'hangwatchd incidents' lists them")
-    data = incident.load(path)
-    if args.html is not None:
-        from .report import html
-
-        out = Path(args.html or f"hangwatchd-{data.get('id') or path.name}.html")
-        try:
-            out.write_text(html.render(data, path))
-        except OSError as exc:
-            raise UsageError(f"show: cannot write {out} ({exc.strerror}); pass --html FILE somewhere writable") from None
-        print(out)
-    elif args.json:
-        _print_json(data)
-    else:
-        sys.stdout.write(incident.render_text(data))
-    return 0
+    return _print_incident(args, path)
 
 
 # -- the parser ------------------------------------------------------------

@@ -86,9 +86,9 @@ def process_dirs(incident: Path) -> list[Path]:
     return sorted(p for p in incident.iterdir() if p.is_dir() and any((p / w).exists() for w in wanted))
 
 
-def judge(pdir: Path) -> RankVerdict:
-    """One process's verdict from whatever was captured of it."""
-    proc = _json(pdir / "proc.json") or {}
+def judge(pdir: Path, known: dict[str, Any] | None = None) -> RankVerdict:
+    """One process's verdict from whatever was captured of it (``known``: what incident.json says of it)."""
+    proc = _json(pdir / "proc.json") or known or {}
     rank = proc.get("rank")
     pid = proc.get("pid") or (int(pdir.name) if pdir.name.isdigit() else None)
     sym = _json(pdir / "symbolized.json") or {}
@@ -137,13 +137,16 @@ def judge(pdir: Path) -> RankVerdict:
         return verdict("lock-wait", f"waiting for a lock ({lock})")
     if threads:
         return verdict("idle-python", "in Python, waiting on nothing known" if location else "in Python")
-    if proc.get("state", "") and str(proc.get("state")).startswith(("Z", "X")):
-        return verdict("dead", "the process is dead")
+    gone = any("is gone" in str(s.get("error")) for s in (known or {}).get("steps", []))
+    if gone or str(proc.get("state", "")).startswith(("Z", "X")):
+        return verdict("dead", "the process had exited before it could be read")
     return verdict("unknown", "nothing was captured that says what it was doing")
 
 
 def analyze(incident: Path) -> Analysis:
-    ranks = [judge(p) for p in process_dirs(incident)]
+    meta = _json(incident / "incident.json") or {}
+    known = {str(p.get("dir") or p.get("pid")): p for p in meta.get("processes", []) if isinstance(p, dict)}
+    ranks = [judge(p, known.get(p.name)) for p in process_dirs(incident)]
     records = {}
     for p, v in zip(process_dirs(incident), ranks):
         rec = flight.load(p / "flight-recorder.pkl")
@@ -171,7 +174,14 @@ def analyze(incident: Path) -> Analysis:
                     for r in c.ranks_entered]
     else:
         odd = _odd_one_out(ranks)
-        if odd is not None:
+        lost = [v for v in ranks if v.verdict in ("dead", "unknown")]
+        waiting = [v for v in ranks if v.verdict == "in-collective"]
+        if lost and waiting and len(lost) + len(waiting) == len(ranks):
+            culprits = [Culprit(v.rank, v.pid, v.detail, None) for v in lost]
+            summary = (f"Rank{'s' if len(waiting) > 1 else ''} {', '.join(str(v.rank) for v in waiting)} wait in "
+                       f"{waiting[0].collective}; rank{'s' if len(lost) > 1 else ''} "
+                       f"{', '.join(str(v.rank) for v in lost)}: {lost[0].detail}, so the one that did not join is there.")
+        elif odd is not None:
             culprits.append(Culprit(odd.rank, odd.pid, f"{odd.verdict}: {odd.detail}", odd.location))
             summary = (f"Rank {odd.rank} is the odd one out: {odd.detail} at {odd.location or 'an unknown place'}, "
                        f"while the other ranks are {Counter(v.verdict for v in ranks if v is not odd).most_common(1)[0][0]}.")

@@ -81,7 +81,14 @@ def capture_incident(
     """Capture every target into one new incident and store it; return the incident's id."""
     job = targets[0].job if targets else None
     draft = store.begin(suspicion.reason, job, [t.process.pid for t in targets])
-    captures = [run_steps(steps, t, draft.path / str(t.process.pid), budget, metrics, gate) for t in targets]
+    # Everything gentle on every rank first: a GPU dump ends its process, and a launcher
+    # like torchrun then tears down the other ranks before they could be read.
+    gentle = [(s, t) for s, t in steps if not getattr(s, "destructive", False)]
+    last = [(s, t) for s, t in steps if getattr(s, "destructive", False)]
+    first_pass = [run_steps(gentle, t, draft.path / str(t.process.pid), budget, metrics, gate) for t in targets]
+    captures = [ProcessCapture(pc.registration, pc.steps + run_steps(last, pc.registration, draft.path / str(pc.registration.process.pid),
+                                                                      budget, metrics, gate).steps) if last else pc
+                for pc in first_pass]
     analysis = analyze(draft.path)
     incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason=suspicion.reason,
                         detail=suspicion.detail, job=job, processes=tuple(captures), signals=suspicion.signals,

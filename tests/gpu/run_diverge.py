@@ -1,0 +1,55 @@
+"""The diverged two-rank job on a 2-GPU machine, through the real daemon; keeps the incident.
+
+    PYTHONPATH=. python3 tests/gpu/run_diverge.py OUTDIR
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from hangwatchd.testing import Daemon, hangwatchd_argv, wait_for  # noqa: E402
+
+
+def main(out: Path) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    base = Path("/tmp/hangwatchd-diverge")
+    shutil.rmtree(base, ignore_errors=True)
+    d = Daemon(base, config={"gpu_dump": "confirmed", "pyspy_timeout": 20.0, "flight_recorder_timeout": 30.0})
+    job = None
+    try:
+        job = subprocess.Popen(["torchrun", "--nproc-per-node", "2", "--no-python", *hangwatchd_argv(
+            "run", "--runtime-dir", str(d.runtime_dir), "--heartbeat-timeout", "10", "--"), sys.executable,
+            str(ROOT / "tests/gpu/diverge.py")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        inc = wait_for(d.store().list, 240, "the incident", every=0.5)[0]
+        res = subprocess.run(hangwatchd_argv("analyze", inc["dir"], "--json"), capture_output=True, text=True)
+        (out / "analysis.json").write_text(res.stdout + res.stderr)
+        show = subprocess.run(hangwatchd_argv("show", inc["id"], "--state-dir", str(d.state_dir)), capture_output=True, text=True)
+        (out / "show.txt").write_text(show.stdout + show.stderr)
+        with tarfile.open(out / "incident.tar.xz", "w:xz") as tar:  # small: the raw GPU dumps stay behind
+            tar.add(inc["dir"], arcname="diverged-incident", filter=lambda t: None if t.name.endswith(".zst") else t)
+        print(show.stdout[:3000])
+        print(json.dumps(json.loads(res.stdout), indent=1)[:3000] if res.returncode == 0 else res.stderr)
+    finally:
+        if job is not None:
+            job.kill()
+            try:
+                out_text = job.communicate(timeout=10)[0]
+            except subprocess.TimeoutExpired:
+                out_text = ""
+            (out / "torchrun.log").write_text(out_text or "")
+        d.stop()
+        shutil.copy(d.log, out / "daemon.log")
+        subprocess.run(["pkill", "-9", "-f", "[g]pu/diverge.py"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/diverge-out")))
