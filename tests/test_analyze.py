@@ -167,3 +167,21 @@ def test_the_html_page_renders_in_a_real_headless_browser(tmp_path: Path) -> Non
     subprocess.run(browser + [f"--screenshot={shot}", "--window-size=1200,900", page.as_uri()],
                    capture_output=True, timeout=120)
     assert shot.exists() and shot.stat().st_size > 10_000
+
+
+def test_the_real_diverged_job_from_an_h200_names_rank_1(tmp_path: Path) -> None:
+    import tarfile
+
+    with tarfile.open(FIXTURES.parent / "h200-diverged" / "incident.tar.xz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    res = hangwatchd("analyze", str(tmp_path / "diverged-incident"), "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["summary"].startswith("Rank 1 never entered all_gather #21 (process group 0) that rank 0 waits in")
+    (culprit,) = out["culprits"]
+    assert culprit["rank"] == 1 and culprit["location"].startswith("evaluate_only_on_rank_1 (") and culprit["location"].endswith("diverge.py:26)")
+    verdicts = {r["rank"]: r for r in out["ranks"]}
+    assert verdicts[0]["verdict"] == "in-collective" and "ncclDevKernel_AllGather" in verdicts[0]["detail"]
+    assert verdicts[1]["last_collective"] == ["0", 20]
+    text = hangwatchd("analyze", str(tmp_path / "diverged-incident")).stdout
+    assert text.splitlines()[0] == out["summary"]
