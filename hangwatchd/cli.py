@@ -95,11 +95,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 # -- capture by hand -------------------------------------------------------
 
 def cmd_capture(args: argparse.Namespace) -> int:
-    from . import config, registry
+    from . import config, log, registry
     from .capture import capture_incident, make_steps
     from .model import Suspicion
-    from .report import incident
-    from . import log
     from .store import Store, StoreError
 
     cfg = config.load(args.config, {"state_dir": args.state_dir, "runtime_dir": args.runtime_dir})

@@ -9,7 +9,8 @@ from __future__ import annotations
 import errno
 import json
 import re
-import shutil
+import os
+import stat
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,10 +80,21 @@ def store(dump: Path, outdir: Path, remove_source: bool = True) -> Stored:
     return Stored(tuple(files), result, "; ".join(notes) or None)
 
 
-def copy_text(src: Path, dst: Path) -> bool:
+def copy_text(src: Path, dst: Path, limit: int = 16 << 20) -> bool:
+    """Copy a small file a workload wrote (a driver log) into an incident: never through a
+    symlink, only a regular file, at most ``limit`` bytes."""
     try:
-        shutil.copyfile(src, dst)
-        return True
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        data = os.read(fd, limit)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    dst.write_bytes(data)
+    return True
 

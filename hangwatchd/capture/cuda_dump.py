@@ -8,7 +8,6 @@ runs after every other step, and only when the policy allows.
 
 from __future__ import annotations
 
-import errno
 import os
 import socket
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from pathlib import Path
 
 from .. import gpudump, procfs
 from ..model import Registration
-from .base import StepFailed
+from .base import StepFailed, poke_held_fifo
 from .waitfile import Watch, owned_regular_file
 
 KEYS = frozenset({"CUDA_COREDUMP_PIPE", "CUDA_COREDUMP_FILE", "CUDA_ENABLE_USER_TRIGGERED_COREDUMP"})
@@ -46,22 +45,13 @@ class CudaDumpStep:
         if not pipes:
             raise StepFailed(f"pid {pid} holds no CUDA coredump pipe: it was not started with "
                              "CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1 (start it with hangwatchd run)")
-        fd, path, st = pipes[0]
-        if st.st_uid not in (owner, 0):
-            raise StepFailed(f"{path} belongs to uid {st.st_uid}, not the process's uid {owner}; refusing to write to it")
         pattern = env.get("CUDA_COREDUMP_FILE") or f"core_%t_{socket.gethostname()}_%p.nvcudmp"
         target_glob = Path(gpudump.expand(pattern, pid))
         if not target_glob.is_absolute():
             target_glob = cwd / target_glob
         watch = Watch(target_glob.parent, target_glob.name)
         try:
-            try:
-                procfs.poke_fifo(pid, fd, b"\0")
-            except OSError as exc:
-                if exc.errno == errno.ENXIO:
-                    raise StepFailed(f"nobody reads the coredump pipe {path}") from None
-                if exc.errno != errno.EAGAIN:
-                    raise StepFailed(f"cannot write to {path}: {exc.strerror}") from None
+            poke_held_fifo(pid, pipes[0], b"\0", owner)
             found = watch.wait(timeout, lambda: not procfs.alive(proc))
             partial = watch.new_files()
         finally:

@@ -8,7 +8,6 @@ very process holds open for reading, owned by its user.
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from pathlib import Path
 
 from .. import procfs
 from ..model import Registration
-from .base import StepFailed
+from .base import StepFailed, poke_held_fifo
 from .waitfile import Watch, owned_regular_file
 
 KEYS = frozenset({"TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "RANK"})
@@ -38,21 +37,12 @@ class FlightRecorderStep:
         fifo = next(((fd, path, st) for fd, path, st in procfs.held_fifos(pid) if os.path.basename(path) == pipe_name), None)
         if fifo is None:
             raise StepFailed(f"pid {pid} holds no flight-recorder pipe {pipe_name} (no NCCL process group yet, or PyTorch < 2.3)")
-        fd, path, st = fifo
-        if st.st_uid not in (owner, 0):
-            raise StepFailed(f"{path} belongs to uid {st.st_uid}, not the process's uid {owner}; refusing to write to it")
         dump = Path(temp + rank)
         if not dump.is_absolute():
             dump = Path(os.readlink(f"/proc/{pid}/cwd")) / dump
         watch = Watch(dump.parent, dump.name)
         try:
-            try:
-                procfs.poke_fifo(pid, fd, b"1")
-            except OSError as exc:
-                if exc.errno == errno.ENXIO:
-                    raise StepFailed(f"nobody reads {path}") from None
-                if exc.errno != errno.EAGAIN:  # full: a request is already pending, fine
-                    raise StepFailed(f"cannot write to {path}: {exc.strerror}") from None
+            poke_held_fifo(pid, fifo, b"1", owner)
             found = watch.wait(timeout, lambda: not procfs.alive(target.process))
         finally:
             watch.close()

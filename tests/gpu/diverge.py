@@ -1,7 +1,6 @@
 """Two ranks that diverge: rank 1 skips an all_gather that rank 0 enters; rank 0 then waits
 for the GPU forever, rank 1 waits somewhere else. Run with torchrun --nproc-per-node 2."""
 
-import os
 import time
 
 import torch
