@@ -80,7 +80,6 @@ class Daemon:
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="capture")
         self.captures: list[_Capture] = []
         self.refused: dict[str, float] = {}  # registration name -> mtime already refused (no log spam)
-        self.pidfds: dict[int, registry.ProcessId] = {}
         self.dumping: set[int] = set()  # pids whose GPU dump a capture is taking: not exception dumps
         self.ingested: set[str] = set()  # dump files already made into incidents
         self.recent: dict[int, tuple[Registration, float]] = {}  # exited processes, to link late dumps
@@ -135,8 +134,12 @@ class Daemon:
 
     def stop(self, *_: object) -> None:
         self.stopping = True
+        self._wake()
+
+    def _wake(self, *_: object) -> None:
+        """Wake the loop from another thread or a signal handler (a full pipe is awake enough)."""
         try:
-            self._wake_w.send(b"s")
+            self._wake_w.send(b"w")
         except OSError:
             pass
 
@@ -294,7 +297,6 @@ class Daemon:
         w = Watched(reg, state, seen_at=now, timeout=timeout, next_check=now, timeout_source=source,
                     stack_timeout=reg.stack_timeout or self._stack_timeout_for(reg))
         self.watched[reg.process] = w
-        self.pidfds[pidfd] = reg.process
         self.selector.register(pidfd, selectors.EVENT_READ, reg.process)
         w.pidfd = pidfd
         if w.watched_by_stack:
@@ -344,7 +346,6 @@ class Daemon:
         if pidfd is not None:
             self.selector.unregister(pidfd)
             os.close(pidfd)
-            self.pidfds.pop(pidfd, None)
         del self.watched[w.process]
         r = w.registration
         try:
@@ -439,7 +440,7 @@ class Daemon:
         def done(f: concurrent.futures.Future[Sample]) -> None:
             if not f.cancelled() and f.exception() is None:
                 self.samples.put((pid, f.result(), native))
-            self._wake_w.send(b"s")
+            self._wake()
 
         future.add_done_callback(done)
 
@@ -538,7 +539,7 @@ class Daemon:
         group = [w] + mates
         self.dumping.update(x.process.pid for x in group)
         future = self.pool.submit(self._capture, group, suspicion)
-        future.add_done_callback(lambda _f: self._wake_w.send(b"c"))
+        future.add_done_callback(self._wake)
         self.captures.append(_Capture(group, suspicion, time.monotonic(), future))
 
     def _gate(self, outdir: Path, signals: tuple[str, ...] = ()) -> str | None:
@@ -613,7 +614,7 @@ class Daemon:
             return  # a capture asked for this one and takes it itself
         self.ingested.add(name)
         future = self.pool.submit(self._ingest, self.config.dumps / name, pid)
-        future.add_done_callback(lambda _f: self._wake_w.send(b"c"))
+        future.add_done_callback(self._wake)
         reg = self._registration_of(pid)
         fake = Watched(reg, State.CAPTURED, seen_at=time.monotonic(), timeout=0) if reg else None
         self.captures.append(_Capture([fake] if fake else [], Suspicion("gpu-exception", name, time.time()),
