@@ -1,6 +1,6 @@
 """The diverged two-rank job on a 2-GPU machine, through the real daemon; keeps the incident.
 
-    PYTHONPATH=. python3 tests/gpu/run_diverge.py OUTDIR
+    PYTHONPATH=. [DIVERGE_MODE=sizes] python3 tests/gpu/run_diverge.py OUTDIR
 """
 
 from __future__ import annotations
