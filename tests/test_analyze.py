@@ -185,3 +185,14 @@ def test_the_real_diverged_job_from_an_h200_names_rank_1(tmp_path: Path) -> None
     assert verdicts[1]["last_collective"] == ["0", 20]
     text = hangwatchd("analyze", str(tmp_path / "diverged-incident")).stdout
     assert text.splitlines()[0] == out["summary"]
+
+
+def test_the_real_size_mismatch_from_an_h200_is_flagged(tmp_path: Path) -> None:
+    import tarfile
+
+    with tarfile.open(FIXTURES.parent / "h200-size-mismatch" / "incident.tar.xz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    out = analyze(tmp_path / "diverged-incident").to_dict()
+    assert out["summary"] == ("Ranks disagree on _all_gather_base #21 (process group 0): "
+                              "different sizes: rank 0 [[1024]], rank 1 [[2048]].")
+    assert {c["rank"] for c in out["culprits"]} == {0, 1}
