@@ -12,7 +12,7 @@ class Sample:
     time: float  # monotonic
     signature: tuple[tuple[tuple[str, str, int], ...], ...]
     frames: tuple[str, ...]  # every frame name, for the pattern checks
-    cpu_ticks: int | None
+    cpu_seconds: float | None  # all threads, so far
     ctx_switches: int | None
     error: str | None = None
 
@@ -48,15 +48,15 @@ class StackHistory:
         """CPU seconds per second over the run (1.0: one core busy all along)."""
         first, last = self.samples[0], self.samples[-1]
         span = last.time - first.time
-        if first.cpu_ticks is None or last.cpu_ticks is None or span <= 0:
+        if first.cpu_seconds is None or last.cpu_seconds is None or span <= 0:
             return None
-        return (last.cpu_ticks - first.cpu_ticks) / 100 / span
+        return (last.cpu_seconds - first.cpu_seconds) / span
 
     def evidence(self) -> str:
         first, last = self.samples[0], self.samples[-1]
         parts = [f"{len(self.samples)} samples with the same stack over {self.frozen_for():.0f} s"]
-        if first.cpu_ticks is not None and last.cpu_ticks is not None:
-            parts.append(f"CPU +{(last.cpu_ticks - first.cpu_ticks) / 100:.2f} s")
+        if first.cpu_seconds is not None and last.cpu_seconds is not None:
+            parts.append(f"CPU +{last.cpu_seconds - first.cpu_seconds:.2f} s")
         if first.ctx_switches is not None and last.ctx_switches is not None:
             parts.append(f"context switches +{last.ctx_switches - first.ctx_switches}")
         return ", ".join(parts)

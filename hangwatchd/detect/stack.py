@@ -22,7 +22,9 @@ import re
 import time
 from collections.abc import Sequence
 
-from .. import procfs, subproc
+import psutil
+
+from .. import subproc
 from ..capture.pyspy import find_pyspy
 from ..samples import Sample, signature_of
 
@@ -38,19 +40,15 @@ BLOCKING = (
 IDLE = (r"selectors|select\.|epoll|asyncio|_run_once|accept|zmq|uvloop|serve_forever|Queue\.get|recv_pyobj")
 
 
-def _cpu_and_ctx(pid: int) -> tuple[int | None, int | None]:
+def _cpu_and_ctx(pid: int) -> tuple[float | None, int | None]:
+    """CPU seconds (all threads) and context switches so far: the evidence beside a frozen stack."""
     try:
-        raw = open(f"/proc/{pid}/stat", "rb").read()
-        rest = raw[raw.rfind(b")") + 2 :].split()
-        cpu = int(rest[11]) + int(rest[12])
-    except (OSError, IndexError, ValueError):
+        p = psutil.Process(pid)
+        with p.oneshot():
+            times, ctx = p.cpu_times(), p.num_ctx_switches()
+    except (psutil.Error, OSError):
         return None, None
-    st = procfs.status(pid)
-    try:
-        ctx = int(st.get("voluntary_ctxt_switches", "0")) + int(st.get("nonvoluntary_ctxt_switches", "0"))
-    except ValueError:
-        ctx = None
-    return cpu, ctx
+    return times.user + times.system, ctx.voluntary + ctx.involuntary
 
 
 def take_sample(pid: int, timeout: float, native: bool = False) -> Sample:
