@@ -260,6 +260,12 @@ def cmd_show(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hangwatchd", description="Watchdog for hung GPU jobs.")
     sub = p.add_subparsers(dest="command", required=True)
+    # Options several commands share, defined once.
+    dirs = argparse.ArgumentParser(add_help=False)
+    dirs.add_argument("--state-dir", help="incidents and their index (default: the running daemon's, else /var/lib/hangwatchd)")
+    dirs.add_argument("--runtime-dir", help="the daemon's runtime dir (default $HANGWATCHD_RUNTIME_DIR or /run/hangwatchd)")
+    as_json = argparse.ArgumentParser(add_help=False)
+    as_json.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     d = sub.add_parser("daemon", help="run the watchdog in the foreground (a systemd Type=notify service)")
     d.add_argument("--config", help="TOML config file (see config/hangwatchd.toml)")
@@ -282,53 +288,38 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     r.set_defaults(func=cmd_run)
 
-    st = sub.add_parser("status", help="every watched process: job, rank, state, last beat, timeout")
-    st.add_argument("--json", action="store_true")
-    st.add_argument("--state-dir", help="accepted for symmetry; status comes from the runtime dir")
-    st.add_argument("--runtime-dir")
+    st = sub.add_parser("status", parents=[dirs, as_json], help="every watched process: job, rank, state, last beat, timeout")
     st.set_defaults(func=cmd_status)
 
-    i = sub.add_parser("incidents", help="stored incidents, newest first")
-    i.add_argument("--json", action="store_true")
-    i.add_argument("--state-dir")
-    i.add_argument("--runtime-dir")
+    i = sub.add_parser("incidents", parents=[dirs, as_json], help="stored incidents, newest first")
     i.set_defaults(func=cmd_incidents)
 
-    sh = sub.add_parser("show", help="the report of one incident")
+    sh = sub.add_parser("show", parents=[dirs, as_json], help="the report of one incident")
     sh.add_argument("id", help="incident id (a unique prefix will do)")
-    sh.add_argument("--json", action="store_true")
     sh.add_argument("--html", nargs="?", const="", metavar="FILE",
                     help="write one self-contained HTML page (default ./hangwatchd-ID.html) and print its path")
-    sh.add_argument("--state-dir")
-    sh.add_argument("--runtime-dir")
     sh.set_defaults(func=cmd_show)
 
-    c = sub.add_parser("capture", help="capture a process's evidence now, into a new incident")
+    c = sub.add_parser("capture", parents=[dirs, as_json], help="capture a process's evidence now, into a new incident")
     c.add_argument("pid", type=int)
     c.add_argument("--gpu-dump", action="store_true", help="also take a CUDA coredump (this ends the process)")
-    c.add_argument("--json", action="store_true")
     c.add_argument("--config")
-    c.add_argument("--state-dir")
-    c.add_argument("--runtime-dir")
     c.set_defaults(func=cmd_capture)
 
-    an = sub.add_parser("analyze", help="explain an incident directory: each rank's verdict, the rank that diverged")
+    an = sub.add_parser("analyze", parents=[as_json],
+                        help="explain an incident directory: each rank's verdict, the rank that diverged")
     an.add_argument("dir", help="an incident directory (also one put together by hand)")
-    an.add_argument("--json", action="store_true")
     an.set_defaults(func=cmd_analyze)
 
-    ck = sub.add_parser("check", help="can this node do the job? ptrace, py-spy, nvdisasm, NVML, dirs, port, inotify")
-    ck.add_argument("--json", action="store_true")
+    ck = sub.add_parser("check", parents=[dirs, as_json],
+                        help="can this node do the job? ptrace, py-spy, nvdisasm, NVML, dirs, port, inotify")
     ck.add_argument("--config")
-    ck.add_argument("--state-dir")
-    ck.add_argument("--runtime-dir")
     ck.add_argument("--dump-dir")
     ck.add_argument("--metrics-address")
     ck.set_defaults(func=cmd_check)
 
-    s = sub.add_parser("symbolize", help="explain a CUDA coredump: kernels, warps, exceptions, inline chains")
+    s = sub.add_parser("symbolize", parents=[as_json], help="explain a CUDA coredump: kernels, warps, exceptions, inline chains")
     s.add_argument("dump", help="the coredump (raw, or compressed .xz/.gz/.zst)")
-    s.add_argument("--json", action="store_true", help="print JSON instead of text")
     s.add_argument("--cuda-gdb", action="store_true", help="also run cuda-gdb, where installed, and show its answer")
     s.add_argument("--chains", choices=["line-table", "nvdisasm"], default="line-table",
                    help="where inline chains come from: the cubins' line tables (default, fast) or nvdisasm -gi")

@@ -87,8 +87,7 @@ def register(
         env = os.environ
         reg = Registration(
             process=me, uid=os.getuid(), job=job or env.get("TORCHELASTIC_RUN_ID"),
-            rank=rank if rank is not None else registry.env_int(env, "RANK"),
-            local_rank=registry.env_int(env, "LOCAL_RANK"), world_size=registry.env_int(env, "WORLD_SIZE"),
+            **registry.ranks_from_env(env, rank),
             heartbeat_timeout=heartbeat_timeout, beat_file=str(beat_file),
             cmdline=procfs.cmdline(me.pid), source="register", registered_at=time.time(),
         )

@@ -109,8 +109,7 @@ def run(launch: Launch) -> int:
     if me is not None and beat_file is not None:
         reg = Registration(
             process=me, uid=os.getuid(), job=registry.job_of(env, launch.job),
-            rank=launch.rank if launch.rank is not None else registry.env_int(env, "RANK"),
-            local_rank=registry.env_int(env, "LOCAL_RANK"), world_size=registry.env_int(env, "WORLD_SIZE"),
+            **registry.ranks_from_env(env, launch.rank),
             heartbeat_timeout=launch.heartbeat_timeout, stack_timeout=launch.stack_timeout,
             beat_file=str(beat_file), status_file=str(notify.status_file) if notify else None,
             cmdline=tuple(launch.command), source="run", registered_at=time.time(),

@@ -80,6 +80,12 @@ def env_int(env: Mapping[str, str], key: str) -> int | None:
         return None
 
 
+def ranks_from_env(env: Mapping[str, str], rank: int | None = None) -> dict[str, int | None]:
+    """rank (unless given), local_rank and world_size as torchrun and friends set them."""
+    return {"rank": rank if rank is not None else env_int(env, "RANK"),
+            "local_rank": env_int(env, "LOCAL_RANK"), "world_size": env_int(env, "WORLD_SIZE")}
+
+
 def job_of(env: Mapping[str, str], explicit: str | None = None) -> str | None:
     """A job's id: given, or torchelastic's run id, or the rendezvous address all its ranks share."""
     if explicit:
@@ -98,8 +104,7 @@ def from_proc(pid: int, source: str = "capture") -> Registration | None:
         return None
     env = procfs.environ(pid, frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"}))
     return Registration(
-        process=me, uid=procfs.uid(pid) or 0, job=job_of(env), rank=env_int(env, "RANK"),
-        local_rank=env_int(env, "LOCAL_RANK"), world_size=env_int(env, "WORLD_SIZE"),
+        process=me, uid=procfs.uid(pid) or 0, job=job_of(env), **ranks_from_env(env),
         cmdline=procfs.cmdline(pid), source=source, registered_at=time.time(),
     )
 

@@ -7,6 +7,7 @@ here: the daemon must never block on something it watches.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -59,6 +60,18 @@ def run(
         out, err = proc.communicate()
         timed_out = True
     return Result(tuple(argv), proc.returncode, out, err, timed_out, time.monotonic() - start)
+
+
+def find_tool(name: str, env_var: str, candidates: Sequence[str] = ()) -> str | None:
+    """A helper program: ``$env_var`` ('none' to go without), else ``name`` on PATH, else the
+    first executable of ``candidates``."""
+    chosen = os.environ.get(env_var)
+    if chosen:
+        return None if chosen == "none" else chosen
+    found = shutil.which(name)
+    if found:
+        return found
+    return next((c for c in candidates if os.access(c, os.X_OK)), None)
 
 
 def kill_group(pgid: int) -> None:

@@ -21,10 +21,6 @@ from .waitfile import Watch, owned_regular_file
 KEYS = frozenset({"CUDA_COREDUMP_PIPE", "CUDA_COREDUMP_FILE", "CUDA_ENABLE_USER_TRIGGERED_COREDUMP"})
 
 
-def _expand(pattern: str, pid: int) -> str:
-    return pattern.replace("%h", socket.gethostname()).replace("%p", str(pid))
-
-
 @dataclass
 class CudaDumpStep:
     driver_logs: Path | None = None  # RUNTIME_DIR/driver-logs, where hangwatchd run keeps coredump: lines
@@ -38,7 +34,7 @@ class CudaDumpStep:
             raise StepFailed(f"pid {pid} started at {proc.start_time} is gone")
         env = procfs.environ(pid, KEYS)
         cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
-        wanted = os.path.basename(_expand(env["CUDA_COREDUMP_PIPE"], pid)) if env.get("CUDA_COREDUMP_PIPE") else None
+        wanted = os.path.basename(gpudump.expand(env["CUDA_COREDUMP_PIPE"], pid)) if env.get("CUDA_COREDUMP_PIPE") else None
         owner = procfs.uid(pid)
         pipes = [(fd, path, st) for fd, path, st in procfs.held_fifos(pid)
                  if os.path.basename(path) == wanted or os.path.basename(path).startswith(("corepipe", "cuda_pipe"))]

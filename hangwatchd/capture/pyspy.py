@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,14 +20,7 @@ from .base import StepFailed
 
 def find_pyspy() -> str | None:
     """$HANGWATCHD_PYSPY ('none' to go without), py-spy on PATH, or beside the Python running us (a virtualenv's bin)."""
-    chosen = os.environ.get("HANGWATCHD_PYSPY")
-    if chosen:
-        return None if chosen == "none" else chosen
-    found = shutil.which("py-spy")
-    if found:
-        return found
-    beside = Path(sys.executable).parent / "py-spy"
-    return str(beside) if os.access(beside, os.X_OK) else None
+    return subproc.find_tool("py-spy", "HANGWATCHD_PYSPY", [str(Path(sys.executable).parent / "py-spy")])
 
 
 def ptrace_hint() -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 
 from .. import subproc
 from .source import raw_path
@@ -12,12 +11,8 @@ DEADLINE_S = 60.0
 
 
 def find_cuda_gdb() -> str | None:
-    found = shutil.which("cuda-gdb")
-    if found:
-        return found
     home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    candidate = os.path.join(home, "bin", "cuda-gdb")
-    return candidate if os.access(candidate, os.X_OK) else None
+    return subproc.find_tool("cuda-gdb", "HANGWATCHD_CUDA_GDB", [os.path.join(home, "bin", "cuda-gdb")])
 
 
 def cuda_gdb_argv(tool: str, dump: str) -> list[str]:

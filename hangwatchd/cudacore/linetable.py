@@ -206,7 +206,8 @@ class LineTable:
         return self.files[index] if 0 <= index < len(self.files) else "?"
 
 
-def _uleb(data: bytes, p: int) -> tuple[int, int]:
+def _leb(data: bytes, p: int, signed: bool = False) -> tuple[int, int]:
+    """A LEB128 number at ``p``: (value, position after it)."""
     value = shift = 0
     while True:
         b = data[p]
@@ -214,17 +215,14 @@ def _uleb(data: bytes, p: int) -> tuple[int, int]:
         value |= (b & 0x7F) << shift
         shift += 7
         if b < 0x80:
+            if signed and b & 0x40:
+                value -= 1 << shift
             return value, p
+
+
+def _uleb(data: bytes, p: int) -> tuple[int, int]:
+    return _leb(data, p)
 
 
 def _sleb(data: bytes, p: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        b = data[p]
-        p += 1
-        value |= (b & 0x7F) << shift
-        shift += 7
-        if b < 0x80:
-            if b & 0x40:
-                value -= 1 << shift
-            return value, p
+    return _leb(data, p, signed=True)

@@ -7,7 +7,6 @@ import glob
 import importlib.util
 import os
 import re
-import shutil
 import tempfile
 from dataclasses import dataclass
 
@@ -28,21 +27,12 @@ class SourceLine:
 
 def find_nvdisasm() -> str | None:
     """$HANGWATCHD_NVDISASM ('none' to go without), then a toolkit's (PATH, $CUDA_HOME), then the PyPI package's."""
-    chosen = os.environ.get("HANGWATCHD_NVDISASM")
-    if chosen:
-        return None if chosen == "none" else chosen
-    found = shutil.which("nvdisasm")
-    if found:
-        return found
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if home and os.access(os.path.join(home, "bin", "nvdisasm"), os.X_OK):
-            return os.path.join(home, "bin", "nvdisasm")
+    homes = [h for h in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda") if h]
+    candidates = [os.path.join(h, "bin", "nvdisasm") for h in homes]
     spec = importlib.util.find_spec("nvidia")
     for root in (spec.submodule_search_locations or []) if spec else []:
-        for candidate in sorted(glob.glob(os.path.join(root, "*", "bin", "nvdisasm"))):
-            if os.access(candidate, os.X_OK):
-                return candidate
-    return None
+        candidates += sorted(glob.glob(os.path.join(root, "*", "bin", "nvdisasm")))
+    return subproc.find_tool("nvdisasm", "HANGWATCHD_NVDISASM", candidates)
 
 
 class NvdisasmError(Exception):

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..analyze.stacks import is_user_frame
+from ..analyze.stacks import is_user_frame, load_threads
 from ..analyze.verdict import analyze
 
 def _read_json(path: Path) -> Any:
@@ -32,10 +32,8 @@ def load(incident_dir: Path) -> dict[str, Any]:
     for proc in processes:
         pdir = incident_dir / str(proc.get("dir") or proc.get("pid"))
         proc["proc"] = _read_json(pdir / "proc.json")
-        native = _read_json(pdir / "pyspy-native.json")
-        plain = _read_json(pdir / "pyspy.json")
-        proc["stacks"] = native if isinstance(native, list) else plain if isinstance(plain, list) else None
-        proc["stacks_native"] = isinstance(native, list)
+        proc["stacks"] = load_threads(pdir)
+        proc["stacks_native"] = (pdir / "pyspy-native.json").exists()
     data["processes"] = processes
     # Derived from the files, so always redone: a trace added by hand later counts too.
     data["analysis"] = analyze(incident_dir).to_dict()
