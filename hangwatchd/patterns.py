@@ -1,0 +1,81 @@
+"""The one catalogue of stack-frame patterns: what a frame says a thread waits on.
+
+The stack detector (is a frozen stack blocked or idle?), the GPU-dump gate (is
+the host inside the CUDA driver or NCCL?) and the verdict (what was each
+process doing?) all read frames; they read them through this catalogue so
+that they cannot disagree. Patterns are regular expressions searched in a
+frame's function name (py-spy's ``name``), native and Python frames alike,
+unless a kind says it is native only.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str  # gpu, collective, lock, idle
+    pattern: str
+    native: bool  # only the native stack can show it (a gate on the GPU dump trusts only these)
+
+    def search(self, frame_name: str) -> bool:
+        return _compiled(self.pattern).search(frame_name) is not None
+
+
+# The host waits for the GPU: the driver's and the runtime's synchronising calls, and
+# the blocking copies (a device-to-host copy waits for the stream ahead of it).
+GPU_NATIVE = Kind("gpu", r"\bcu(?:da)?\w*Synchronize\b|\bcuMemcpy\w*\b|\bcudaMemcpy\w*\b|\bcuStreamWait\w+|\bcudaStreamWait\w+"
+                         r"|\bcuStreamQuery\b|\bcuEventQuery\b|\bcuGraphLaunch\b|\bcuLaunchKernel\w*", native=True)
+# PyTorch calls that wait for the GPU, as the Python stack shows them.
+GPU_PYTHON = Kind("gpu", r"^(?:\w+\.)*(?:synchronize|item|cpu|tolist|__repr__|__str__)$", native=False)
+# Inside NCCL or a collective's wait, as the native stack shows it.
+COLLECTIVE_NATIVE = Kind("collective", r"\bnccl[A-Z]\w*|ProcessGroupNCCL|WorkNCCL|\bc10d::\w*[Ww]ait\b", native=True)
+# A collective as the Python stack shows it (any backend: gloo waits here too).
+COLLECTIVE_PYTHON = Kind("collective", r"^(?:\w+\.)*(?:all_reduce|all_gather\w*|reduce_scatter\w*|broadcast\w*|barrier"
+                                       r"|all_to_all\w*|send|recv|isend|irecv|wait_tensor|_all_gather_base|_reduce_scatter_base)$",
+                         native=False)
+# Locks, joins and condition waits.
+LOCK = Kind("lock", r"\bacquire\b|lock_PyThread|_wait_for_tstate_lock|\btake_gil\b|pthread_mutex_lock"
+                    r"|^(?:\w+\.)*join$|Condition\.wait|Event\.wait|Semaphore\.acquire", native=False)
+# Where a server waits for work: a frozen stack here is idleness, not a hang.
+IDLE = Kind("idle", r"selectors|select\.|\bepoll|asyncio|_run_once|\baccept\b|zmq|uvloop|serve_forever|Queue\.get"
+                    r"|recv_pyobj", native=False)
+
+# Blocking kinds, in the order the verdict tells them apart: a thread in NCCL that also
+# synchronises is in a collective; one in a lock inside a collective is in the collective.
+COLLECTIVE = (COLLECTIVE_NATIVE, COLLECTIVE_PYTHON)
+GPU = (GPU_NATIVE, GPU_PYTHON)
+BLOCKING = (*GPU, *COLLECTIVE, LOCK)
+
+# Libraries whose native frames mean the thread is inside the CUDA driver or NCCL (a
+# hung process blocked there, even in cuLaunchKernel behind a full queue, waits on the GPU).
+GPU_LIBRARIES = ("libcuda.so", "libnccl.so")
+DRIVER_LIBRARY = "libcuda.so"
+
+
+def first(names: Iterable[str], kinds: Iterable[Kind]) -> str | None:
+    """The first frame name matching any of ``kinds``, trying kind by kind (earlier kinds say more)."""
+    listed = list(names)
+    for kind in kinds:
+        for name in listed:
+            if kind.search(name):
+                return name
+    return None
+
+
+def blocking_patterns(native_only: bool = False) -> tuple[str, ...]:
+    """The blocking kinds' patterns, for a detector that takes extra ones from the config."""
+    return tuple(k.pattern for k in BLOCKING if k.native or not native_only)
+
+
+def _compiled(pattern: str) -> re.Pattern[str]:
+    found = _CACHE.get(pattern)
+    if found is None:
+        found = _CACHE[pattern] = re.compile(pattern)
+    return found
+
+
+_CACHE: dict[str, re.Pattern[str]] = {}
