@@ -15,6 +15,10 @@ class StepFailed(Exception):
     """The step could not do its job; the message says why, for the incident and the log."""
 
 
+class StepNotApplicable(StepFailed):
+    """Nothing for the step to capture on this process (no NCCL, no GPU): n/a, with why; not a failure."""
+
+
 class Step(Protocol):
     name: str  # a step may also set ``destructive = True``: it runs last, and only when policy allows
 

@@ -13,7 +13,7 @@ from ..metrics import Metrics
 from ..model import Incident, ProcessCapture, Registration, StepResult, Suspicion
 from ..analyze.verdict import analyze
 from ..store import Store
-from .base import Step, StepFailed
+from .base import Step, StepFailed, StepNotApplicable
 
 log = structlog.get_logger("hangwatchd.capture")
 
@@ -54,6 +54,8 @@ def run_steps(
         try:
             files = step.run(target, outdir, min(timeout, left))
             result = StepResult(step.name, True, time.monotonic() - start, files=tuple(files))
+        except StepNotApplicable as exc:
+            result = StepResult(step.name, True, time.monotonic() - start, f"n/a: {exc}", skipped=True)
         except StepFailed as exc:
             result = StepResult(step.name, False, time.monotonic() - start, str(exc))
         except OSError as exc:  # a full disk, a vanished directory: the step fails, the pipeline goes on

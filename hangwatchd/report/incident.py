@@ -51,12 +51,15 @@ def _frame_line(frame: dict[str, Any]) -> str:
 def render_analysis(a: dict[str, Any]) -> str:
     out = [a["summary"], ""]
     for c in a.get("culprits", []):
-        out.append(f"Culprit: rank {c['rank']} (pid {c['pid']}): {c['reason']}" + (f", at {c['location']}" if c.get("location") else ""))
+        where = f"pid {c['pid']}" + (f" on node {c['node']}" if c.get("node") else "") + (f", GPU {c['gpu']}" if c.get("gpu") is not None else "")
+        who = f"rank {c['rank']} ({where})" if c.get("rank") is not None else where
+        out.append(f"Culprit: {who}: {c['reason']}" + (f", at {c['location']}" if c.get("location") else ""))
     if a.get("ranks"):
         out += ["", "Ranks:"]
         for r in a["ranks"]:
             last = f"; last collective {r['last_collective'][0]}#{r['last_collective'][1]}" if r.get("last_collective") else ""
-            out.append(f"  rank {r['rank']} pid {r['pid']}: {r['verdict']} - {r['detail']}"
+            who = f"rank {r['rank']} pid {r['pid']}" if r.get("rank") is not None else f"pid {r['pid']}"
+            out.append(f"  {who}: {r['verdict']} - {r['detail']}"
                        + (f" at {r['location']}" if r.get("location") else "") + last)
     if a.get("collectives"):
         out += ["", "Collectives (flight recorder):"]
@@ -64,6 +67,10 @@ def render_analysis(a: dict[str, Any]) -> str:
             out.append(f"  pg {c['pg']} #{c['seq']} {c['name']}: entered by {list(c['ranks_entered'])}"
                        + (f", never by {list(c['ranks_missing'])}" if c["ranks_missing"] else "")
                        + (f"; {c['mismatch']}" if c.get("mismatch") else ""))
+    if a.get("rests_on"):
+        out += ["", "The verdict rests on:"] + [f"  {line}" for line in a["rests_on"]]
+    if a.get("unreadable"):
+        out += ["", "Could not be read:"] + [f"  {line}" for line in a["unreadable"]]
     return "\n".join(out) + "\n"
 
 
@@ -89,8 +96,9 @@ def render_text(data: dict[str, Any]) -> str:
         if steps:
             out.append("  capture:")
             for s in steps:
-                outcome = "skipped" if s.get("skipped") else "ok" if s["ok"] else "FAILED"
-                why = f" - {s['error']}" if s.get("error") else ""
+                na = str(s.get("error") or "").startswith("n/a: ")
+                outcome = "n/a" if na else "skipped" if s.get("skipped") else "ok" if s["ok"] else "FAILED"
+                why = f" - {s['error'][5:] if na else s['error']}" if s.get("error") else ""
                 out.append(f"    {s['step']:<16} {outcome:<8} {s['seconds']:6.2f} s{why}")
         stacks = proc.get("stacks")
         if not stacks:
