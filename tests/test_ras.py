@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -170,14 +171,15 @@ def test_an_unreachable_ras_port_is_one_na_line_within_its_deadline(tmp_path: Pa
     assert list((tmp_path / "x" / str(reg.process.pid)).iterdir()) == []
 
 
-def test_without_nccl_ras_addr_the_default_port_is_asked(tmp_path: Path, workload) -> None:
-    reg = workload(None)
-    try:
-        files = NcclRasStep().run(reg, tmp_path, 1.0)
-    except Exception as exc:  # nothing (or something else) on 28028 here: the message names the default
-        assert "localhost:28028" in str(exc)
-    else:  # a real NCCL job on this machine answered
-        assert "nccl-ras.txt" in files
+def test_the_address_is_the_processs_own_then_the_registered_then_the_default() -> None:
+    from hangwatchd.capture.nccl_ras import address_of, split_address
+
+    assert address_of({}, None) == "localhost:28028"
+    assert address_of({}, "127.0.0.1:41000") == "127.0.0.1:41000"
+    assert address_of({"NCCL_RAS_ADDR": "[::1]:41001"}, "127.0.0.1:41000") == "[::1]:41001"  # what NCCL reads wins
+    assert split_address("[::1]:41001") == ("::1", 41001) and split_address(":41002") == ("localhost", 41002)
+    with pytest.raises(ValueError):
+        split_address("localhost")
 
 
 def place(incident: Path, pid: int, rank: int, *ras_files: str, host: str = "192.0.2.2") -> Path:
@@ -247,3 +249,72 @@ def test_the_ras_reader_never_raises(noise: str, base: str) -> None:
             view, why = parse(text)
             assert (view is None) == bool(why)
             assert time.monotonic() - start < 1.0
+
+
+RUN_CODE = """
+import glob, json, os, sys, time, threading, hangwatchd
+for _ in range(5): hangwatchd.beat(); time.sleep(0.05)
+keys = ("NCCL_RAS_ADDR", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+reg = None
+for _ in range(200):  # the launcher registers us just after we start
+    for f in glob.glob(os.path.join(os.environ["HANGWATCHD_RUNTIME_DIR"], "registrations", "*")):
+        data = json.load(open(f))
+        if data.get("pid") == os.getpid():
+            reg = data
+    if reg: break
+    time.sleep(0.02)
+print(json.dumps({**{k: os.environ.get(k) for k in keys}, "registered": (reg or {}).get("ras_addr")}), flush=True)
+def all_reduce_wait():
+    threading.Event().wait()
+all_reduce_wait()
+"""
+
+
+def test_run_gives_each_workload_its_own_ras_address_and_the_flight_recorder_names(tmp_path: Path) -> None:
+    from hangwatchd.testing import Daemon
+
+    with Daemon(tmp_path / "d", config={"gpu_dump": "never", "capture_steps": ["proc"]}) as d:
+        mine = "127.0.0.1:45999"
+        procs = [d.run([sys.executable, "-c", RUN_CODE], stdout=subprocess.PIPE, env=env)
+                 for env in (dict(os.environ), dict(os.environ), dict(os.environ, NCCL_RAS_ADDR=mine, TORCH_NCCL_TRACE_BUFFER_SIZE="77"))]
+        try:
+            seen = [json.loads(p.stdout.readline()) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+    a, b, user = seen
+    assert a["NCCL_RAS_ADDR"] != b["NCCL_RAS_ADDR"] and a["NCCL_RAS_ADDR"].startswith("127.0.0.1:")
+    assert a["registered"] == a["NCCL_RAS_ADDR"] and b["registered"] == b["NCCL_RAS_ADDR"]
+    assert user["NCCL_RAS_ADDR"] == user["registered"] == mine  # what the user set wins
+    assert a["TORCH_FR_BUFFER_SIZE"] == a["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"  # PyTorch 2.11 and older alike
+    assert a["TORCH_FR_DUMP_TEMP_FILE"] == a["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+    assert user["TORCH_FR_BUFFER_SIZE"] == user["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "77"  # the user's old name, under both
+
+
+def test_the_daemon_asks_the_jobs_ras_and_blames_the_dead_peer(tmp_path: Path) -> None:
+    from hangwatchd.testing import Daemon, wait_for
+
+    server = RasServer((RAS / "dead-70s.txt").read_bytes(), (RAS / "dead-70s.json").read_bytes())
+    server.start()
+    try:
+        config = {"gpu_dump": "never", "pyspy_native": False, "capture_steps": ["proc", "pyspy", "nccl_ras"]}
+        with Daemon(tmp_path / "d", config=config) as d:
+            env = dict(os.environ, NCCL_RAS_ADDR=server.addr, RANK="0", WORLD_SIZE="2", MASTER_ADDR="10.0.0.1", MASTER_PORT="29500")
+            p = d.run([sys.executable, "-c", RUN_CODE], "--heartbeat-timeout", "1", stdout=subprocess.DEVNULL, env=env)
+            try:
+                (inc,) = wait_for(d.store().list, 30, "an incident")
+            finally:
+                p.kill()
+                p.wait()
+    finally:
+        server.close()
+    incident = Path(inc["dir"])
+    (pdir,) = [x for x in incident.iterdir() if x.is_dir()]
+    assert (pdir / "nccl-ras.txt").read_bytes() == (RAS / "dead-70s.txt").read_bytes()
+    meta = json.loads((incident / "incident.json").read_text())
+    (step,) = [s for s in meta["processes"][0]["steps"] if s["step"] == "nccl_ras"]
+    assert step["ok"] and step["seconds"] < 1.0
+    culprit = meta["analysis"]["culprits"][0]
+    assert (culprit["rank"], culprit["pid"], culprit["node"]) == (1, 787, "192.0.2.2")
+    assert inc["summary"].startswith("Rank 1 (pid 787 on node 192.0.2.2, GPU 1) is dead")

@@ -148,7 +148,7 @@ class NcclRasStep:
         env = procfs.environ(target.process.pid, frozenset({"NCCL_RAS_ADDR", "NCCL_RAS_ENABLE"}))
         if env.get("NCCL_RAS_ENABLE") == "0":
             raise StepNotApplicable("NCCL_RAS_ENABLE=0 in the process's environment")
-        addr = address_of(env, getattr(target, "ras_addr", None))
+        addr = address_of(env, target.ras_addr)
         answer = self._answer(str(outdir.parent), addr, timeout)
         if answer.error:
             raise StepNotApplicable(answer.error)

@@ -91,9 +91,16 @@ def capture_incident(
     captures = [ProcessCapture(pc.registration, pc.steps + run_steps(last, pc.registration, draft.path / str(pc.registration.process.pid),
                                                                       budget, metrics, gate).steps) if last else pc
                 for pc in first_pass]
-    analysis = analyze(draft.path)
+    try:
+        found = analyze(draft.path)
+        summary, analysis = found.summary, found.to_dict()
+    except Exception as exc:  # a bug in the analysis must never cost the evidence: store it, say so
+        log.exception("analysis_failed", incident=draft.id)
+        summary = f"The analysis failed ({type(exc).__name__}: {exc}); the evidence is stored: hangwatchd analyze DIR retries it."
+        analysis = {"summary": summary, "culprits": [], "ranks": [], "collectives": [], "rests_on": [],
+                    "unreadable": [f"the analysis itself: {type(exc).__name__}: {exc}"]}
     incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason=suspicion.reason,
                         detail=suspicion.detail, job=job, processes=tuple(captures), signals=suspicion.signals,
-                        notify_status=notify_status, verdict=analysis.summary)
-    store.commit(draft, incident, f"{analysis.summary} ({suspicion.detail})", analysis.to_dict())
+                        notify_status=notify_status, verdict=summary)
+    store.commit(draft, incident, f"{summary} ({suspicion.detail})", analysis)
     return draft.id
