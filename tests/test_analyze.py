@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from hangwatchd.analyze.verdict import analyze
 from hangwatchd.cudacore.symbolize import symbolize
 from hangwatchd.testing import Daemon, wait_for
@@ -197,3 +200,134 @@ def test_the_real_size_mismatch_from_an_h200_is_flagged(tmp_path: Path) -> None:
     assert out["summary"] == ("Ranks disagree on _all_gather_base #21 (process group 0): "
                               "different sizes: rank 0 [[1024]], rank 1 [[2048]].")
     assert {c["rank"] for c in out["culprits"]} == {0, 1}
+
+
+def stream_incident(tmp_path: Path, process_gpus: list[int], utilisation: int | None, dump: bool = True) -> Path:
+    """The real hung triton job's native stack (host in cuStreamSynchronize) with the real dump and NVML facts."""
+    pdir = tmp_path / "1110"
+    pdir.mkdir(parents=True)
+    (pdir / "proc.json").write_text(json.dumps({"pid": 1110}))
+    shutil.copy(FIXTURES / "triton_hang" / "pyspy-native.json", pdir)
+    if dump:  # the dump's only kernel runs on GPU 0
+        (pdir / "symbolized.json").write_text(json.dumps(symbolize(FIXTURES / "triton_hang" / "coredump.nvcudmp.xz").to_dict()))
+    devices = [{"index": i, "utilization_percent": utilisation if i in process_gpus else 100} for i in (0, 1)]
+    (pdir / "nvml.json").write_text(json.dumps({"devices": devices, "process_gpus": process_gpus}))
+    return pdir
+
+
+def test_a_host_blocked_in_the_driver_while_its_gpu_runs_nothing_is_a_stream_deadlock(tmp_path: Path) -> None:
+    stream_incident(tmp_path, [1], 0)  # the process's GPU is 1: the dump shows nothing running there
+    out = json.loads(hangwatchd("analyze", str(tmp_path), "--json").stdout)
+    (v,) = out["ranks"]
+    assert v["verdict"] == "stream-deadlock"
+    assert "host blocked in cuStreamSynchronize while the GPU dump shows no kernel running on GPU 1" in v["detail"]
+    assert "cudaStreamWaitValue" in v["detail"] and "graph" in v["detail"]
+    assert v["location"] == "main (/srv/gpuapp/conditional_hang.py:34)"
+    assert out["summary"].startswith("pid 1110: host blocked in cuStreamSynchronize") and "rank None" not in out["summary"]
+    text = hangwatchd("analyze", str(tmp_path)).stdout
+    assert "  pid 1110: stream-deadlock" in text and "rank None" not in text
+
+
+def test_nvml_at_zero_percent_without_a_dump_is_a_stream_deadlock_too(tmp_path: Path) -> None:
+    stream_incident(tmp_path, [0], 0, dump=False)
+    (v,) = analyze(tmp_path).ranks
+    assert v.verdict == "stream-deadlock" and "NVML reads 0 % on GPU 0" in v.detail
+
+
+def test_the_spinning_kernel_and_unknown_utilisation_keep_their_verdicts(tmp_path: Path) -> None:
+    stream_incident(tmp_path / "a", [0], 100)  # the real case: its kernel spins on GPU 0
+    (v,) = analyze(tmp_path / "a").ranks
+    assert v.verdict == "gpu-kernel-spinning" and "conditional_hang_kernel" in v.detail and "GPU 100% busy" in v.detail
+    stream_incident(tmp_path / "b", [0], None, dump=False)  # NVML could not say: no claim either way
+    (v,) = analyze(tmp_path / "b").ranks
+    assert v.verdict == "waiting-on-gpu" and "cuStreamSynchronize" in v.detail
+
+
+def test_analyze_on_a_directory_that_is_no_incident_exits_2_with_one_line(tmp_path: Path) -> None:
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "cat.jpg").write_bytes(b"\xff\xd8")
+    res = hangwatchd("analyze", str(tmp_path))
+    assert res.returncode == 2 and res.stdout == ""
+    assert len(res.stderr.strip().splitlines()) == 1 and "is no incident" in res.stderr
+
+
+BAD_FILES = {
+    "pyspy-native.json": [b"\xff\xfe", b"[1, 2, {\"frames\": 7}]", b"{\"frames\": []}", b"[{\"frames\": [{\"name\": 5, \"line\": \"x\"}]}]"],
+    "flight-recorder.pkl": [pickle.dumps({"pg_status": {"0": {"last_enqueued_collective": "x"}}, "entries": [{"frames": [{"line": "7a"}]}]}),
+                            pickle.dumps({"pg_status": [1, 2], "entries": 5}), b"\x80\x05garbage"],
+    "nvml.json": [json.dumps({"devices": [{"index": 0, "utilization_percent": None}], "process_gpus": [0]}).encode(), b"[]"],
+    "symbolized.json": [b"{\"exceptions\": [{}], \"kernels\": 3}", b"{\"kernels\": [{\"name\": \"k\", \"device\": 0}], \"pcs\": [7]}"],
+    "proc.json": [b"{\"rank\": \"zero\", \"pid\": [1]}", b"null"],
+}
+
+
+def test_each_unreadable_piece_of_evidence_is_a_line_and_the_verdict_says_what_it_rests_on(tmp_path: Path) -> None:
+    for i, (name, variants) in enumerate(BAD_FILES.items()):
+        for j, content in enumerate(variants):
+            pdir = tmp_path / f"{i}{j}"
+            pdir.mkdir()
+            (pdir / name).write_bytes(content)
+            if name != "pyspy-native.json":
+                shutil.copy(FIXTURES / "triton_hang" / "pyspy-native.json", pdir)
+    res = hangwatchd("analyze", str(tmp_path), "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    unreadable = "\n".join(out["unreadable"])
+    assert "00/pyspy-native.json: not py-spy's JSON" in unreadable
+    assert "02/pyspy-native.json: not a list of threads" in unreadable
+    assert "12/flight-recorder.pkl: not a flight-recorder trace" in unreadable
+    assert "41/proc.json: not a JSON object" in unreadable
+    assert any(r.startswith("pid 10: native stacks") and "flight recorder" in r for r in out["rests_on"])
+    text = hangwatchd("analyze", str(tmp_path)).stdout
+    assert "Could not be read:" in text and "The verdict rests on:" in text
+
+
+def test_a_capture_is_stored_even_when_its_analysis_fails(tmp_path: Path, monkeypatch) -> None:
+    from hangwatchd.capture import pipeline
+    from hangwatchd.capture.proc import ProcStep
+    from hangwatchd.model import Suspicion
+    from hangwatchd.registry import from_proc
+    from hangwatchd.store import Store
+
+    def broken(_path: Path):  # type: ignore[no-untyped-def]
+        raise KeyError("a bug in the analysis")
+
+    monkeypatch.setattr(pipeline, "analyze", broken)
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        reg = from_proc(p.pid)
+        assert reg is not None
+        store = Store(tmp_path / "state")
+        store.open()
+        incident_id = pipeline.capture_incident(store, [(ProcStep(), 5.0)], [reg], Suspicion("heartbeat", "test", 0.0), 30.0)
+    finally:
+        p.kill()
+        p.wait()
+    (inc,) = store.list()
+    assert inc["id"] == incident_id and "analysis failed (KeyError" in inc["summary"]
+    assert (Path(inc["dir"]) / str(p.pid) / "proc.json").exists()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.sampled_from(sorted(BAD_FILES) + ["pyspy.json", "nccl-ras.json", "nccl-ras.txt", "incident.json"]),
+                       st.one_of(st.binary(max_size=300), st.recursive(
+                           st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+                           lambda c: st.lists(c, max_size=4) | st.dictionaries(st.sampled_from(
+                               ["rank", "pid", "frames", "name", "line", "devices", "process_gpus", "index",
+                                "utilization_percent", "kernels", "pcs", "exceptions", "device", "file", "communicators",
+                                "pg_status", "entries", "processes", "steps"]), c, max_size=4), max_leaves=20).map(
+                           lambda v: json.dumps(v).encode())), min_size=1, max_size=5))
+def test_the_incident_dir_readers_never_raise(tmp_path_factory, files: dict[str, bytes]) -> None:
+    root = tmp_path_factory.mktemp("fuzz")
+    pdir = root / "77"
+    pdir.mkdir()
+    for name, content in files.items():
+        (root if name == "incident.json" else pdir).joinpath(name).write_bytes(content)
+    import time
+
+    start = time.monotonic()
+    out = analyze(root)
+    assert time.monotonic() - start < 5
+    assert out.summary and len(out.ranks) == (1 if set(files) - {"incident.json"} else 0)
+    render = __import__("hangwatchd.report.incident", fromlist=["render_analysis"]).render_analysis
+    assert render(out.to_dict()).startswith(out.summary)
