@@ -231,6 +231,13 @@ def test_nccl_2_28_9s_invalid_json_and_the_text_say_the_same(tmp_path: Path) -> 
     assert from_json.version == from_text.version == "2.28.9"
 
 
+def test_another_jobs_ras_answer_is_not_used(tmp_path: Path) -> None:
+    place(tmp_path, 4242, 0, "dead-70s.json")  # the default port held by another job: pid 4242 is not in it
+    out = analyze(tmp_path).to_dict()
+    assert out["culprits"][0]["rank"] == 0 and "787" not in out["summary"]
+    assert any("another job's service, not used" in u for u in out["unreadable"])
+
+
 def test_a_ras_file_that_is_not_one_is_a_line_in_the_report(tmp_path: Path) -> None:
     pdir = place(tmp_path, 786, 0)
     (pdir / "nccl-ras.json").write_bytes(b"\xff{not json")
@@ -263,7 +270,7 @@ for _ in range(200):  # the launcher registers us just after we start
             reg = data
     if reg: break
     time.sleep(0.02)
-print(json.dumps({**{k: os.environ.get(k) for k in keys}, "registered": (reg or {}).get("ras_addr")}), flush=True)
+print(json.dumps({**{k: os.environ.get(k) for k in keys}, "registered": (reg or {}).get("ras_addr"), "pid": os.getpid()}), flush=True)
 def all_reduce_wait():
     threading.Event().wait()
 all_reduce_wait()
@@ -301,8 +308,13 @@ def test_the_daemon_asks_the_jobs_ras_and_blames_the_dead_peer(tmp_path: Path) -
         config = {"gpu_dump": "never", "pyspy_native": False, "capture_steps": ["proc", "pyspy", "nccl_ras"]}
         with Daemon(tmp_path / "d", config=config) as d:
             env = dict(os.environ, NCCL_RAS_ADDR=server.addr, RANK="0", WORLD_SIZE="2", MASTER_ADDR="10.0.0.1", MASTER_PORT="29500")
-            p = d.run([sys.executable, "-c", RUN_CODE], "--heartbeat-timeout", "1", stdout=subprocess.DEVNULL, env=env)
+            p = d.run([sys.executable, "-c", RUN_CODE], "--heartbeat-timeout", "1", stdout=subprocess.PIPE, env=env)
             try:
+                # the answer is the real job's, with its surviving rank's pid made our workload's
+                assert p.stdout is not None
+                pid = json.loads(p.stdout.readline())["pid"]
+                server.text = server.text.replace(b"786", str(pid).encode())
+                server.js = server.js.replace(b"786", str(pid).encode())
                 (inc,) = wait_for(d.store().list, 30, "an incident")
             finally:
                 p.kill()

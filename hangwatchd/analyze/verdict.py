@@ -205,7 +205,8 @@ def analyze(incident: Path) -> Analysis:
             summary = f"{_who(v)}: {v.detail}" + (f" at {v.location}." if v.location else ".")
         else:
             summary = "Nothing was captured that can be analysed."
-    summary, culprits = _with_ras([ev.ras for ev in found if ev.ras is not None], ranks, summary, culprits)
+    views = _own_job_views([(v.pid, ev.ras) for v, ev in zip(ranks, found) if ev.ras is not None], problems)
+    summary, culprits = _with_ras(views, ranks, summary, culprits)
     rests_on = tuple(f"{_who(v).lower() if v.rank is None else _who(v)}: {', '.join(ev.used) or 'nothing readable'}"
                      for v, ev in zip(ranks, found))
     unreadable = tuple(problems) + tuple(p for ev in found for p in ev.problems)
@@ -214,6 +215,24 @@ def analyze(incident: Path) -> Analysis:
 
 def _who(v: RankVerdict) -> str:
     return f"Rank {v.rank}" if v.rank is not None else f"pid {v.pid}"
+
+
+def _own_job_views(views: list[tuple[int | None, ras.RasView]], problems: list[str]) -> list[ras.RasView]:
+    """The RAS answers that are of the captured process's own job.
+
+    A process started without NCCL_RAS_ADDR is asked on the default port, which
+    another job on the node may hold: an answer whose list of live processes
+    leaves out the very process it was taken for speaks of someone else.
+    """
+    out = []
+    for pid, view in views:
+        alive = {r.pid for r in view.ranks}
+        if alive and pid is not None and pid not in alive:
+            problems.append(f"{pid}/nccl-ras: the RAS answer lists processes {sorted(p for p in alive if p is not None)[:8]} "
+                            f"but not pid {pid}: another job's service, not used")
+            continue
+        out.append(view)
+    return out
 
 
 def _with_ras(views: list[ras.RasView], ranks: list[RankVerdict], summary: str,
