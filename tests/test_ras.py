@@ -182,6 +182,16 @@ def test_the_address_is_the_processs_own_then_the_registered_then_the_default() 
         split_address("localhost")
 
 
+
+def test_a_remote_ras_address_is_refused_without_a_connection(tmp_path: Path, workload) -> None:
+    reg = workload("192.0.2.1:28028")  # TEST-NET: root never connects where a user's environment points
+    start = time.monotonic()
+    cap = run_steps([(NcclRasStep(), 2.0)], reg, tmp_path / "x" / str(reg.process.pid), 30.0)
+    (res,) = cap.steps
+    assert time.monotonic() - start < 0.5 and res.error is not None
+    assert res.error.startswith("n/a: NCCL_RAS_ADDR") and "not an address of this node" in res.error
+
+
 def place(incident: Path, pid: int, rank: int, *ras_files: str, host: str = "192.0.2.2") -> Path:
     pdir = incident / str(pid)
     pdir.mkdir(parents=True)

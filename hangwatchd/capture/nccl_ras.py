@@ -17,6 +17,7 @@ Whatever answers is untrusted: the answer is capped and read to a deadline.
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import threading
 import time
@@ -55,6 +56,28 @@ def split_address(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def local_host(host: str) -> bool:
+    """Is ``host`` this node (loopback, or one of its host name's addresses)?
+
+    NCCL_RAS_ADDR is where the process itself listens, so it is local. The
+    environment is the user's: a remote address there would make root connect
+    wherever the user likes, so it is refused; and a name other than this
+    host's would need DNS, which has no deadline.
+    """
+    if host in ("localhost", socket.gethostname()):
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if ip.is_loopback:
+        return True
+    try:
+        return str(ip) in socket.gethostbyname_ex(socket.gethostname())[2]
+    except OSError:
+        return False
+
+
 def _read_line(sock: socket.socket, end: float) -> bytes:
     buf = b""
     while not buf.endswith(b"\n"):
@@ -87,6 +110,8 @@ def query(addr: str, timeout: float, fmt: str = "text") -> bytes:
     (a peer that does not speak the protocol), ValueError (a bad address)."""
     end = time.monotonic() + timeout
     host, port = split_address(addr)
+    if not local_host(host):
+        raise ValueError(f"{addr!r} is not an address of this node; only a local RAS service is asked")
     with socket.create_connection((host, port), timeout=max(timeout, 0.001)) as sock:
         _exchange(sock, f"CLIENT PROTOCOL {PROTOCOL}", "SERVER PROTOCOL", end)
         # How long NCCL may wait for the other processes of the job: half of what is left,
