@@ -31,14 +31,21 @@ GPU_NATIVE = Kind("gpu", r"\bcu(?:da)?\w*Synchronize\b|\bcuMemcpy\w*\b|\bcudaMem
                          r"|\bcuStreamQuery\b|\bcuEventQuery\b|\bcuGraphLaunch\b|\bcuLaunchKernel\w*", native=True)
 # PyTorch calls that wait for the GPU, as the Python stack shows them.
 GPU_PYTHON = Kind("gpu", r"^(?:\w+\.)*(?:synchronize|item|cpu|tolist|__repr__|__str__)$", native=False)
-# Inside NCCL or a collective's wait, as the native stack shows it.
-COLLECTIVE_NATIVE = Kind("collective", r"\bnccl[A-Z]\w*|ProcessGroupNCCL|WorkNCCL|\bc10d::\w*[Ww]ait\b", native=True)
-# A collective as the Python stack shows it (any backend: gloo waits here too).
-COLLECTIVE_PYTHON = Kind("collective", r"^(?:\w+\.)*(?:all_reduce|all_gather\w*|reduce_scatter\w*|broadcast\w*|barrier"
-                                       r"|all_to_all\w*|send|recv|isend|irecv|wait_tensor|_all_gather_base|_reduce_scatter_base)$",
+# Inside an NCCL collective or a wait on one, as the native stack shows it. Named calls
+# only: every NCCL process has proxy and watchdog threads (ncclProxyService,
+# ProcessGroupNCCL::ncclCommWatchdog) sitting in NCCL all the time, busy or hung.
+COLLECTIVE_NATIVE = Kind("collective", r"\bnccl(?:AllReduce|AllGather|Broadcast|Bcast|Reduce|ReduceScatter|AlltoAll"
+                                       r"|AllToAll|Send|Recv|GroupEnd)\b|WorkNCCL::(?:wait|synchronize)\b"
+                                       r"|ProcessGroupNCCL::(?:barrier|allreduce|allgather|broadcast|reduce_scatter|alltoall)",
+                         native=True)
+# A collective as the Python stack shows it (any backend: gloo waits here too). Not a bare
+# send/recv: multiprocessing's Connection.recv is an idle worker pool, not a collective.
+COLLECTIVE_PYTHON = Kind("collective", r"^(?:\w+\.)*(?:all_reduce\w*|all_gather\w*|_all_gather_base|reduce_scatter\w*"
+                                       r"|_reduce_scatter_base|broadcast\w*|barrier|monitored_barrier|all_to_all\w*"
+                                       r"|batch_isend_irecv|wait_tensor)$",
                          native=False)
 # Locks, joins and condition waits.
-LOCK = Kind("lock", r"\bacquire\b|lock_PyThread|_wait_for_tstate_lock|\btake_gil\b|pthread_mutex_lock"
+LOCK = Kind("lock", r"acquire|lock_PyThread|_wait_for_tstate_lock|\btake_gil\b|pthread_mutex_lock"
                     r"|^(?:\w+\.)*join$|Condition\.wait|Event\.wait|Semaphore\.acquire", native=False)
 # Where a server waits for work: a frozen stack here is idleness, not a hang.
 IDLE = Kind("idle", r"selectors|select\.|\bepoll|asyncio|_run_once|\baccept\b|zmq|uvloop|serve_forever|Queue\.get"

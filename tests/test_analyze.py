@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -331,3 +333,38 @@ def test_the_incident_dir_readers_never_raise(tmp_path_factory, files: dict[str,
     assert out.summary and len(out.ranks) == (1 if set(files) - {"incident.json"} else 0)
     render = __import__("hangwatchd.report.incident", fromlist=["render_analysis"]).render_analysis
     assert render(out.to_dict()).startswith(out.summary)
+
+
+CATALOGUE_CASES = [
+    # (native frames of the main thread, the verdict, what the gate and the detector see)
+    (["cuStreamSynchronize", "Tensor.item", "train_step"], "waiting-on-gpu", "cuStreamSynchronize"),
+    (["ncclAllReduce", "c10d::ProcessGroupNCCL::allreduce", "all_reduce", "train_step"], "in-collective", "ncclAllReduce"),
+    (["pthread_mutex_lock", "Lock.acquire", "train_step"], "lock-wait", None),
+    (["epoll_wait", "select", "EpollSelector.select", "_run_once", "serve"], "idle-python", None),
+]
+
+
+@pytest.mark.parametrize("frames,verdict,gate", CATALOGUE_CASES, ids=[c[1] for c in CATALOGUE_CASES])
+def test_the_detector_the_gpu_dump_gate_and_the_verdict_read_one_catalogue(tmp_path: Path, frames: list[str],
+                                                                             verdict: str, gate: str | None) -> None:
+    from hangwatchd.analyze.stacks import gpu_wait
+    from hangwatchd.detect.stack import BLOCKING, IDLE, classify
+
+    main = [{"name": n, "filename": "/srv/job/train.py" if n in ("train_step", "serve") else "lib.so",
+             "short_filename": "libcuda.so.1" if n.startswith("cu") else "x.so", "line": 1} for n in frames]
+    # every NCCL process also has its proxy thread and PyTorch's watchdog sitting in NCCL: never the verdict
+    proxy = [{"name": "ncclProxyService", "short_filename": "libnccl.so.2", "line": 0},
+             {"name": "c10d::ProcessGroupNCCL::ncclCommWatchdog", "short_filename": "libtorch_cuda.so", "line": 0}]
+    pdir = tmp_path / "5"
+    pdir.mkdir()
+    (pdir / "pyspy-native.json").write_text(json.dumps([{"thread_name": "MainThread", "frames": main},
+                                                         {"thread_name": "nccl", "frames": proxy}]))
+    (v,) = analyze(tmp_path).ranks
+    assert v.verdict == verdict, v
+    names = frames + [f["name"] for f in proxy]
+    blocked, idle = classify(names, BLOCKING, IDLE)
+    assert (blocked is not None) == (verdict != "idle-python") and idle == (verdict == "idle-python")
+    if gate:
+        assert gpu_wait(pdir) == gate and blocked == gate
+    else:
+        assert gpu_wait(pdir) is None  # NCCL's own threads in libnccl do not count

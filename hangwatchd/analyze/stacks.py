@@ -87,8 +87,25 @@ def gpu_wait(process_dir: Path) -> str | None:
     named = patterns.first((str(f.get("name") or "") for f in frames), (patterns.COLLECTIVE_NATIVE, patterns.GPU_NATIVE))
     if named:  # a named wait says most
         return named
-    for frame in frames:
-        lib = str(frame.get("short_filename") or "")
-        if lib.startswith(patterns.GPU_LIBRARIES):
-            return f"{frame.get('name')} ({lib})"
+    for frame in library_frames(load_threads(process_dir) or []):
+        return f"{frame.get('name')} ({frame.get('short_filename')})"
     return None
+
+
+def library_frames(threads: list[dict[str, Any]], libraries: tuple[str, ...] = patterns.GPU_LIBRARIES) -> list[dict[str, Any]]:
+    """Frames inside the CUDA driver or NCCL, of threads that run Python code.
+
+    NCCL's proxy threads and PyTorch's watchdog live in those libraries all the
+    time, busy or hung; a thread of the program's own that called down into
+    them is what waits.
+    """
+    out = []
+    for t in threads:
+        frames = [f for f in t.get("frames") or [] if isinstance(f, dict)]
+        if any(_is_python(f) for f in frames):
+            out += [f for f in frames if str(f.get("short_filename") or "").startswith(libraries)]
+    return out
+
+
+def _is_python(frame: dict[str, Any]) -> bool:
+    return not frame.get("module") and str(frame.get("filename") or "").endswith(".py")

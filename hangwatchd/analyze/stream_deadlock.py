@@ -15,6 +15,7 @@ from typing import Any
 
 from .. import patterns
 from .evidence import as_int, dicts
+from .stacks import library_frames
 
 WHAT_TO_LOOK_AT = ("look at what the stream waits for: cudaStreamWaitEvent on an event never recorded, "
                    "cudaStreamWaitValue/cuStreamWaitValue32 on a value nothing writes, "
@@ -28,9 +29,9 @@ def driver_call(threads: tuple[dict[str, Any], ...]) -> str | None:
     named = patterns.first((str(f.get("name") or "") for f in frames), (patterns.GPU_NATIVE,))
     if named:
         return named
-    for f in frames:
+    for f in library_frames(list(threads), (patterns.DRIVER_LIBRARY,)):
         name = str(f.get("name") or "")
-        if str(f.get("short_filename") or "").startswith(patterns.DRIVER_LIBRARY) and name and not _HEX.match(name):
+        if name and not _HEX.match(name):
             return name
     return None
 

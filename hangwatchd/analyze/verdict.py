@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import patterns
 from . import evidence, flight, ras, ras_blame, stream_deadlock
-from .stacks import is_user_frame
+from .stacks import is_user_frame, library_frames
 
 
 @dataclass(frozen=True)
@@ -130,12 +130,11 @@ def judge_evidence(pdir: Path, ev: evidence.Evidence, known: dict[str, Any] | No
         loc = f"{frame.get('function')} ({frame.get('file')}:{frame.get('line')})" if frame else kernels[0]
         return verdict("gpu-kernel-spinning", f"kernel {kernels[0]} still running, {p.get('warps')} warps at {p.get('pc')}{gpu_busy}", loc)
     names = [str(f.get("name") or "") for t in threads for f in t.get("frames") or []]
-    libs = [str(f.get("short_filename") or "") for t in threads for f in t.get("frames") or []]
     coll = patterns.first(names, patterns.COLLECTIVE)
     if pending or coll:
         return verdict("in-collective", f"waiting in {pending or coll}", location, pending or coll)
     gpu = patterns.first(names, patterns.GPU)
-    in_driver = any(lib.startswith(patterns.GPU_LIBRARIES) for lib in libs)
+    in_driver = bool(library_frames(threads))
     if gpu or in_driver:
         call = stream_deadlock.driver_call(tuple(threads)) or gpu or "the CUDA driver"
         idle = stream_deadlock.idle_gpu(sym, nvml) if in_driver or ev.native else None
