@@ -16,7 +16,7 @@ from ..analyze.verdict import analyze
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError, RecursionError):  # a process's files may be anything: unreadable is None
         return None
 
 
@@ -31,7 +31,8 @@ def load(incident_dir: Path) -> dict[str, Any]:
                      if p.is_dir() and p.name.isdigit()]
     for proc in processes:
         pdir = incident_dir / str(proc.get("dir") or proc.get("pid"))
-        proc["proc"] = _read_json(pdir / "proc.json")
+        facts = _read_json(pdir / "proc.json")
+        proc["proc"] = facts if isinstance(facts, dict) else None
         proc["stacks"] = load_threads(pdir)
         proc["stacks_native"] = (pdir / "pyspy-native.json").exists()
     data["processes"] = processes
