@@ -44,11 +44,13 @@ COLLECTIVE_PYTHON = Kind("collective", r"^(?:\w+\.)*(?:all_reduce\w*|all_gather\
                                        r"|_reduce_scatter_base|broadcast\w*|barrier|monitored_barrier|all_to_all\w*"
                                        r"|batch_isend_irecv|wait_tensor)$",
                          native=False)
-# Locks, joins and condition waits.
-LOCK = Kind("lock", r"acquire|lock_PyThread|_wait_for_tstate_lock|\btake_gil\b|pthread_mutex_lock"
+# Locks, joins and condition waits. Not take_gil or a bare pthread_mutex_lock: a busy
+# process is caught in those all the time, and a thread waiting for the GIL says the
+# holder is the one to look at.
+LOCK = Kind("lock", r"acquire|lock_PyThread|_wait_for_tstate_lock"
                     r"|^(?:\w+\.)*join$|Condition\.wait|Event\.wait|Semaphore\.acquire", native=False)
 # Where a server waits for work: a frozen stack here is idleness, not a hang.
-IDLE = Kind("idle", r"selectors|select\.|\bepoll|asyncio|_run_once|\baccept\b|zmq|uvloop|serve_forever|Queue\.get"
+IDLE = Kind("idle", r"selectors|select\.|epoll|asyncio|_run_once|accept|zmq|uvloop|serve_forever|Queue\.get"
                     r"|recv_pyobj", native=False)
 
 # Blocking kinds, in the order the verdict tells them apart: a thread in NCCL that also
