@@ -25,7 +25,6 @@ from typing import Any
 import structlog
 from inotify_simple import INotify
 from inotify_simple import flags as inflags
-from prometheus_client import start_http_server
 
 from . import __version__, gpudump, procfs, registry
 from .analyze.stacks import gpu_wait
@@ -35,7 +34,7 @@ from .capture import capture_incident, make_steps
 from .config import Config
 from .detect import HeartbeatDetector
 from .detect.stack import BLOCKING, IDLE, classify, take_sample
-from .metrics import Metrics, create
+from .metrics import Metrics, create, serve
 from .model import Incident, ProcessCapture, ProcessId, Registration, State, StepResult, Suspicion
 from .notify import notify, watchdog_interval
 from .registry import RegistrationError, Watched
@@ -122,9 +121,7 @@ class Daemon:
         self.selector.register(self.inotify.fileno(), selectors.EVENT_READ, "inotify")
         self.selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         if cfg.metrics_address:
-            host, _, port = cfg.metrics_address.rpartition(":")
-            server, _thread = start_http_server(int(port), addr=host or "0.0.0.0", registry=self.metrics.registry)
-            self.metrics_address = f"{host or '0.0.0.0'}:{server.server_port}"
+            self.metrics_address = serve(self.metrics.registry, cfg.metrics_address)
         self.metrics.info.info({"version": __version__})
         me = procfs.identify(os.getpid())
         self._write_json(Path(cfg.runtime_dir) / DAEMON_FILE, {

@@ -12,7 +12,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
 STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 LOOP_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5)
@@ -87,3 +87,19 @@ def create(registry: CollectorRegistry | None = None) -> Metrics:
         metric.labels(**m.labels(reason="heartbeat"))  # present at 0 from the start, so increase() works
     m.loop_duration.labels(**const)
     return m
+
+
+class AddressError(Exception):
+    """The metrics address cannot be served: the message names it and what to do."""
+
+
+def serve(registry: CollectorRegistry, address: str) -> str:
+    """Serve /metrics on HOST:PORT in a thread; return the address bound (port 0 picks one)."""
+    host, _, port = address.rpartition(":")
+    try:
+        server, _thread = start_http_server(int(port), addr=host or "0.0.0.0", registry=registry)
+    except OSError as exc:  # socket.gaierror too: a host name that does not resolve
+        why = "is in use" if exc.errno == 98 else f"cannot be served ({exc.strerror or exc})"
+        raise AddressError(f"metrics address {address} {why}; pass --metrics-address HOST:PORT "
+                           "(or metrics_address in the config) with a local address, or \"\" for none") from None
+    return f"{host or '0.0.0.0'}:{server.server_port}"
