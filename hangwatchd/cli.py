@@ -10,7 +10,7 @@ import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from .config import ConfigError, client_runtime_dir
 from .cudacore.errors import CoreDumpError
@@ -264,6 +264,13 @@ def cmd_show(args: argparse.Namespace) -> int:
 # written into each flag's help from config.KEYS, so --help cannot drift from
 # the daemon.
 
+class _Parser(argparse.ArgumentParser):
+    """Bad usage is one line on stderr and exit status 2, like every other error here."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}; see '{self.prog} --help'\n")
+
+
 class _Formatter(argparse.HelpFormatter):
     """Wraps prose, keeps the example lines (indented) as written."""
 
@@ -310,7 +317,7 @@ def _is_number(text: str) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="hangwatchd", formatter_class=_Formatter,
         description="Watchdog for hung GPU jobs: notices a process that stopped making progress, captures its "
                     "stacks and GPU state before anyone kills it, explains the hang, stores an incident and "
