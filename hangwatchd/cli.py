@@ -100,6 +100,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
     from . import config, log, registry
     from .capture import capture_incident, make_steps
     from .model import Suspicion
+    from .report import html
     from .store import Store, StoreError
 
     cfg = config.load(args.config, {"state_dir": args.state_dir, "runtime_dir": args.runtime_dir})
@@ -107,7 +108,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
     target = registry.from_proc(args.pid)
     if target is None:
         raise UsageError(f"capture: no process {args.pid}")
-    store = Store(cfg.state_dir)
+    store = Store(cfg.state_dir, pages=html.pages)
     try:
         store.open()
     except StoreError as exc:
@@ -203,15 +204,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     for p in status["processes"]:
         age = p.get("last_beat_age")
         rows.append((
-            str(p["pid"]), p.get("job") or "-", str(p["rank"]) if p.get("rank") is not None else "-", p["state"],
+            str(p["pid"]), _cut(p.get("job") or "-", 32), str(p["rank"]) if p.get("rank") is not None else "-", p["state"],
             f"{age:.1f}s ago" if age is not None else "never",
             f"{p['timeout']:.3g}s ({p.get('timeout_source', 'config')})", p.get("incident") or "-",
-            " ".join(p.get("cmdline") or [])[:60],
+            _cut(" ".join(p.get("cmdline") or []), 60),
         ))
     _table(rows)
     if len(rows) == 1:
         print("(no process is watched)")
     return 0
+
+
+def _cut(text: str, width: int) -> str:
+    """At most ``width`` characters; a cut one ends in '…' so nobody reads '3' for '30'."""
+    return text if len(text) <= width else text[: width - 1].rstrip() + "…"
 
 
 def _table(rows: list[tuple[str, ...]]) -> None:
@@ -232,6 +238,8 @@ def _store(args: argparse.Namespace) -> Any:
 
 
 def cmd_incidents(args: argparse.Namespace) -> int:
+    from .report.names import fold
+
     store = _store(args)
     items = store.list()
     if args.json:
@@ -243,8 +251,8 @@ def cmd_incidents(args: argparse.Namespace) -> int:
     rows = [("ID", "TIME (UTC)", "REASON", "JOB", "PIDS", "SUMMARY")]
     for i in items:
         rows.append((i["id"] + ("" if i["complete"] else " (incomplete)"),
-                     time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(i["time"])), i["reason"], i["job"] or "-",
-                     ",".join(map(str, i["processes"])), (i["summary"] or "")[:80]))
+                     time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(i["time"])), i["reason"], _cut(i["job"] or "-", 32),
+                     _cut(",".join(map(str, i["processes"])), 24), _cut(fold(i["summary"] or ""), 100)))
     _table(rows)
     return 0
 

@@ -38,6 +38,7 @@ from .metrics import Metrics, create, serve
 from .model import Incident, ProcessCapture, ProcessId, Registration, State, StepResult, Suspicion
 from .notify import notify, watchdog_interval
 from .registry import RegistrationError, Watched
+from .report import html
 from .samples import Sample
 from .store import Store
 
@@ -66,7 +67,7 @@ class Daemon:
     watched: dict[registry.ProcessId, Watched] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.store = Store(self.config.state_dir)
+        self.store = Store(self.config.state_dir, pages=html.pages)
         cfg = self.config
         self.detector = HeartbeatDetector(cfg.startup_grace, cfg.learn_timeouts, cfg.learned_timeout_factor,
                                           cfg.learned_timeout_min, cfg.learned_timeout_max, int(cfg.learn_min_beats))
@@ -577,6 +578,7 @@ class Daemon:
                 incident_id = None
             else:
                 self.metrics.incidents.labels(**self.metrics.labels(reason=c.suspicion.reason)).inc()
+                self.metrics.incident_stored(incident_id, c.suspicion.reason, c.watched[0].registration.job if c.watched else None, time.time())
                 log.warning("incident_stored", incident=incident_id, reason=c.suspicion.reason,
                             pids=[w.process.pid for w in c.watched], seconds=round(time.monotonic() - c.started, 3))
             for w in c.watched:
