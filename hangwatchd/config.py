@@ -217,7 +217,7 @@ KEYS: dict[str, Key] = {
                     "take a CUDA coredump of a hung process (it ends the process): always, never, or when "
                     "confirmed (its native stack waits on the GPU or a collective, or you asked)"),
     "gpu_dump_timeout": Key(120.0, _seconds, "seconds to wait for the driver to finish writing a CUDA coredump"),
-    "max_state_bytes": Key(50 * 2**30, parse_size, "the state dir's size bound: oldest dumps go first, then oldest incidents"),
+    "max_state_bytes": Key(50 * 2**30, parse_size, "the state dir's size bound (\"50GiB\", \"500MB\" or bytes): oldest dumps go first, then oldest incidents"),
     "dump_max_age_days": Key(7.0, _days, "raw GPU dumps older than this are deleted (their reports are kept)"),
     "incident_max_age_days": Key(90.0, _days, "incidents older than this are deleted, report and index entry too"),
     "log_format": Key("json", _one_of("json", "console"), "json: one JSON object a line; console: for a person"),
