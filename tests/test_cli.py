@@ -108,3 +108,14 @@ def test_dev_prints_its_usage_and_runs_nothing(args: list[str]) -> None:
 def test_dev_with_an_unknown_command_exits_2() -> None:
     res = dev("frobnicate")
     assert res.returncode == 2 and res.stderr.startswith("usage: ./dev")
+
+
+def test_the_readme_lists_every_command_and_its_flags() -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index("## Watch a workload"):]
+    block = block[block.index("```sh"):block.index("```", block.index("```sh") + 5)]
+    for command in COMMANDS:
+        assert f"hangwatchd {command}" in block, command
+    assert "hangwatchd --version" in block
+    daemon_flags = set(re.findall(r"--[a-z-]+", _sections(hangwatchd("daemon", "--help").stdout)["options"].__str__())) - {"--help"}
+    assert daemon_flags <= set(re.findall(r"--[a-z-]+", block)), daemon_flags - set(re.findall(r"--[a-z-]+", block))

@@ -113,3 +113,14 @@ def test_every_query_names_only_metrics_the_daemon_exports(exported: set[str]) -
 
 def test_the_parser_of_names_is_not_fooled() -> None:
     assert _metric_names('sum by (le, step) (rate(a_b_bucket{x="y"}[5m])) / on (Hostname) group_left () c > bool 0') == {"a_b_bucket", "c"}
+
+
+def test_the_readme_metrics_table_is_what_the_daemon_exports(exported: set[str]) -> None:
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("### Metrics"):readme.index("### Speed")]
+    documented = set(re.findall(r"^\| `(hangwatchd_\w+)` \|", table, re.M))
+    families = {n for n in exported if n.startswith("hangwatchd_")
+                and not re.search(r"_(bucket|sum|count|created)$", n)}
+    # a counter's family also shows without _total in TYPE-derived names: compare by the documented spelling
+    families = {n for n in families if not (n + "_total") in families}
+    assert documented == families
