@@ -205,7 +205,7 @@ def analyze(incident: Path) -> Analysis:
         else:
             summary = "Nothing was captured that can be analysed."
     views = _own_job_views([(v.pid, ev.ras) for v, ev in zip(ranks, found) if ev.ras is not None], problems)
-    summary, culprits = _with_ras(views, ranks, summary, culprits)
+    summary, culprits = _with_ras(views, ranks, summary, culprits, from_trace=bool(diverged or mismatched))
     rests_on = tuple(f"{_who(v).lower() if v.rank is None else _who(v)}: {', '.join(ev.used) or 'nothing readable'}"
                      for v, ev in zip(ranks, found))
     unreadable = tuple(problems) + tuple(p for ev in found for p in ev.problems)
@@ -235,7 +235,7 @@ def _own_job_views(views: list[tuple[int | None, ras.RasView]], problems: list[s
 
 
 def _with_ras(views: list[ras.RasView], ranks: list[RankVerdict], summary: str,
-              culprits: list[Culprit]) -> tuple[str, list[Culprit]]:
+              culprits: list[Culprit], from_trace: bool) -> tuple[str, list[Culprit]]:
     """NCCL's job-wide view leads where it blames a rank: it sees ranks on other nodes, and ranks that are gone."""
     if not views:
         return summary, culprits
@@ -255,9 +255,9 @@ def _with_ras(views: list[ras.RasView], ranks: list[RankVerdict], summary: str,
                                  extra[c.rank].node, extra[c.rank].gpu) if c.rank in extra else c for c in culprits]
     lead = [Culprit(b.rank, b.pid, b.reason, by_rank[b.rank].location if b.rank in by_rank else None, b.node, b.gpu)
             for b in blamed]
-    rest = [c for c in culprits if c.rank is None or c.rank not in {b.rank for b in blamed}]
-    # A captured rank blamed only because it waits is not a culprit once NCCL names the one that is gone.
-    rest = [c for c in rest if not (c.rank in by_rank and by_rank[c.rank].verdict == "in-collective")]
+    # The flight recorder's culprits stay beside NCCL's; one blamed only for being what was
+    # captured here (the rank that waits, or the only one seen) is no culprit once NCCL names another.
+    rest = [c for c in culprits if c.rank is None or c.rank not in {b.rank for b in blamed}] if from_trace else []
     # What this node saw follows NCCL's sentence; "every rank here waits" is what NCCL just explained.
     keep = summary and not summary.startswith(("Every rank here", "Nothing was captured"))
     return (f"{sentence} Here: {summary}" if keep else sentence or summary), lead + rest

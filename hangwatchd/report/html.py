@@ -73,8 +73,10 @@ def render(data: dict[str, Any], incident_dir: Path) -> str:
              + (f" &middot; job {_e(data['job'])}" if data.get("job") else "")
              + (f" &middot; signals {_e(', '.join(data['signals']))}" if data.get("signals") else "") + "</p>"]
     if a.get("culprits"):
-        parts.append("<h2>Culprit</h2>" + _table(["rank", "pid", "why", "where"], [
-            [_e(c["rank"]) if c.get("rank") is not None else "-", _e(c["pid"]), _e(c["reason"]), _e(c.get("location"))]
+        parts.append("<h2>Culprit</h2>" + _table(["rank", "pid", "node, GPU", "why", "where"], [
+            [_e(c["rank"]) if c.get("rank") is not None else "-", _e(c["pid"]),
+             _e(", ".join(x for x in (c.get("node"), f"GPU {c['gpu']}" if c.get("gpu") is not None else None) if x)),
+             _e(c["reason"]), _e(c.get("location"))]
             for c in a["culprits"]]))
     if a.get("ranks"):
         parts.append("<h2>Ranks</h2>" + _table(["rank", "pid", "verdict", "detail", "where", "last collective"], [
