@@ -340,3 +340,17 @@ def test_the_daemon_asks_the_jobs_ras_and_blames_the_dead_peer(tmp_path: Path) -
     culprit = meta["analysis"]["culprits"][0]
     assert (culprit["rank"], culprit["pid"], culprit["node"]) == (1, 787, "192.0.2.2")
     assert inc["summary"].startswith("Rank 1 (pid 787 on node 192.0.2.2, GPU 1) is dead")
+
+
+def test_the_flight_recorder_keeps_its_lead_where_ras_names_the_same_rank(tmp_path: Path) -> None:
+    import tarfile
+
+    with tarfile.open(Path(__file__).parent / "fixtures" / "h200-diverged" / "incident.tar.xz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    incident = tmp_path / "diverged-incident"
+    rank0 = next(p for p in incident.iterdir() if (p / "proc.json").exists() and json.loads((p / "proc.json").read_text())["rank"] == 0)
+    shutil.copy(RAS / "diverged.txt", rank0 / "nccl-ras.txt")  # NCCL too says rank 1 is behind
+    out = analyze(incident).to_dict()
+    assert out["summary"].startswith("Rank 1 never entered all_gather #21 (process group 0)")
+    (culprit,) = out["culprits"]
+    assert culprit["rank"] == 1 and culprit["location"].startswith("evaluate_only_on_rank_1") and culprit["node"] == "192.0.2.2"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -247,20 +247,28 @@ def _with_ras(views: list[ras.RasView], ranks: list[RankVerdict], summary: str,
     if not blamed:
         return summary, culprits
     by_rank = {v.rank: v for v in ranks if v.rank is not None}
-    named = {c.rank for c in culprits if c.rank is not None}
-    if all(b.rank in named for b in blamed) and not view.missing:
-        # The flight recorder already named the rank behind, with where it is: RAS adds its node and GPU.
-        extra = {b.rank: b for b in blamed}
-        return summary, [Culprit(c.rank, c.pid if c.pid is not None else extra[c.rank].pid, c.reason, c.location,
-                                 extra[c.rank].node, extra[c.rank].gpu) if c.rank in extra else c for c in culprits]
+
+    def merely_here(c: Culprit) -> bool:  # blamed only for being what was captured here, waiting
+        return not from_trace and c.rank in by_rank and by_rank[c.rank].verdict in _LIVE
+
+    extra = {b.rank: b for b in blamed if b.rank is not None}
+    kept = [replace(c, pid=c.pid if c.pid is not None else extra[c.rank].pid, node=c.node or extra[c.rank].node,
+                    gpu=c.gpu if c.gpu is not None else extra[c.rank].gpu) if c.rank in extra else c
+            for c in culprits if not merely_here(c)]
+    named = {c.rank for c in kept if c.rank is not None}
+    if all(b.rank in named for b in blamed):
+        # Already named, with more (where it is, how it ended): RAS adds its node and GPU, and that it is gone.
+        return (f"{summary} {sentence}" if view.missing else summary), kept
     lead = [Culprit(b.rank, b.pid, b.reason, by_rank[b.rank].location if b.rank in by_rank else None, b.node, b.gpu)
-            for b in blamed]
-    # The flight recorder's culprits stay beside NCCL's; one blamed only for being what was
-    # captured here (the rank that waits, or the only one seen) is no culprit once NCCL names another.
-    rest = [c for c in culprits if c.rank is None or c.rank not in {b.rank for b in blamed}] if from_trace else []
+            for b in blamed if b.rank is None or b.rank not in named]
     # What this node saw follows NCCL's sentence; "every rank here waits" is what NCCL just explained.
     keep = summary and not summary.startswith(("Every rank here", "Nothing was captured"))
-    return (f"{sentence} Here: {summary}" if keep else sentence or summary), lead + rest
+    return (f"{sentence} Here: {summary}" if keep else sentence or summary), lead + kept
+
+
+# Verdicts of a process that is merely where the hang shows, not why.
+_LIVE = frozenset({"in-collective", "waiting-on-gpu", "stream-deadlock", "lock-wait", "idle-python", "unknown",
+                   "gpu-kernel-spinning"})
 
 
 def _odd_one_out(ranks: list[RankVerdict]) -> RankVerdict | None:
