@@ -10,18 +10,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hangwatchd import registry
+from hangwatchd import procfs, registry
 from hangwatchd.analyze import ras
 from hangwatchd.analyze.verdict import analyze
 from hangwatchd.capture.nccl_ras import NcclRasStep
 from hangwatchd.capture.pipeline import run_steps
+from hangwatchd.model import Registration
 
 from .conftest import hangwatchd
 
@@ -77,17 +78,17 @@ class RasServer(threading.Thread):
 
 
 @pytest.fixture
-def workload() -> Iterator[callable]:
+def workload() -> Iterator[Callable[[str | None], Registration]]:
     procs: list[subprocess.Popen[bytes]] = []
 
-    def start(ras_addr: str | None) -> registry.Registration:
+    def start(ras_addr: str | None) -> Registration:
         env = {"PATH": "/usr/bin:/bin", "RANK": "0", "WORLD_SIZE": "2"}
         if ras_addr:
             env["NCCL_RAS_ADDR"] = ras_addr
         p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
         procs.append(p)
         for _ in range(100):
-            if registry.procfs.environ(p.pid).get("RANK") == "0":
+            if procfs.environ(p.pid).get("RANK") == "0":
                 break
             time.sleep(0.02)
         reg = registry.from_proc(p.pid)
