@@ -26,10 +26,11 @@ class Kind:
         return _compiled(self.pattern).search(frame_name) is not None
 
 
-# The host waits for the GPU: the driver's and the runtime's synchronising calls, and
-# the blocking copies (a device-to-host copy waits for the stream ahead of it).
+# The host waits for the GPU: the driver's and the runtime's synchronising calls, the
+# blocking copies (a device-to-host copy waits for the stream ahead of it), and launches
+# (a launch blocks when the queue is full behind a stream that does not move).
 GPU_NATIVE = Kind("gpu", r"\bcu(?:da)?\w*Synchronize\b|\bcuMemcpy\w*\b|\bcudaMemcpy\w*\b|\bcuStreamWait\w+|\bcudaStreamWait\w+"
-                         r"|\bcuStreamQuery\b|\bcuEventQuery\b|\bcuGraphLaunch\b|\bcuLaunchKernel\w*")
+                         r"|\bcuStreamQuery\b|\bcuEventQuery\b|\bcu(?:da)?GraphLaunch\w*|\bcu(?:da)?LaunchKernel\w*")
 # PyTorch calls that wait for the GPU, as the Python stack shows them.
 GPU_PYTHON = Kind("gpu", r"^(?:\w+\.)*(?:synchronize|item|cpu|tolist|__repr__|__str__)$")
 # Inside an NCCL collective or a wait on one, as the native stack shows it. Named calls

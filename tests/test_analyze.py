@@ -371,3 +371,12 @@ def test_the_detector_the_gpu_dump_gate_and_the_verdict_read_one_catalogue(tmp_p
         assert gpu_wait(pdir) == gate and blocked == gate
     else:
         assert gpu_wait(pdir) is None  # NCCL's own threads in libnccl do not count
+
+
+def test_a_launch_blocked_behind_a_stream_that_never_moves_names_cu_launch_kernel(tmp_path: Path) -> None:
+    pdir = stream_incident(tmp_path, [1], 0)
+    stack = (pdir / "pyspy-native.json").read_text()  # the real stack, its wait made a launch behind a full queue
+    (pdir / "pyspy-native.json").write_text(stack.replace('"cuStreamSynchronize"', '"cuLaunchKernel"')
+                                            .replace('"cudaStreamSynchronize"', '"cudaLaunchKernel"'))
+    (v,) = analyze(tmp_path).ranks
+    assert v.verdict == "stream-deadlock" and v.detail.startswith("host blocked in cuLaunchKernel while")
