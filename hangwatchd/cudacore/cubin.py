@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import functools
 import io
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ class Cubin:
         self.image = image
         self.functions: list[Function] = []
         self.error: str | None = None
+        self._starts: list[int] | None = None
         try:
             self._load()
         except Exception as exc:  # noqa: BLE001 - pyelftools on hostile bytes can raise anything
@@ -67,7 +69,12 @@ class Cubin:
                 self.functions.append(Function(sym.name, start, size, index, has_lines))
 
     def function_at(self, pc: int) -> Function | None:
-        for f in self.functions:
+        if self._starts is None:
+            self.functions.sort(key=lambda f: f.start)
+            self._starts = [f.start for f in self.functions]
+        # Functions do not overlap in a real cubin; a few steps back covers a damaged one.
+        i = bisect.bisect_right(self._starts, pc) - 1
+        for f in self.functions[max(i - 7, 0) : i + 1][::-1]:
             if f.start <= pc < f.start + f.size:
                 return f
         return None

@@ -198,10 +198,16 @@ def symbolize(path: str | os.PathLike[str], strict: bool = True, nvdisasm: str |
     """
     tool = find_nvdisasm() if nvdisasm == "auto" else nvdisasm
     with open_dump(path) as dump:
-        r = _Resolver(dump, strict, tool, chains)
+        r = _Resolver(dump, strict, tool, chains, notes=list(dump.notes))
         grids = {(g.device, g.grid_id): g for g in dump.grids}
-        modules = {(g.device, g.grid_id): dump.module_for(g.device, g.module_handle) for g in dump.grids}
-        kernels = {key: _kernel(r, g, modules[key], dump) for key, g in grids.items()}
+        by_handle: dict[tuple[int, int], Module] = {}
+        for m in dump.modules:
+            by_handle.setdefault((m.device, m.handle), m)
+        modules = {(g.device, g.grid_id): by_handle.get((g.device, g.module_handle)) for g in dump.grids}
+        sms_of: dict[tuple[int, int], set[int]] = defaultdict(set)
+        for w in dump.warps:
+            sms_of[(w.device, w.grid_id)].add(w.sm)
+        kernels = {key: _kernel(r, g, modules[key], sms_of[key]) for key, g in grids.items()}
 
         def kernel_name(device: int, grid_id: int) -> str | None:
             k = kernels.get((device, grid_id))
@@ -270,16 +276,15 @@ def symbolize(path: str | os.PathLike[str], strict: bool = True, nvdisasm: str |
         )
 
 
-def _kernel(r: _Resolver, g: Grid, module: Module | None, dump: CoreDump) -> Kernel:
+def _kernel(r: _Resolver, g: Grid, module: Module | None, sms: set[int]) -> Kernel:
     mangled = f"<function at {g.function_entry:#x}>"
     if module is not None:
         fn = r.cubin(module).function_at(g.function_entry)
         if fn:
             mangled = fn.mangled
-    sms = sorted({w.sm for w in dump.warps if w.device == g.device and w.grid_id == g.grid_id})
     return Kernel(
         device=g.device, grid_id=g.grid_id, name=demangle(mangled), mangled=mangled,
-        grid_dim=g.grid_dim, block_dim=g.block_dim, status=g.status, sms=tuple(sms),
+        grid_dim=g.grid_dim, block_dim=g.block_dim, status=g.status, sms=tuple(sorted(sms)),
     )
 
 
