@@ -34,6 +34,12 @@ def _positive(v: Any) -> str | None:
     return None if ok else "a number of seconds greater than 0"
 
 
+def _megabytes(v: Any) -> str | None:
+    # At least what an interpreter with the symboliser loaded needs to start.
+    ok = isinstance(v, int) and not isinstance(v, bool) and v >= 256
+    return None if ok else "a whole number of MB, at least 256"
+
+
 def _path(v: Any) -> str | None:
     return None if isinstance(v, str) and v and "\0" not in v else "a non-empty path"
 
@@ -125,6 +131,9 @@ KEYS: dict[str, Key] = {
                     "take a CUDA coredump of a hung process (it ends the process): always, never, or when "
                     "confirmed (its native stack waits on the GPU or a collective, or you asked)"),
     "gpu_dump_timeout": Key(120.0, _positive, "seconds to wait for the driver to finish writing a CUDA coredump"),
+    "symbolize_cpu_seconds": Key(30.0, _positive, "CPU seconds the child that symbolises one GPU dump may use before it is killed"),
+    "symbolize_memory_mb": Key(4096, _megabytes, "address space, in MB, of the child that symbolises one GPU dump (the dump is mapped into it)"),
+    "symbolize_timeout": Key(60.0, _positive, "seconds the child that symbolises one GPU dump may take before it is killed"),
     "max_state_bytes": Key(50 * 2**30, _positive, "the state dir's size bound: oldest dumps go first, then oldest incidents"),
     "dump_max_age_days": Key(7.0, _positive, "raw GPU dumps older than this are deleted (their reports are kept)"),
     "incident_max_age_days": Key(90.0, _positive, "incidents older than this are deleted, report and index entry too"),
@@ -161,6 +170,9 @@ class Config:
     flight_recorder_timeout: float = KEYS["flight_recorder_timeout"].default
     gpu_dump: str = KEYS["gpu_dump"].default
     gpu_dump_timeout: float = KEYS["gpu_dump_timeout"].default
+    symbolize_cpu_seconds: float = KEYS["symbolize_cpu_seconds"].default
+    symbolize_memory_mb: int = KEYS["symbolize_memory_mb"].default
+    symbolize_timeout: float = KEYS["symbolize_timeout"].default
     max_state_bytes: float = KEYS["max_state_bytes"].default
     dump_max_age_days: float = KEYS["dump_max_age_days"].default
     incident_max_age_days: float = KEYS["incident_max_age_days"].default

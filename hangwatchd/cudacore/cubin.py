@@ -7,9 +7,6 @@ import functools
 import io
 from dataclasses import dataclass
 
-import cxxfilt
-from elftools.elf.elffile import ELFFile
-from elftools.elf.sections import SymbolTableSection
 
 
 @dataclass(frozen=True)
@@ -29,6 +26,8 @@ class Function:
 def demangle(mangled: str) -> str:
     if not mangled.startswith("_Z"):
         return mangled
+    import cxxfilt  # imported here: a dump of only C names never needs it
+
     try:
         return cxxfilt.demangle(mangled)
     except (cxxfilt.InvalidName, cxxfilt.LibraryNotFound, UnicodeDecodeError):
@@ -49,6 +48,9 @@ class Cubin:
             self.error = f"the cubin cannot be read ({type(exc).__name__}: {exc})"
 
     def _load(self) -> None:
+        from elftools.elf.elffile import ELFFile
+        from elftools.elf.sections import SymbolTableSection
+
         elf = ELFFile(io.BytesIO(self.image))
         has_lines = elf.get_section_by_name(".debug_line") is not None
         for sec in elf.iter_sections():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from . import layout as L
 from .cubin import Cubin, Function, demangle
@@ -81,6 +82,71 @@ class Symbolized:
             for item in d[group]:
                 item["pc"] = hex(item["pc"])
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Symbolized:
+        """The inverse of to_dict, checking every type: the dict comes from a child
+        process that read a hostile dump. Raises ValueError (or TypeError, KeyError)."""
+
+        def ints(v: Any) -> tuple[int, ...]:
+            return tuple(_int(x) for x in v)
+
+        def frames(v: Any) -> tuple[Frame, ...]:
+            return tuple(Frame(_opt(f["function"], str), _opt(f["file"], str), _opt(f["line"], int)) for f in v)
+
+        return cls(
+            path=_str(d["path"]), size=_int(d["size"]), driver=_opt(d["driver"], str),
+            devices=tuple({str(k): v for k, v in _dict(dev).items() if isinstance(v, (int, str))}
+                          for dev in d["devices"]),
+            kernels=tuple(Kernel(
+                device=_int(k["device"]), grid_id=_int(k["grid_id"]), name=_str(k["name"]), mangled=_str(k["mangled"]),
+                grid_dim=_dim3(k["grid_dim"]), block_dim=_dim3(k["block_dim"]), status=_str(k["status"]),
+                sms=ints(k["sms"])) for k in d["kernels"]),
+            exceptions=tuple(GpuException(
+                type=_str(e["type"]), device=_int(e["device"]), sm=_int(e["sm"]), warp=_int(e["warp"]),
+                lanes=ints(e["lanes"]), pc=int(_str(e["pc"]), 16), error_pc_valid=bool(e["error_pc_valid"]),
+                block_idx=None if e["block_idx"] is None else _dim3(e["block_idx"]),
+                thread_idx=None if e["thread_idx"] is None else _dim3(e["thread_idx"]),
+                kernel=_opt(e["kernel"], str), frames=frames(e["frames"]), frames_from=_opt(e.get("frames_from"), str),
+            ) for e in d["exceptions"]),
+            pcs=tuple(PcGroup(
+                device=_int(p["device"]), kernel=_opt(p["kernel"], str), pc=int(_str(p["pc"]), 16),
+                warps=_int(p["warps"]), lanes=_int(p["lanes"]), sms=ints(p["sms"]),
+                blocks=tuple(_dim3(b) for b in p["blocks"]), frames=frames(p["frames"]),
+                frames_from=_opt(p.get("frames_from"), str),
+            ) for p in d["pcs"]),
+            notes=tuple(_str(n) for n in d["notes"]),
+            cuda_gdb=_opt(d.get("cuda_gdb"), str),
+        )
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"expected an integer, got {type(v).__name__}")
+    return v
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"expected a string, got {type(v).__name__}")
+    return v
+
+
+def _opt(v: Any, kind: type) -> Any:
+    if v is None:
+        return None
+    return _int(v) if kind is int else _str(v)
+
+
+def _dict(v: Any) -> dict[Any, Any]:
+    if not isinstance(v, dict):
+        raise TypeError(f"expected an object, got {type(v).__name__}")
+    return v
+
+
+def _dim3(v: Any) -> tuple[int, int, int]:
+    x, y, z = v
+    return (_int(x), _int(y), _int(z))
 
 
 @dataclass
