@@ -15,6 +15,7 @@ child read hostile bytes) and is checked field by field into ``Symbolized``.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -84,7 +85,8 @@ def symbolize(path: str | os.PathLike[str], limits: Limits | None = None, strict
     """``cudacore.symbolize.symbolize`` in a limited child. Raises CoreDumpError with one
     line when the dump is unreadable, SymbolizeStopped when a limit stopped the child.
 
-    _hook: tests only; "allocate" makes the child allocate without end, "sleep" sleep.
+    _hook: tests only; "allocate" makes the child allocate without end, "sleep:PIDFILE" start
+    a grandchild (its pid into PIDFILE) and sleep past the wall deadline.
     """
     lim = limits or _limits
     ctx = _context()
@@ -170,7 +172,13 @@ def _child(answer: Any, path: str, strict: bool, nvdisasm: str | None, lim: Limi
         if hook == "allocate":
             hog = [bytearray(1 << 20) for _ in range(1 << 30)]
             del hog
-        elif hook == "sleep":
+        elif hook and hook.startswith("sleep:"):
+            import subprocess
+
+            # A grandchild in the child's group, to show that the group goes with it.
+            helper = subprocess.Popen(["sleep", str(lim.wall_seconds * 10)])
+            with open(hook.split(":", 1)[1], "w") as f:
+                f.write(str(helper.pid))
             time.sleep(lim.wall_seconds * 10)
         from .symbolize import symbolize
 
@@ -179,6 +187,12 @@ def _child(answer: Any, path: str, strict: bool, nvdisasm: str | None, lim: Limi
         payload = {"error": str(exc)}
     except MemoryError:
         os._exit(_EXIT_NO_MEMORY)
+    except OSError as exc:
+        if exc.errno == errno.ENOMEM:  # the dump could not be mapped within the address space
+            os._exit(_EXIT_NO_MEMORY)
+        payload = {"error": f"{path}: cannot be read ({exc.strerror or exc})"}
+    except Exception as exc:  # noqa: BLE001 - a bug, but still one line in the incident, not a lost answer
+        payload = {"error": f"{path}: symbolising failed ({type(exc).__name__}: {exc})"}
     try:
         answer.send_bytes(json.dumps(payload).encode())
     except MemoryError:
