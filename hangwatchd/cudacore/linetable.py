@@ -9,16 +9,17 @@ sequence, of the row that called it, so following contexts walks the chain
 outwards. nvdisasm also prints files and lines but not the inlined functions'
 names; and it takes 0.3 s or more per cubin, more than cuda-gdb takes for a
 whole dump. pyelftools skips unknown extended opcodes, hence this small
-interpreter of DWARF 2-4 line programs.
+interpreter of DWARF 2-4 line programs (and ``elf.py`` for the sections).
 """
 
 from __future__ import annotations
 
 import bisect
-import io
 import struct
 from array import array
 from dataclasses import dataclass
+
+from .elf import SHT_RELA, Elf, ElfError
 
 DW_LNE_end_sequence = 1
 DW_LNE_set_address = 2
@@ -59,7 +60,8 @@ class LineTable:
     nothing, and the caller says so and asks nvdisasm instead).
     """
 
-    def __init__(self, image: bytes) -> None:
+    def __init__(self, image: bytes | memoryview, base: int = 0, size: int | None = None) -> None:
+        """The line table of the cubin at ``image[base : base + size]``."""
         # One row a program row, in parallel arrays: 40 bytes a row, not a Python object.
         self._addr = array("Q")
         self._file = array("q")
@@ -72,13 +74,11 @@ class LineTable:
         self._sequences: list[tuple[int, int, int]] = []  # (start address, first row, end row)
         self._unit_files = 0
         try:
-            self._load(image)
+            self._load(Elf(image, base, size))
         except LineTableError as exc:
             self.error = str(exc)
-        except MemoryError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - pyelftools on hostile bytes can raise anything
-            self.error = f"its ELF cannot be read ({type(exc).__name__}: {exc})"
+        except ElfError as exc:
+            self.error = f"its ELF cannot be read ({exc})"
         if self.error:
             self._sequences = []
         self._sequences.sort()
@@ -88,28 +88,23 @@ class LineTable:
     def rows(self) -> int:
         return len(self._addr)
 
-    def _load(self, image: bytes) -> None:
-        from elftools.elf.elffile import ELFFile
-        from elftools.elf.relocation import RelocationSection
-
-        elf = ELFFile(io.BytesIO(image))
-        line = elf.get_section_by_name(".debug_line")
-        strs = elf.get_section_by_name(".debug_str")
+    def _load(self, elf: Elf) -> None:
+        line = elf.section(".debug_line")
+        strs = elf.section(".debug_str")
         if line is None:
             return
         for sec in (line, strs):
-            if sec is not None and sec["sh_size"] > MAX_SECTION_BYTES:
-                raise LineTableError(f"{sec.name} claims {sec['sh_size']} bytes, more than the "
+            if sec is not None and sec.size > MAX_SECTION_BYTES:
+                raise LineTableError(f"{sec.name} claims {sec.size} bytes, more than the "
                                      f"{MAX_SECTION_BYTES >> 20} MB we read")
-        self.strings = strs.data() if strs is not None else b""
-        data = bytearray(line.data())
-        rela = elf.get_section_by_name(".rela.debug_line")
-        if isinstance(rela, RelocationSection):
-            symtab = elf.get_section(rela["sh_link"])
-            for r in rela.iter_relocations():
-                value = symtab.get_symbol(r["r_info_sym"])["st_value"] + r["r_addend"]
-                if r["r_offset"] + 8 <= len(data):
-                    struct.pack_into("<Q", data, r["r_offset"], value & _M64)
+        self.strings = elf.data(strs) if strs is not None else b""
+        data = bytearray(elf.data(line))
+        rela = elf.section(".rela.debug_line")
+        if rela is not None and rela.type == SHT_RELA and rela.link < len(elf.sections):
+            symbols = elf.symbols(elf.sections[rela.link])
+            for offset, sym, addend in elf.relocations(rela):
+                if sym < len(symbols) and offset + 8 <= len(data):
+                    struct.pack_into("<Q", data, offset, (symbols[sym].value + addend) & _M64)
         self._run_units(bytes(data))
 
     def _run_units(self, data: bytes) -> None:

@@ -140,6 +140,12 @@ class CoreDump:
         s = module.image
         return bytes(self._buf[s.offset : s.offset + s.size])  # type: ignore[index]
 
+    def region(self, module: Module) -> tuple[object, int, int]:
+        """Where the module's cubin lies: (the dump's mapping, offset, size); nothing copied."""
+        if module.image is None:
+            raise CoreDumpError(f"{self.path}: module {module.index} has no relocated cubin in the dump")
+        return self._buf, module.image.offset, module.image.size
+
     def module_for(self, device: int, handle: int) -> Module | None:
         for m in self.modules:
             if m.device == device and m.handle == handle:

@@ -172,7 +172,7 @@ class _Resolver:
     def cubin(self, module: Module) -> Cubin:
         key = _where(module)
         if key not in self._cubins:
-            cubin = Cubin(self.dump.image(module)) if module.image else Cubin(b"")
+            cubin = Cubin(*self.dump.region(module)) if module.image else Cubin(b"")  # type: ignore[arg-type]
             if cubin.error and module.image:
                 self.fail_or_note(f"module {module.index} on device {module.device}: {cubin.error}")
             self._cubins[key] = cubin
@@ -250,7 +250,7 @@ class _Resolver:
     def _table(self, module: Module) -> LineTable:
         key = _where(module)
         if key not in self._tables:
-            self._tables[key] = LineTable(self.dump.image(module))
+            self._tables[key] = LineTable(*self.dump.region(module))  # type: ignore[arg-type]
         return self._tables[key]
 
 

@@ -10,6 +10,5 @@ import lzma  # noqa: F401
 
 import cxxfilt  # noqa: F401
 import zstandard  # noqa: F401
-from elftools.elf import elffile, relocation, sections  # noqa: F401
 
-from . import cubin, linetable, nvdisasm, reader, source, symbolize  # noqa: F401
+from . import cubin, elf, linetable, nvdisasm, reader, source, symbolize  # noqa: F401
