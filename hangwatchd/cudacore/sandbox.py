@@ -94,7 +94,12 @@ def symbolize(path: str | os.PathLike[str], limits: Limits | None = None, strict
     child = ctx.Process(target=_child, args=(answer_w, os.fspath(path), strict, nvdisasm, lim, _hook),
                         name="hangwatchd-symbolize", daemon=True)
     start_time = time.monotonic()
-    child.start()
+    try:
+        child.start()
+    except (OSError, EOFError) as exc:  # no fork server, no memory for a process: still one line
+        answer_r.close()
+        answer_w.close()
+        raise CoreDumpError(f"{path}: symbolising could not start its child ({exc})") from None
     answer_w.close()
     raw: bytes | None = None
     stopped_at_wall = False

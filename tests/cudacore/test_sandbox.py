@@ -163,3 +163,31 @@ def test_the_daemon_files_one_line_for_a_dump_over_the_cpu_limit_and_symbolises_
         second = next(i for i in both if i["id"] != first["id"])
         assert second["summary"].startswith("gpu-exception: WARP_ILLEGAL_ADDRESS in faulty_epilogue_kernel(int*, long) at "), second
         assert d.proc.poll() is None  # the daemon is up
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("symbolize_cpu_seconds", "0", "a number of seconds greater than 0"),
+    ("symbolize_timeout", '"soon"', "a number of seconds greater than 0"),
+    ("symbolize_memory_mb", "64", "a whole number of MB, at least 256"),
+])
+def test_bad_limits_in_the_config_are_one_line_and_exit_2(tmp_path: Path, key: str, value: str, expected: str) -> None:
+    from ..conftest import hangwatchd
+
+    cfg = tmp_path / "hangwatchd.toml"
+    cfg.write_text(f"{key} = {value}\n")
+    res = hangwatchd("daemon", "--config", str(cfg), "--state-dir", str(tmp_path / "s"),
+                     "--runtime-dir", str(tmp_path / "r"), timeout=30)
+    assert res.returncode == 2, res.stderr
+    (line,) = res.stderr.strip().splitlines()
+    assert f"key '{key}'" in line and expected in line
+
+
+def test_the_limits_default_as_the_example_config_says() -> None:
+    import tomllib
+
+    from hangwatchd import config
+
+    example = tomllib.loads((Path(__file__).parents[2] / "config" / "hangwatchd.toml").read_text())
+    cfg = config.load()
+    assert (cfg.symbolize_cpu_seconds, cfg.symbolize_memory_mb, cfg.symbolize_timeout) == (
+        example["symbolize_cpu_seconds"], example["symbolize_memory_mb"], example["symbolize_timeout"]) == (30.0, 4096, 60.0)
