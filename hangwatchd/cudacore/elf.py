@@ -102,6 +102,8 @@ class Elf:
 
     def symbols(self, s: Section) -> list[Symbol]:
         """Every symbol of a symbol table section, named through its linked string table."""
+        if s.type == SHT_NOBITS:
+            return []
         if s.entsize < _SYM.size:
             raise ElfError(f"symbol table {s.name} has entries of {s.entsize} bytes")
         count = s.size // s.entsize
@@ -120,6 +122,8 @@ class Elf:
 
     def relocations(self, s: Section) -> list[tuple[int, int, int]]:
         """(offset, symbol index, addend) of each entry of a SHT_RELA section."""
+        if s.type == SHT_NOBITS:
+            return []
         entsize = s.entsize or _RELA.size
         if entsize < _RELA.size:
             raise ElfError(f"relocation section {s.name} has entries of {entsize} bytes")

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hangwatchd.cudacore import linetable
+from hangwatchd.cudacore.cubin import Cubin
 from hangwatchd.cudacore.linetable import LineTable, LineTableError
 from hangwatchd.cudacore.symbolize import symbolize
 
@@ -93,6 +94,18 @@ def test_fuzz_flipped_bytes_in_the_cubin_never_raise(edits: list[tuple[int, int]
     table = LineTable(bytes(data))
     assert table.error is None or isinstance(table.error, str)
     table.chain_at(0x7FB56B7A00B0)
+    cubin = Cubin(bytes(data))
+    assert cubin.error is None or cubin.error.startswith("the cubin cannot be read (")
+    cubin.function_at(0x7FB56B7A00B0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(header=st.binary(min_size=64, max_size=64), tail=st.binary(max_size=512))
+def test_fuzz_elf_headers_never_raise_but_say_why(header: bytes, tail: bytes) -> None:
+    data = b"\x7fELF\x02\x01" + header[6:] + tail
+    cubin = Cubin(data)
+    assert cubin.error is None or cubin.error.startswith("the cubin cannot be read (")
+    assert LineTable(data).chain_at(0) == []
 
 
 def test_a_table_we_cannot_read_is_said_and_its_chains_are_marked_as_nvdisasm(
