@@ -6,7 +6,10 @@ A workload needs only::
     hangwatchd.beat()        # once per training step or served request
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .client import beat, register
 
 __all__ = ["beat", "register"]
 __version__ = "0.1.0"
