@@ -84,7 +84,7 @@ def main(out: Path) -> int:
                 p.wait()
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
-    ok = (summary["diverged"]["behind"] and summary["diverged"]["behind"][0][1] == [[1, 10]]
+    ok = (summary["diverged"]["behind"] and summary["diverged"]["behind"][0][1] == [(1, 10)]
           and any(m[0] == 1 and m[1] == summary["pids"][1] for m in summary["killed-6s"]["missing"])
           and summary["verdict"]["culprits"] and summary["verdict"]["culprits"][0]["rank"] == 1)
     return 0 if ok else 1
