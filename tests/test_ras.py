@@ -355,3 +355,41 @@ def test_the_flight_recorder_keeps_its_lead_where_ras_names_the_same_rank(tmp_pa
     assert out["summary"].startswith("Rank 1 never entered all_gather #21 (process group 0)")
     (culprit,) = out["culprits"]
     assert culprit["rank"] == 1 and culprit["location"].startswith("evaluate_only_on_rank_1") and culprit["node"] == "192.0.2.2"
+
+
+NCCL_2_24_KILLED = """NCCL version 2.24.3 compiled with CUDA 12.6
+
+Communicators... (2.05s)
+=============
+
+Group     Comms     Nodes     Ranks     Ranks     Ranks    Status  Errors
+    #  in group  per comm  per node  per comm  in group
+    0         1         4       7-8        32        31   RUNNING  INCOMPLETE
+
+Errors
+======
+
+{heading}
+  {what}
+  Process 3487984 on node 172.16.64.213 managing GPU 5
+
+#0-0 (cf264af53edbe986) INCOMPLETE
+  Missing communicator data from 1 rank
+  The missing rank: 21
+
+Warnings
+========
+
+TIMEOUT
+  Encountered 2 communication timeouts while gathering communicator data
+"""
+
+
+@pytest.mark.parametrize("heading,what,state", [
+    ("INCOMPLETE", "Missing communicator data from 1 job process", "missing"),
+    ("DEAD", "1 job process is considered dead (unreachable via the RAS network)", "dead")])
+def test_the_older_form_naming_the_missing_rank_by_number_is_joined_to_its_process(heading: str, what: str, state: str) -> None:
+    view, why = ras.parse_text(NCCL_2_24_KILLED.format(heading=heading, what=what))
+    assert view is not None, why
+    (r,) = view.missing
+    assert (r.rank, r.pid, r.node, r.gpu, r.state) == (21, 3487984, "172.16.64.213", 5, state)

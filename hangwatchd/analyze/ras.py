@@ -117,6 +117,13 @@ def merge(views: list[RasView]) -> RasView:
             if r.state == "dead":
                 n = named[(r.pid, r.node)]
                 missing[key(n)] = RasRank(n.rank, n.node, n.pid, n.gpu if n.gpu is not None else r.gpu, "dead", n.communicator)
+    # NCCL 2.24 names the missing rank by number and the missing process apart: one of each is one rank.
+    bare = [k for k, r in missing.items() if r.rank is not None and r.pid is None]
+    procs = [k for k, r in missing.items() if r.rank is None]
+    if len(bare) == 1 and len(procs) == 1:
+        r, p = missing.pop(bare[0]), missing.pop(procs[0])
+        joined = RasRank(r.rank, p.node, p.pid, p.gpu, p.state if p.state == "dead" else r.state, r.communicator)
+        missing[key(joined)] = joined
     ranks = {key(r): r for v in views for r in v.ranks}
     mismatches = {(m.communicator, m.collective): m for v in views for m in v.mismatches}
     comms = tuple(dict.fromkeys(c for v in views for c in v.communicators))
@@ -199,6 +206,7 @@ _DIFFERENT = re.compile(r"have different (\w+) operation counts")
 _LAUNCHED = re.compile(r"^\s*Rank (\d+) has launched up to operation (\d+) -- GPU (\d+)\S* managed by process (\d+) on node (\S+)")
 _MISSING_RANK = re.compile(r"^\s*Rank (\d+) -- GPU (\d+)\S* managed by process (\d+) on node (\S+)")
 _PROCESS = re.compile(r"^\s*Process (\d+) on node (\S+) managing GPUs? (\d+)")
+_RANK_NUMBERS = re.compile(r"^\s*The missing ranks?: ([\d, ]+)")  # NCCL 2.24's form: numbers only
 
 
 def parse_text(text: str) -> tuple[RasView | None, str]:
@@ -206,6 +214,7 @@ def parse_text(text: str) -> tuple[RasView | None, str]:
     section = ""  # the unindented heading we are under (Errors, DEAD, #0-0 ..., Warnings)
     comm = None
     collective = None
+    describe = ""  # the first line under a heading: what the block is about
     missing: list[RasRank] = []
     counts: dict[tuple[str, str], list[RasCount]] = {}
     comms: list[str] = []
@@ -222,7 +231,10 @@ def parse_text(text: str) -> tuple[RasView | None, str]:
             if comm and comm not in comms:
                 comms.append(comm)
             collective = None
+            describe = ""
             continue
+        if not describe and line.strip():
+            describe = line.strip()
         m = _DIFFERENT.search(line)
         if m:
             collective = m.group(1)
@@ -232,12 +244,17 @@ def parse_text(text: str) -> tuple[RasView | None, str]:
             rank, n, gpu, pid, node = int(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4)), m.group(5)
             counts.setdefault((comm, collective), []).append(RasCount(rank, n, node, pid, gpu))
             continue
+        lists_missing = describe.startswith("Missing communicator data")
         m = _MISSING_RANK.match(line)
-        if m and comm:
+        if m and comm and lists_missing:
             missing.append(RasRank(int(m.group(1)), m.group(4), int(m.group(3)), int(m.group(2)), "missing", comm))
             continue
+        m = _RANK_NUMBERS.match(line)
+        if m and comm and lists_missing:
+            missing += [RasRank(int(n), None, None, None, "missing", comm) for n in re.findall(r"\d+", m.group(1))[:MAX_RANKS]]
+            continue
         m = _PROCESS.match(line)
-        if m:
+        if m and (section.startswith("DEAD") or lists_missing):
             state = "dead" if section.startswith("DEAD") else "missing"
             missing.append(RasRank(None, m.group(2), int(m.group(1)), int(m.group(3)), state))
     if version is None and not comms and not missing:
