@@ -53,7 +53,8 @@ def test_a_hung_process_goes_through_every_step_and_its_gpu_dump_is_explained(tm
         assert list(steps) == ["proc", "pyspy", "nvml", "nccl_ras", "flight_recorder", "cuda_dump"]
         assert steps["flight_recorder"]["ok"], steps["flight_recorder"]
         # no NCCL here: nothing listens on the RAS port hangwatchd run gave it, so n/a, and at once
-        assert steps["nccl_ras"]["error"].startswith("n/a: nothing listens on 127.0.0.1:") and steps["nccl_ras"]["seconds"] < 0.5
+        assert steps["nccl_ras"]["not_applicable"] and steps["nccl_ras"]["seconds"] < 0.5
+        assert steps["nccl_ras"]["error"].startswith("nothing listens on 127.0.0.1:")
         assert steps["cuda_dump"]["ok"], steps["cuda_dump"]
         assert not steps["nvml"]["ok"] and "NVML" in steps["nvml"]["error"]  # no GPU here: recorded, not fatal
         pdir = Path(inc["dir"]) / str(inc["processes"][0])

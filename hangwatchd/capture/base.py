@@ -16,7 +16,8 @@ class StepFailed(Exception):
 
 
 class StepNotApplicable(StepFailed):
-    """Nothing for the step to capture on this process (no NCCL, no GPU): n/a, with why; not a failure."""
+    """Nothing for this step to capture here (no GPU or NVML, no NCCL process group, not started by
+    ``hangwatchd run``): the incident says ``n/a`` and why, and no failure is counted."""
 
 
 class Step(Protocol):
@@ -25,7 +26,7 @@ class Step(Protocol):
     def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
         """Capture into ``outdir`` within ``timeout`` seconds; return the files written.
 
-        Raise StepFailed with one clear line when it cannot."""
+        Raise StepFailed with one clear line when it cannot, StepNotApplicable when it does not apply."""
         ...
 
 

@@ -54,8 +54,8 @@ def run_steps(
         try:
             files = step.run(target, outdir, min(timeout, left))
             result = StepResult(step.name, True, time.monotonic() - start, files=tuple(files))
-        except StepNotApplicable as exc:
-            result = StepResult(step.name, True, time.monotonic() - start, f"n/a: {exc}", skipped=True)
+        except StepNotApplicable as exc:  # nothing to capture here (no GPU, no process group): not a failure
+            result = StepResult(step.name, True, time.monotonic() - start, str(exc), not_applicable=True)
         except StepFailed as exc:
             result = StepResult(step.name, False, time.monotonic() - start, str(exc))
         except OSError as exc:  # a full disk, a vanished directory: the step fails, the pipeline goes on
@@ -65,7 +65,7 @@ def run_steps(
             metrics.step_duration.labels(**metrics.labels(step=step.name)).observe(result.seconds)
             if not result.ok:
                 metrics.step_failures.labels(**metrics.labels(step=step.name)).inc()
-        log.info("capture_step", pid=target.process.pid, step=step.name, ok=result.ok,
+        log.info("capture_step", pid=target.process.pid, step=step.name, ok=result.ok, na=result.not_applicable,
                  seconds=round(result.seconds, 3), error=result.error, files=list(result.files))
     return ProcessCapture(target, tuple(results))
 
@@ -92,15 +92,13 @@ def capture_incident(
                                                                       budget, metrics, gate).steps) if last else pc
                 for pc in first_pass]
     try:
-        found = analyze(draft.path)
-        summary, analysis = found.summary, found.to_dict()
-    except Exception as exc:  # a bug in the analysis must never cost the evidence: store it, say so
-        log.exception("analysis_failed", incident=draft.id)
-        summary = f"The analysis failed ({type(exc).__name__}: {exc}); the evidence is stored: hangwatchd analyze DIR retries it."
-        analysis = {"summary": summary, "culprits": [], "ranks": [], "collectives": [], "rests_on": [],
-                    "unreadable": [f"the analysis itself: {type(exc).__name__}: {exc}"]}
+        analysis = analyze(draft.path)
+        verdict, analysis_dict = analysis.summary, analysis.to_dict()
+    except Exception as exc:  # noqa: BLE001 - a capture is stored even when its analysis fails
+        log.error("analysis_failed", incident=draft.id, error=f"{type(exc).__name__}: {exc}")
+        verdict, analysis_dict = f"the analysis failed ({type(exc).__name__}: {exc}); the evidence is kept", None
     incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason=suspicion.reason,
                         detail=suspicion.detail, job=job, processes=tuple(captures), signals=suspicion.signals,
-                        notify_status=notify_status, verdict=summary)
-    store.commit(draft, incident, f"{summary} ({suspicion.detail})", analysis)
+                        notify_status=notify_status, verdict=verdict)
+    store.commit(draft, incident, f"{verdict} ({suspicion.detail})", analysis_dict)
     return draft.id

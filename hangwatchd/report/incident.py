@@ -106,9 +106,8 @@ def render_text(data: dict[str, Any]) -> str:
         if steps:
             out.append("  capture:")
             for s in steps:
-                na = str(s.get("error") or "").startswith("n/a: ")
-                outcome = "n/a" if na else "skipped" if s.get("skipped") else "ok" if s["ok"] else "FAILED"
-                why = f" - {s['error'][5:] if na else s['error']}" if s.get("error") else ""
+                outcome = "n/a" if s.get("not_applicable") else "skipped" if s.get("skipped") else "ok" if s["ok"] else "FAILED"
+                why = f" - {s['error']}" if s.get("error") else ""
                 out.append(f"    {s['step']:<16} {outcome:<8} {s['seconds']:6.2f} s{why}")
         stacks = proc.get("stacks")
         if not stacks:
