@@ -34,6 +34,8 @@ class Registration:
     cmdline: tuple[str, ...] = ()
     source: str = "run"
     registered_at: float = 0.0
+    role: str = "workload"  # "launcher": torchrun and the like, watched for its exit, never for beats
+    launcher: int | None = None  # a rank that registered itself: the pid of the launched process above it
 
 
 class State(str, enum.Enum):
@@ -86,3 +88,4 @@ class Incident:
     verdict: str | None = None
     signals: tuple[str, ...] = ()
     notify_status: str | None = None  # the workload's last sd_notify STATUS=
+    since: float | None = None  # wall-clock time of the hung process's last sign of progress

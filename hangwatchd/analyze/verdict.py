@@ -195,7 +195,9 @@ def analyze(incident: Path) -> Analysis:
             summary = f"{who}: {v.detail}" + (f" at {v.location}." if v.location else ".")
         else:
             summary = "Nothing was captured that can be analysed."
-    return Analysis(summary, tuple(culprits), tuple(ranks), tuple(collectives))
+    from .gone import account  # here: gone.py builds on this module's records
+
+    return account(incident, meta, Analysis(summary, tuple(culprits), tuple(ranks), tuple(collectives)))
 
 
 def _odd_one_out(ranks: list[RankVerdict]) -> RankVerdict | None:

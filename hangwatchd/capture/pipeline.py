@@ -9,6 +9,7 @@ from pathlib import Path
 
 import structlog
 
+from .. import exits
 from ..metrics import Metrics
 from ..model import Incident, ProcessCapture, Registration, StepResult, Suspicion
 from ..analyze.verdict import analyze
@@ -77,8 +78,12 @@ def capture_incident(
     metrics: Metrics | None = None,
     gate: Callable[[Path], str | None] | None = None,
     notify_status: str | None = None,
+    gone: Sequence[exits.Departed] = (),
 ) -> str:
-    """Capture every target into one new incident and store it; return the incident's id."""
+    """Capture every target into one new incident and store it; return the incident's id.
+
+    ``gone``: job-mates that had exited, each written as ``PID/exit.json`` for the verdict.
+    """
     job = targets[0].job if targets else None
     draft = store.begin(suspicion.reason, job, [t.process.pid for t in targets])
     # Everything gentle on every rank first: a GPU dump ends its process, and a launcher
@@ -89,9 +94,10 @@ def capture_incident(
     captures = [ProcessCapture(pc.registration, pc.steps + run_steps(last, pc.registration, draft.path / str(pc.registration.process.pid),
                                                                       budget, metrics, gate).steps) if last else pc
                 for pc in first_pass]
+    exits.write_into(draft.path, list(gone), targets[0] if targets else None, suspicion.since)
     analysis = analyze(draft.path)
     incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason=suspicion.reason,
                         detail=suspicion.detail, job=job, processes=tuple(captures), signals=suspicion.signals,
-                        notify_status=notify_status, verdict=analysis.summary)
+                        notify_status=notify_status, verdict=analysis.summary, since=suspicion.since)
     store.commit(draft, incident, f"{analysis.summary} ({suspicion.detail})", analysis.to_dict())
     return draft.id

@@ -1,0 +1,196 @@
+"""Jobs as the unit: every rank below a launcher is watched, and a rank that is gone is named.
+
+Through the real daemon, with real launchers and ranks (child processes that
+beat, wait and exit, or are SIGKILLed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hangwatchd.testing import Daemon, hangwatchd_argv, wait_for, workload_argv
+
+from .conftest import hangwatchd
+
+FAST = {"gpu_dump": "never", "pyspy_native": False, "startup_grace": 2.0}
+
+# A launcher like torchrun, in small: starts WORLD ranks with RANK, LOCAL_RANK and
+# WORLD_SIZE set, waits for them. It never beats.
+LAUNCHER = """
+import os, subprocess, sys
+rank_code = sys.argv[1]
+procs = [subprocess.Popen([sys.executable, "-c", rank_code],
+                          env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2"))
+         for r in range(2)]
+sys.exit(max(p.wait() for p in procs))
+"""
+# Rank 0 beats 60 times, then waits forever; rank 1 beats on.
+RANK = """
+import os, threading, time, hangwatchd
+n = 60 if os.environ["RANK"] == "0" else 10**9
+for _ in range(n):
+    hangwatchd.beat()
+    time.sleep(0.05)
+print("rank", os.environ["RANK"], "stopped beating", flush=True)
+threading.Event().wait()
+"""
+
+
+def status(d: Daemon) -> list[dict[str, Any]]:
+    res = hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir))
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)["processes"]
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """The launcher, its ranks and everything below them: they share the group we started."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
+
+
+def analysis(inc: dict[str, Any]) -> dict[str, Any]:
+    return json.loads((Path(inc["dir"]) / "incident.json").read_text())["analysis"]
+
+
+def test_every_rank_below_a_launcher_is_watched_and_the_hung_one_is_captured_with_its_mate(tmp_path: Path) -> None:
+    with Daemon(tmp_path, config=FAST) as d:
+        run = d.run([sys.executable, "-c", LAUNCHER, RANK], "--job", "J", "--heartbeat-timeout", "2",
+                    start_new_session=True)
+        try:
+            procs = wait_for(lambda: (lambda p: p if {x["rank"] for x in p if x["role"] == "workload"} == {0, 1} else None)(status(d)),
+                             20, "both ranks registered")
+            ranks = {p["rank"]: p for p in procs if p["role"] == "workload"}
+            assert all(p["job"] == "J" and p["world_size"] == 2 and p["source"] == "rank" for p in ranks.values())
+            assert all(p["timeout"] == 2.0 for p in ranks.values())  # the launcher's --heartbeat-timeout
+            (launcher,) = [p for p in procs if p["role"] == "launcher"]
+            assert launcher["pid"] not in {p["pid"] for p in ranks.values()}
+            assert all(p["launcher"] == launcher["pid"] for p in ranks.values())
+            assert ranks[0]["pid"] != ranks[1]["pid"]
+            wait_for(lambda: all(p["beats"] > 0 for p in status(d) if p["role"] == "workload"), 10, "both ranks beating")
+            table = hangwatchd("status", "--runtime-dir", str(d.runtime_dir)).stdout
+            assert "J" in table
+
+            (inc,) = wait_for(d.store().list, 30, "the incident", every=0.2)
+            assert inc["reason"] == "heartbeat" and inc["job"] == "J"
+            assert inc["processes"][0] == ranks[0]["pid"]  # the hung rank first
+            assert set(inc["processes"]) == {ranks[0]["pid"], ranks[1]["pid"]}  # its mate too, not the launcher
+            proc0 = json.loads((Path(inc["dir"]) / str(ranks[0]["pid"]) / "proc.json").read_text())
+            assert (proc0["rank"], proc0["world_size"], proc0["job"]) == (0, 2, "J")
+
+            time.sleep(3)  # past the startup grace: the launcher, which never beats, is not hung
+            assert len(d.store().list()) == 1
+            after = {p["pid"]: p for p in status(d)}
+            assert after[launcher["pid"]]["state"] == "healthy"
+            assert after[ranks[1]["pid"]]["state"] in ("captured", "healthy")
+        finally:
+            kill_group(run)
+
+
+def _job_rank(d: Daemon, rank: int, argv: list[str]) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
+    return d.run(argv, "--job", "J", "--heartbeat-timeout", "2", env=env, start_new_session=True, stdout=subprocess.PIPE)
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+def test_a_rank_that_left_is_the_first_culprit_and_leads_the_summary(tmp_path: Path, how: str) -> None:
+    with Daemon(tmp_path, config=FAST) as d:
+        r0 = _job_rank(d, 0, workload_argv(beats=100, interval=0.05))
+        r1 = _job_rank(d, 1, workload_argv(beats=30 if how == "exit" else 10**9, interval=0.05, then="exit"))
+        try:
+            procs = wait_for(lambda: (lambda p: p if {x["rank"] for x in p} == {0, 1} else None)(status(d)), 20, "both ranks")
+            pid = {p["rank"]: p["pid"] for p in procs}
+            if how == "sigkill":
+                time.sleep(1.0)
+                os.kill(pid[1], signal.SIGKILL)  # from outside, as the OOM killer would
+            assert r1.wait(20) == (0 if how == "exit" else 128 + 9)
+            left = time.time()
+            assert r0.stdout is not None and r0.stdout.readline().strip() == b"stopped beating"
+            stopped = time.time()
+
+            (inc,) = wait_for(d.store().list, 30, "the incident", every=0.2)
+            assert inc["processes"] == [pid[0]]
+            exit_json = json.loads((Path(inc["dir"]) / str(pid[1]) / "exit.json").read_text())
+            assert (exit_json["rank"], exit_json["pid"], exit_json["job"], exit_json["world_size"]) == (1, pid[1], "J", 2)
+            assert exit_json["beats"] >= 10 and exit_json["last_beat_time"] <= exit_json["time"] + 0.5
+            if how == "exit":
+                assert (exit_json["status"], exit_json["signal"]) == (0, None)
+                how_text = "exited with status 0"
+            else:
+                assert (exit_json["status"], exit_json["signal"], exit_json["signal_name"]) == (None, 9, "SIGKILL")
+                how_text = "was killed by signal 9 (SIGKILL)"
+            assert abs(exit_json["time"] - left) < 2.0
+
+            a = analysis(inc)
+            assert a["culprits"][0]["rank"] == 1 and a["culprits"][0]["pid"] == pid[1]
+            assert how_text in a["culprits"][0]["reason"]
+            clock = time.strftime("%H:%M:%S", time.localtime(exit_json["time"]))
+            m = re.match(rf"Rank 1 {re.escape(how_text)} at {clock}\b.*?, ([0-9.]+) s before rank 0 stopped", a["summary"])
+            assert m, a["summary"]
+            assert abs(float(m.group(1)) - (stopped - left)) < 2.0
+            assert {v["rank"]: v["verdict"] for v in a["ranks"]}[1] == "exited"
+
+            shown = hangwatchd("show", inc["id"], "--state-dir", str(d.state_dir))
+            assert shown.stdout.startswith(f"Rank 1 {how_text}"), shown.stdout[:500]
+            again = hangwatchd("analyze", inc["dir"], "--json")
+            assert json.loads(again.stdout)["summary"] == a["summary"]
+        finally:
+            for p in (r0, r1):
+                kill_group(p)
+
+
+def test_a_workload_that_never_beats_is_not_hung_after_the_startup_grace(tmp_path: Path) -> None:
+    code = "import time\ntime.sleep(60)\n"
+    with Daemon(tmp_path, config={**FAST, "stack_interval": 0.5, "stack_window": 2.0}) as d:
+        quiet = d.run([sys.executable, "-c", code], "--job", "server", start_new_session=True)
+        declared = d.run([sys.executable, "-c", code], "--job", "batch", "--heartbeat-timeout", "1", start_new_session=True)
+        try:
+            wait_for(lambda: len(status(d)) == 2, 20, "both registered")
+            # A declared timeout is a promise to beat: that one is hung after the grace.
+            (inc,) = wait_for(d.store().list, 20, "the declared one's incident", every=0.2)
+            meta = json.loads((Path(inc["dir"]) / "incident.json").read_text())
+            assert inc["job"] == "batch" and "no first beat" in meta["detail"]
+            time.sleep(2.0)
+            assert [i["job"] for i in d.store().list()] == ["batch"]
+            (p,) = [p for p in status(d) if p["job"] == "server"]
+            assert p["state"] == "healthy" and p["beats"] == 0
+            warned = [e for e in d.logs() if e.get("event") == "never_beat"]
+            assert len(warned) == 1 and warned[0]["watched_by"] == "stack"
+            # Watched by its stack from then on: sampled, found frozen but idle (a sleep), let be.
+            wait_for(lambda: [e for e in d.logs() if e.get("pid") == p["pid"]
+                              and e.get("event") in ("stack_sample_failed", "stack_frozen_idle")], 20, "its stack sampled")
+            assert [i["job"] for i in d.store().list()] == ["batch"]
+        finally:
+            kill_group(quiet)
+            kill_group(declared)
+
+
+def test_analyze_a_hand_made_directory_with_an_exited_rank_and_one_missing(tmp_path: Path) -> None:
+    inc = tmp_path / "by-hand"
+    (inc / "4100").mkdir(parents=True)
+    (inc / "4100" / "proc.json").write_text(json.dumps({"pid": 4100, "rank": 0, "world_size": 3, "job": "J"}))
+    (inc / "4101").mkdir()
+    t = 1764500000.0
+    (inc / "4101" / "exit.json").write_text(json.dumps({"pid": 4101, "rank": 1, "world_size": 3, "signal": 9,
+                                                          "signal_name": "SIGKILL", "time": t}))
+    res = hangwatchd("analyze", str(inc), "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    clock = time.strftime("%H:%M:%S", time.localtime(t))
+    assert out["summary"].startswith(f"Rank 1 was killed by signal 9 (SIGKILL) at {clock}")
+    assert "Rank 2 of world size 3 is not on this node" in out["summary"]
+    assert out["culprits"][0]["rank"] == 1
+    verdicts = {v["rank"]: v["verdict"] for v in out["ranks"]}
+    assert verdicts == {0: "unknown", 1: "exited", 2: "not-here"}
