@@ -164,7 +164,7 @@ def write_into(incident_dir: Path, departed: list[Departed], hung: Registration 
     sign of progress, so that the exit can be put in time against it.
     """
     written = []
-    context = {"job_hung": {"rank": hung.rank, "pid": hung.process.pid, "since": since}} if hung else {}
+    context = {"job_hung": {"rank": hung.rank, "pid": hung.process.pid, "since": since, "declared": time.time()}} if hung else {}
     for d in departed:
         pdir = incident_dir / str(d.registration.process.pid)
         try:

@@ -25,8 +25,6 @@ from .stacks import is_user_frame
 from .verdict import Analysis, Culprit, RankVerdict
 
 MAX_EXIT_FILE = 1 << 20
-# An exit this long after the survivors' last sign of progress is a consequence, not the cause.
-AFTER_SLACK = 1.0
 
 
 @dataclass(frozen=True)
@@ -170,6 +168,8 @@ def account(incident: Path, meta: dict[str, Any], base: Analysis) -> Analysis:
         hung = next((e.job_hung for e in exited if e.job_hung), None)
         stopped = _num(hung.get("since")) if hung else None
     hung_who = _who(_int(hung.get("rank")), _int(hung.get("pid"))).replace("Rank", "rank") if hung else None
+    # An exit after the hang was declared is a consequence (a launcher tearing the job down), not the cause.
+    declared = _num(meta.get("time")) or (_num(hung.get("declared")) if hung else None)
     after = _left_after(incident, survivors)
     lead: list[str] = []
     late: list[str] = []
@@ -182,11 +182,16 @@ def account(incident: Path, meta: dict[str, Any], base: Analysis) -> Analysis:
         if after:
             detail += f", after {after[0]}"
         verdicts.append(RankVerdict(e.rank, e.pid, "exited", detail, e.location))
-        is_cause = not (e.time and stopped and e.time > stopped + AFTER_SLACK)
+        is_cause = not (e.time and declared and e.time > declared)
         sentence = f"{_who(e.rank, e.pid)} {e.how}{when}"
         if e.time and stopped and hung_who:
             gap = stopped - e.time
-            sentence += f", {gap:.1f} s before {hung_who} stopped" if gap >= 0 else f", {-gap:.1f} s after {hung_who} stopped"
+            if gap >= 0:
+                sentence += f", {gap:.1f} s before {hung_who} stopped"
+            elif is_cause:  # its mate had entered the next collective and was waiting for it
+                sentence += f", while {hung_who} waited ({-gap:.1f} s after its last beat)"
+            else:
+                sentence += f", {-gap:.1f} s after {hung_who} stopped, once the hang was declared"
         if after and is_cause:
             sentence += f"; it left after {after[0]} and never joined {after[1]}"
             names = ", ".join(str(v.rank if v.rank is not None else f"pid {v.pid}") for v in survivors)
