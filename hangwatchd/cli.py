@@ -201,7 +201,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     for p in status["processes"]:
         age = p.get("last_beat_age")
         rows.append((
-            str(p["pid"]), p.get("job") or "-", str(p["rank"]) if p.get("rank") is not None else "-", p["state"],
+            str(p["pid"]), p.get("job") or "-",
+            "launcher" if p.get("role") == "launcher" else str(p["rank"]) if p.get("rank") is not None else "-", p["state"],
             f"{age:.1f}s ago" if age is not None else "never",
             f"{p['timeout']:.3g}s ({p.get('timeout_source', 'config')})", p.get("incident") or "-",
             " ".join(p.get("cmdline") or [])[:60],

@@ -38,6 +38,8 @@ class ExitRecord:
     status: int | None
     signal: int | None
     time: float | None
+    beats: int | None = None  # the segment read by the parent after the exit: fresher than the daemon's last look
+    last_beat_time: float | None = None
 
     def describe(self) -> str:
         if self.signal is not None:
@@ -58,10 +60,17 @@ def file_name(process: ProcessId) -> str:
     return f"{process.pid}-{process.start_time}.json"
 
 
-def write(runtime_dir: Path, process: ProcessId, returncode: int, when: float) -> None:
+def write(runtime_dir: Path, process: ProcessId, returncode: int, when: float, beat_file: str | None = None) -> None:
     """The launcher's side: ``returncode`` as subprocess gives it (negative: killed by that signal)."""
     record = {"pid": process.pid, "start_time": process.start_time, "time": when,
               "status": returncode if returncode >= 0 else None, "signal": -returncode if returncode < 0 else None}
+    if beat_file:
+        try:
+            reading = heartbeat.read(beat_file)
+            record["beats"] = reading.count
+            record["last_beat_time"] = reading.wall_time()
+        except heartbeat.SegmentError:
+            pass
     directory = runtime_dir / DIR
     try:
         tmp = directory / f".{file_name(process)}.tmp{os.getpid()}"
@@ -102,8 +111,11 @@ def read(runtime_dir: Path, process: ProcessId, uid: int) -> ExitRecord | None:
     status, sig, when = data.get("status"), data.get("signal"), data.get("time")
     status = status if isinstance(status, int) and not isinstance(status, bool) and 0 <= status < 256 else None
     sig = sig if isinstance(sig, int) and not isinstance(sig, bool) and 0 < sig < 65 else None
-    when = float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) and when > 0 else None
-    return ExitRecord(status, sig, when)
+    when, last = (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
+                  for v in (when, data.get("last_beat_time")))
+    beats = data.get("beats")
+    beats = beats if isinstance(beats, int) and not isinstance(beats, bool) and beats >= 0 else None
+    return ExitRecord(status, sig, when, beats, last)
 
 
 def remove(runtime_dir: Path, process: ProcessId) -> None:
@@ -209,7 +221,9 @@ class Departures:
             if d.exit is None:
                 record = read(self.runtime_dir, key, d.registration.uid)
                 if record is not None:
-                    d = Departed(d.registration, d.noticed_at, d.last_beat_time, d.beats, d.last_stack, record, d.node)
+                    beats = record.beats if record.beats is not None else d.beats
+                    last = record.last_beat_time if record.beats is not None else d.last_beat_time
+                    d = Departed(d.registration, d.noticed_at, last, beats, d.last_stack, record, d.node)
                     self._gone[key] = d
             out.append(d)
         return sorted(out, key=lambda d: (d.registration.rank is None, d.registration.rank or 0, d.registration.process.pid))

@@ -149,7 +149,7 @@ def run(launch: Launch) -> int:
         code = child.wait()
         ended = time.time()
         if reg_written is not None:  # how it ended, for the daemon to tell its job-mates' incidents
-            exits.write(launch.runtime_dir, reg_written, code, ended)
+            exits.write(launch.runtime_dir, reg_written, code, ended, str(beat_file) if beat_file else None)
         tee.join(timeout=5)
         _report_lost_dump(tee.driver_lines, dump_dir, child.pid)
     finally:
