@@ -551,7 +551,7 @@ class Daemon:
             self._set_state(x, State.HUNG)
         group = [w] + mates
         self.dumping.update(x.process.pid for x in group)
-        gone = self.departures.of_job(w.registration.job)  # job-mates that exited: often the cause
+        gone = self.departures.of_job(w.registration.job, w.registration.registered_at)  # job-mates that exited: often the cause
         if gone:
             log.info("exited_job_mates", job=w.registration.job, pids=[d.registration.process.pid for d in gone])
         future = self.pool.submit(self._capture, group, suspicion, gone)

@@ -209,14 +209,15 @@ class Departures:
                 del self._gone[key]
                 remove(self.runtime_dir, key)
 
-    def of_job(self, job: str | None) -> list[Departed]:
-        """The job's exited ranks, each with how it ended (read now: the launcher writes it just after the exit)."""
+    def of_job(self, job: str | None, after: float = 0.0) -> list[Departed]:
+        """The job's ranks that exited after ``after`` (Unix time; an earlier run of a job of the same
+        name is not this one), each with how it ended (read now: the launcher writes it just after the exit)."""
         if not job:
             return []
         self.expire()
         out = []
         for key, d in self._gone.items():
-            if d.registration.job != job or d.registration.role == "launcher":
+            if d.registration.job != job or d.registration.role == "launcher" or d.noticed_at < after:
                 continue
             if d.exit is None:
                 record = read(self.runtime_dir, key, d.registration.uid)
