@@ -13,9 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from . import heartbeat, procfs, registry
+from . import exits, heartbeat, procfs, registry
 from .config import client_runtime_dir
-from .model import Registration
+from .model import ProcessId, Registration
 
 BEAT_FILE_ENV = "HANGWATCHD_BEAT_FILE"
 # Set by ``hangwatchd run`` for everything below it: a process that inherits them and
@@ -130,11 +130,14 @@ def register(
         return False
     os.environ[BEAT_FILE_ENV] = str(beat_file)
     _attach(str(beat_file))
-    atexit.register(_unregister, path, beat_file)
+    atexit.register(_unregister, path, beat_file, base, me)
     return True
 
 
-def _unregister(path: Path, beat_file: Path) -> None:
+def _unregister(path: Path, beat_file: Path, base: Path, me: ProcessId) -> None:
+    # First say it is exiting and when (its last beat with it): the daemon then keeps it for
+    # its job-mates' incidents rather than taking the removed registration for a goodbye.
+    exits.write(base, me, None, time.time(), str(beat_file))
     for p in (path, beat_file):
         try:
             p.unlink()

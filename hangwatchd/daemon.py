@@ -334,10 +334,11 @@ class Daemon:
     def _unregistered(self, name: str) -> None:
         for key, w in list(self.watched.items()):
             if registry.file_name(key) == name:
-                if procfs.alive(key):
-                    self._forget(w, "unregistered")
-                else:  # its launcher removed the file before its pidfd was read: an exit all the same
+                gone = not procfs.alive(key) or exits.read(Path(self.config.runtime_dir), key, w.registration.uid)
+                if gone:  # removed at (or by its launcher after) its exit, before the pidfd was read
                     self._on_exit(key)
+                else:
+                    self._forget(w, "unregistered")
 
     def _on_exit(self, process: registry.ProcessId) -> None:
         w = self.watched.get(process)

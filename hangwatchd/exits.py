@@ -60,10 +60,14 @@ def file_name(process: ProcessId) -> str:
     return f"{process.pid}-{process.start_time}.json"
 
 
-def write(runtime_dir: Path, process: ProcessId, returncode: int, when: float, beat_file: str | None = None) -> None:
-    """The launcher's side: ``returncode`` as subprocess gives it (negative: killed by that signal)."""
-    record = {"pid": process.pid, "start_time": process.start_time, "time": when,
-              "status": returncode if returncode >= 0 else None, "signal": -returncode if returncode < 0 else None}
+def write(runtime_dir: Path, process: ProcessId, returncode: int | None, when: float, beat_file: str | None = None) -> None:
+    """The launcher's side: ``returncode`` as subprocess gives it (negative: killed by that signal).
+
+    None: a process saying, at its own exit (atexit), that it is going; it cannot know its status.
+    """
+    record: dict[str, Any] = {"pid": process.pid, "start_time": process.start_time, "time": when, "status": None, "signal": None}
+    if returncode is not None:
+        record["status" if returncode >= 0 else "signal"] = abs(returncode)
     if beat_file:
         try:
             reading = heartbeat.read(beat_file)

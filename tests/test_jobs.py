@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hangwatchd.testing import Daemon, hangwatchd_argv, wait_for, workload_argv
 
@@ -255,3 +258,56 @@ def test_an_exit_record_is_believed_only_as_a_small_regular_file_of_its_process(
     if os.geteuid() == 0:
         os.chown(path, 65534, 65534)  # another user's file cannot speak for this process
         assert exits.read(tmp_path, me, os.getuid() or 1000) is None
+
+
+_json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+                            lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+                            max_leaves=20)
+_exit_like = st.fixed_dictionaries({}, optional={k: _json_values for k in (
+    "pid", "start_time", "rank", "world_size", "status", "signal", "signal_name", "time", "beats",
+    "last_beat_time", "last_stack", "job_hung")})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(record=_exit_like | _json_values,
+       proc=st.fixed_dictionaries({"pid": st.just(7)}, optional={"rank": st.none() | st.integers(-3, 9),
+                                                                  "world_size": st.none() | st.integers(-3, 10**9)}))
+def test_any_exit_json_gives_a_verdict_never_an_error(tmp_path: Path, record: Any, proc: Any) -> None:
+    from hangwatchd import exits
+    from hangwatchd.analyze.verdict import analyze
+    from hangwatchd.model import ProcessId
+
+    inc = tmp_path / "inc"
+    shutil.rmtree(inc, ignore_errors=True)
+    (inc / "7").mkdir(parents=True)
+    (inc / "7" / "proc.json").write_text(json.dumps(proc))
+    (inc / "8").mkdir()
+    (inc / "8" / "exit.json").write_text(json.dumps(record))
+    out = analyze(inc)
+    assert isinstance(out.summary, str) and out.summary
+    (tmp_path / "exits").mkdir(exist_ok=True)
+    (tmp_path / "exits" / exits.file_name(ProcessId(8, 1))).write_text(json.dumps(record))
+    rec = exits.read(tmp_path, ProcessId(8, 1), os.getuid())
+    assert rec is None or isinstance(rec.describe(), str)
+
+
+def test_a_rank_that_ran_out_of_data_below_a_launcher_leads_the_verdict(tmp_path: Path) -> None:
+    # torchrun waits for the others when a rank exits 0: the survivor hangs in its next collective.
+    uneven = RANK.replace('n = 60 if os.environ["RANK"] == "0" else 10**9', 'n = 60 if os.environ["RANK"] == "0" else 20') \
+                 .replace("threading.Event().wait()", "threading.Event().wait() if os.environ['RANK'] == '0' else None")
+    with Daemon(tmp_path, config=FAST) as d:
+        run = d.run([sys.executable, "-c", LAUNCHER, uneven], "--job", "J", "--heartbeat-timeout", "2", start_new_session=True)
+        try:
+            procs = wait_for(lambda: (lambda p: p if {x["rank"] for x in p if x["role"] == "workload"} == {0, 1} else None)(status(d)),
+                             20, "both ranks registered")
+            pid = {p["rank"]: p["pid"] for p in procs if p["role"] == "workload"}
+            (inc,) = wait_for(d.store().list, 30, "the incident", every=0.2)
+            assert inc["processes"] == [pid[0]]
+            exit_json = json.loads((Path(inc["dir"]) / str(pid[1]) / "exit.json").read_text())
+            assert (exit_json["rank"], exit_json["status"], exit_json["signal"]) == (1, None, None)  # not its parent: no status
+            assert exit_json["beats"] == 20
+            a = analysis(inc)
+            assert a["culprits"][0]["rank"] == 1
+            assert re.match(r"Rank 1 exited at \d\d:\d\d:\d\d\b.*?, [0-9.]+ s before rank 0 stopped", a["summary"]), a["summary"]
+        finally:
+            kill_group(run)

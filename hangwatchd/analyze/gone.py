@@ -25,6 +25,8 @@ from .stacks import is_user_frame
 from .verdict import Analysis, Culprit, RankVerdict
 
 MAX_EXIT_FILE = 1 << 20
+MAX_WORLD = 1 << 20  # larger than any job: a world size past it is not believed
+MAX_LISTED = 256  # absent ranks past this are named in the summary's ranges only, not one by one
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,7 @@ def _left_after(incident: Path, survivors: list[RankVerdict]) -> tuple[str, str]
     """
     records = []
     for v in survivors:
-        if v.pid is None:
+        if not isinstance(v.pid, int):
             continue
         rec = flight.load(incident / str(v.pid) / "flight-recorder.pkl")
         if rec is not None:
@@ -141,28 +143,44 @@ def _left_after(incident: Path, survivors: list[RankVerdict]) -> tuple[str, str]
 
 
 def _world_size(incident: Path, survivors: list[RankVerdict], exited: list[Exited], meta: dict[str, Any]) -> int | None:
-    sizes = [e.world_size for e in exited if e.world_size]
+    sizes = [e.world_size for e in exited if e.world_size and 0 < e.world_size <= MAX_WORLD]
     for v in survivors:
-        if v.pid is not None:
+        if isinstance(v.pid, int):
             proc = _read_json(incident / str(v.pid) / "proc.json")
-            if isinstance(proc, dict) and _int(proc.get("world_size")):
+            if isinstance(proc, dict) and 0 < (_int(proc.get("world_size")) or 0) <= MAX_WORLD:
                 sizes.append(proc["world_size"])
-    for p in meta.get("processes") or []:
-        if isinstance(p, dict) and _int(p.get("world_size")):
+    for p in meta.get("processes") or [] if isinstance(meta.get("processes"), list) else []:
+        if isinstance(p, dict) and 0 < (_int(p.get("world_size")) or 0) <= MAX_WORLD:
             sizes.append(p["world_size"])
     return max(sizes) if sizes else None
 
 
+def _ranges(ranks: list[int]) -> str:
+    """0, 2, 3, 4, 5, 9 as "0, 2-5, 9": a multi-node job's absent ranks in a line."""
+    parts: list[str] = []
+    start = prev = ranks[0]
+    for r in ranks[1:] + [None]:  # type: ignore[list-item]
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ", ".join(parts)
+
+
 def account(incident: Path, meta: dict[str, Any], base: Analysis) -> Analysis:
     """``base`` with the ranks that are gone added, and led by one that exited before its mates stopped."""
+    meta = meta if isinstance(meta, dict) else {}
     exited = exited_ranks(incident)
     gone_pids = {e.pid for e in exited if e.pid is not None}
-    survivors = [v for v in base.ranks if v.pid not in gone_pids]
+    survivors = [v for v in base.ranks if not (isinstance(v.pid, int) and v.pid in gone_pids)]
     world = _world_size(incident, survivors, exited, meta)
     if not exited and not world:
         return base
     # When the job hung: incident.json once stored, else what the daemon wrote beside the exit.
-    hung = next((p for p in meta.get("processes") or [] if isinstance(p, dict)), None)
+    listed = meta.get("processes") if isinstance(meta.get("processes"), list) else []
+    hung = next((p for p in listed if isinstance(p, dict)), None)
     stopped = _num(meta.get("since"))
     if hung is None or stopped is None:
         hung = next((e.job_hung for e in exited if e.job_hung), None)
@@ -200,13 +218,13 @@ def account(incident: Path, meta: dict[str, Any], base: Analysis) -> Analysis:
         (lead if is_cause else late).append(sentence + ".")
         culprit = Culprit(e.rank, e.pid, detail, e.location)
         (first if is_cause else later).append(culprit)
-    present = {v.rank for v in survivors if v.rank is not None} | {e.rank for e in exited if e.rank is not None}
+    present = {v.rank for v in survivors if isinstance(v.rank, int)} | {e.rank for e in exited if e.rank is not None}
     missing = sorted(set(range(world)) - present) if world else []
-    for r in missing:
+    for r in missing[:MAX_LISTED]:
         verdicts.append(RankVerdict(r, None, "not-here", "not on this node: neither watched nor exited here", None))
     tail = []
     if missing:
-        listed = ", ".join(map(str, missing))
+        listed = _ranges(missing)
         tail.append(f"Rank{'s' if len(missing) > 1 else ''} {listed} of world size {world} "
                     f"{'are' if len(missing) > 1 else 'is'} not on this node (neither watched nor exited here).")
     base_culprits = [c for c in base.culprits if c.pid not in gone_pids]
