@@ -311,3 +311,29 @@ def test_a_rank_that_ran_out_of_data_below_a_launcher_leads_the_verdict(tmp_path
             assert re.match(r"Rank 1 exited at \d\d:\d\d:\d\d\b.*?, [0-9.]+ s before rank 0 stopped", a["summary"]), a["summary"]
         finally:
             kill_group(run)
+
+
+def test_the_collective_an_exited_rank_never_joined_comes_from_the_survivors_flight_recorder(tmp_path: Path) -> None:
+    # The uneven-data job as seen on H200s: rank 1 gone after all_reduce #25, rank 0 waiting in #26.
+    import pickle
+
+    inc = tmp_path / "uneven"
+    (inc / "5000").mkdir(parents=True)
+    (inc / "5000" / "proc.json").write_text(json.dumps({"pid": 5000, "rank": 0, "world_size": 2, "job": "J"}))
+    entries = [{"record_id": i, "process_group": ("0", "default_pg"), "collective_seq_id": seq,
+                "profiling_name": "nccl:all_reduce", "input_sizes": [[1024]], "input_dtypes": ["Float"],
+                "output_sizes": [[1024]], "state": "started" if seq == 26 else "completed", "is_p2p": False,
+                "frames": [{"name": "train_step", "filename": "train.py", "line": 40}]} for i, seq in enumerate((24, 25, 26))]
+    (inc / "5000" / "flight-recorder.pkl").write_bytes(pickle.dumps({"version": "2.4", "entries": entries, "pg_status": {
+        "0": {"last_enqueued_collective": 26, "last_started_collective": 26, "last_completed_collective": 25}}}))
+    (inc / "5001").mkdir()
+    t = 1764500000.0
+    (inc / "5001" / "exit.json").write_text(json.dumps({"pid": 5001, "rank": 1, "world_size": 2, "status": 0, "time": t,
+                                                         "job_hung": {"rank": 0, "pid": 5000, "since": t + 4.5}}))
+    out = json.loads(hangwatchd("analyze", str(inc), "--json").stdout)
+    clock = time.strftime("%H:%M:%S", time.localtime(t))
+    assert out["summary"].startswith(
+        f"Rank 1 exited with status 0 at {clock}") and ", 4.5 s before rank 0 stopped; it left after all_reduce #25 " \
+        "and never joined all_reduce #26 (process group 0), where rank 0 waits." in out["summary"], out["summary"]
+    assert out["culprits"][0]["rank"] == 1 and "after all_reduce #25" in out["culprits"][0]["reason"]
+    assert "not on this node" not in out["summary"]  # both ranks are accounted for
