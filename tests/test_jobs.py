@@ -83,6 +83,8 @@ def test_every_rank_below_a_launcher_is_watched_and_the_hung_one_is_captured_wit
             assert all(p["launcher"] == launcher["pid"] for p in ranks.values())
             assert ranks[0]["pid"] != ranks[1]["pid"]
             wait_for(lambda: all(p["beats"] > 0 for p in status(d) if p["role"] == "workload"), 10, "both ranks beating")
+            # Their beats land in their own segments, never in the launcher's.
+            assert [p["beats"] for p in status(d) if p["role"] == "launcher"] == [0]
             table = hangwatchd("status", "--runtime-dir", str(d.runtime_dir)).stdout.splitlines()
             rows = {ln.split()[0]: ln.split() for ln in table if ln.split() and ln.split()[0].isdigit()}
             assert rows[str(launcher["pid"])][1:3] == ["J", "launcher"]
