@@ -212,9 +212,9 @@ def account(incident: Path, meta: dict[str, Any], base: Analysis) -> Analysis:
                 sentence += f", {-gap:.1f} s after {hung_who} stopped, once the hang was declared"
         if after and is_cause:
             sentence += f"; it left after {after[0]} and never joined {after[1]}"
-            names = ", ".join(str(v.rank if v.rank is not None else f"pid {v.pid}") for v in survivors)
             if survivors:
-                sentence += f", where rank{'s' if len(survivors) > 1 else ''} {names} wait{'' if len(survivors) > 1 else 's'}"
+                names = ", ".join(_who(v.rank, v.pid).replace("Rank ", "rank ") for v in survivors)
+                sentence += f", where {names} wait{'' if len(survivors) > 1 else 's'}"
         (lead if is_cause else late).append(sentence + ".")
         culprit = Culprit(e.rank, e.pid, detail, e.location)
         (first if is_cause else later).append(culprit)
@@ -224,10 +224,9 @@ def account(incident: Path, meta: dict[str, Any], base: Analysis) -> Analysis:
         verdicts.append(RankVerdict(r, None, "not-here", "not on this node: neither watched nor exited here", None))
     tail = []
     if missing:
-        listed = _ranges(missing)
-        tail.append(f"Rank{'s' if len(missing) > 1 else ''} {listed} of world size {world} "
+        tail.append(f"Rank{'s' if len(missing) > 1 else ''} {_ranges(missing)} of world size {world} "
                     f"{'are' if len(missing) > 1 else 'is'} not on this node (neither watched nor exited here).")
-    base_culprits = [c for c in base.culprits if c.pid not in gone_pids]
+    base_culprits = [c for c in base.culprits if not (isinstance(c.pid, int) and c.pid in gone_pids)]
     summary = " ".join(lead + [base.summary] + late + tail)
     return dataclasses.replace(base, summary=summary, culprits=tuple(first + base_culprits + later),
                                ranks=tuple(survivors + verdicts))
