@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hangwatchd.testing import Daemon, hangwatchd_argv, wait_for, workload_argv
+from hangwatchd.testing import Daemon, wait_for, workload_argv
 
 from .conftest import hangwatchd
 
