@@ -201,7 +201,8 @@ KEYS: dict[str, Key] = {
     "dump_dir": Key("", _optional_path, "where CUDA writes coredumps; \"\" means STATE_DIR/dumps"),
     "metrics_address": Key("0.0.0.0:9842", _address, "where Prometheus scrapes /metrics; \"\" serves none"),
     "heartbeat_timeout": Key(120.0, _seconds, "seconds without a beat before a process is hung, when it registered none of its own"),
-    "startup_grace": Key(600.0, _seconds, "seconds a registered process may take to send its first beat"),
+    "startup_grace": Key(600.0, _seconds, "seconds a registered process may take to send its first beat; one that declared no heartbeat timeout and sends none is then watched by its stack, never hung for it"),
+    "exited_keep": Key(600.0, _seconds, "seconds the daemon keeps what it knew of an exited process, for its job-mates' incidents"),
     "rescan_interval": Key(30.0, _seconds, "seconds between full rescans of the registrations (inotify is the fast path)"),
     "capture_steps": Key(list(STEP_NAMES), _steps, "capture steps to run on a hung process, in order (cuda_dump is always last)"),
     "capture_timeout": Key(60.0, _seconds, "seconds the whole capture of one process may take"),
@@ -244,6 +245,7 @@ class Config:
     metrics_address: str = KEYS["metrics_address"].default
     heartbeat_timeout: float = KEYS["heartbeat_timeout"].default
     startup_grace: float = KEYS["startup_grace"].default
+    exited_keep: float = KEYS["exited_keep"].default
     rescan_interval: float = KEYS["rescan_interval"].default
     capture_steps: tuple[str, ...] = tuple(KEYS["capture_steps"].default)
     capture_timeout: float = KEYS["capture_timeout"].default

@@ -26,7 +26,7 @@ import structlog
 from inotify_simple import INotify
 from inotify_simple import flags as inflags
 
-from . import __version__, gpudump, procfs, registry
+from . import __version__, exits, gpudump, procfs, ranks, registry
 from .analyze.stacks import gpu_wait
 from .cudacore import driverlog, sandbox
 from .runtime import DAEMON_FILE, STATUS_FILE, write_json
@@ -83,6 +83,7 @@ class Daemon:
         self.dumping: set[int] = set()  # pids whose GPU dump a capture is taking: not exception dumps
         self.ingested: set[str] = set()  # dump files already made into incidents
         self.recent: dict[int, tuple[Registration, float]] = {}  # exited processes, to link late dumps
+        self.departures = exits.Departures(Path(cfg.runtime_dir), cfg.exited_keep)  # for job-mates' incidents
         self.stopping = False
         self.metrics_address = ""
         self._wake_r, self._wake_w = socket.socketpair()
@@ -257,6 +258,7 @@ class Daemon:
         for pid_key, w in list(self.watched.items()):
             if w.registration.source != "discovered" and registry.file_name(pid_key) not in names:
                 self._unregistered(registry.file_name(pid_key))
+        exits.remove_stale(Path(self.config.runtime_dir), time.time() - self.config.exited_keep)
         self.refused = {k: v for k, v in self.refused.items() if k in names}
         if self.config.discover:
             self._discover()
@@ -295,7 +297,13 @@ class Daemon:
         source = "registration" if reg.heartbeat_timeout else "config"
         state = State.STARTING if reg.beat_file else State.HEALTHY
         w = Watched(reg, state, seen_at=now, timeout=timeout, next_check=now, timeout_source=source,
-                    stack_timeout=reg.stack_timeout or self._stack_timeout_for(reg))
+                    stack_timeout=reg.stack_timeout or self._stack_timeout_for(reg), role=reg.role)
+        launcher = ranks.launcher_of(w, self.watched.values())
+        if launcher is not None and launcher.role != "launcher":
+            launcher.role = "launcher"
+            log.info("launcher_found", pid=launcher.process.pid, rank_pid=reg.process.pid, job=reg.job)
+        if ranks.ranks_below(w, self.watched.values()):
+            w.role = "launcher"
         self.watched[reg.process] = w
         self.selector.register(pidfd, selectors.EVENT_READ, reg.process)
         w.pidfd = pidfd
@@ -326,7 +334,11 @@ class Daemon:
     def _unregistered(self, name: str) -> None:
         for key, w in list(self.watched.items()):
             if registry.file_name(key) == name:
-                self._forget(w, "unregistered")
+                gone = not procfs.alive(key) or exits.read(Path(self.config.runtime_dir), key, w.registration.uid)
+                if gone:  # removed at (or by its launcher after) its exit, before the pidfd was read
+                    self._on_exit(key)
+                else:
+                    self._forget(w, "unregistered")
 
     def _on_exit(self, process: registry.ProcessId) -> None:
         w = self.watched.get(process)
@@ -334,6 +346,8 @@ class Daemon:
             now = time.monotonic()
             self.recent = {pid: v for pid, v in self.recent.items() if now - v[1] < 600}
             self.recent[process.pid] = (w.registration, now)
+            if w.role != "launcher":
+                self.departures.add(exits.departed_from(w, time.time()))
             self._forget(w, "exited")
             registry.remove(self.config.registrations, process)
             if w.registration.beat_file:
@@ -531,14 +545,17 @@ class Daemon:
         # Every rank of the same job on this node goes into the same incident: the rank
         # that differs is the answer, and it may be one that looks healthy.
         mates = [x for x in self.watched.values() if x is not w and w.registration.job
-                 and x.registration.job == w.registration.job
+                 and x.registration.job == w.registration.job and x.role != "launcher"
                  and x.state in (State.STARTING, State.HEALTHY, State.SUSPECT)]
         for x in mates:
             x.suspicion = None
             self._set_state(x, State.HUNG)
         group = [w] + mates
         self.dumping.update(x.process.pid for x in group)
-        future = self.pool.submit(self._capture, group, suspicion)
+        gone = self.departures.of_job(w.registration.job, w.registration.registered_at)  # job-mates that exited: often the cause
+        if gone:
+            log.info("exited_job_mates", job=w.registration.job, pids=[d.registration.process.pid for d in gone])
+        future = self.pool.submit(self._capture, group, suspicion, gone)
         future.add_done_callback(self._wake)
         self.captures.append(_Capture(group, suspicion, time.monotonic(), future))
 
@@ -561,14 +578,14 @@ class Daemon:
 
     # -- capture (on worker threads) -------------------------------------
 
-    def _capture(self, group: list[Watched], suspicion: Suspicion) -> str | None:
+    def _capture(self, group: list[Watched], suspicion: Suspicion, gone: list[exits.Departed]) -> str | None:
         first = str(group[0].process.pid)
 
         def gate(outdir: Path) -> str | None:  # a job-mate's GPU dump needs its own evidence
             return self._gate(outdir, suspicion.signals if outdir.name == first else ())
 
         return capture_incident(self.store, self.steps, [w.registration for w in group], suspicion,
-                                self.config.capture_timeout, self.metrics, gate, group[0].notify_status())
+                                self.config.capture_timeout, self.metrics, gate, group[0].notify_status(), gone)
 
     def _collect_captures(self) -> None:
         for c in [c for c in self.captures if c.future.done()]:

@@ -43,7 +43,7 @@ def file_name(process: ProcessId) -> str:
 def prepare_dirs(runtime_dir: Path) -> None:
     """The shared dirs: world-writable with the sticky bit, like /tmp, so any user's job can register."""
     runtime_dir.mkdir(parents=True, exist_ok=True)
-    for sub in ("registrations", "beats", "pipes"):
+    for sub in ("registrations", "beats", "pipes", "exits"):
         d = runtime_dir / sub
         d.mkdir(exist_ok=True)
         if os.stat(d).st_uid == os.geteuid():
@@ -159,8 +159,12 @@ def load(path: Path, beats_dir: Path) -> Registration:
         cmd = _field(data, "cmdline", list) or []
         source = _field(data, "source", str) or "run"
         registered_at = _field(data, "registered_at", (int, float)) or st.st_mtime
+        role = _field(data, "role", str) or "workload"
+        launcher = _field(data, "launcher", int)
     except RegistrationError as exc:
         raise RegistrationError(exc.reason, f"{path}: {exc}") from None
+    if role not in ("workload", "launcher"):
+        raise RegistrationError("bad_field", f"{path}: role {role!r} is neither 'workload' nor 'launcher'")
     if pid <= 0 or any(t is not None and t <= 0 for t in (timeout, stack_timeout)):
         raise RegistrationError("bad_field", f"{path}: pid, heartbeat_timeout and stack_timeout must be positive")
     process = ProcessId(pid, start)
@@ -182,7 +186,7 @@ def load(path: Path, beats_dir: Path) -> Registration:
         process=process, uid=owner if owner is not None else st.st_uid, job=job, rank=rank,
         local_rank=local_rank, world_size=world, heartbeat_timeout=float(timeout) if timeout else None,
         stack_timeout=float(stack_timeout) if stack_timeout else None, beat_file=beat_file, status_file=status_file, cmdline=tuple(str(c) for c in cmd)[:64], source=source,
-        registered_at=float(registered_at), ras_addr=_ras_addr(data),
+        registered_at=float(registered_at), ras_addr=_ras_addr(data), role=role, launcher=launcher,
     )
 
 
@@ -232,10 +236,14 @@ class Watched:
     suspicion: Suspicion | None = None
     confirm_by: float = 0.0  # SUSPECT: by when the suspicion is confirmed or dropped
     idle_noted: bool = False  # a frozen but idle stack was logged once
+    never_beat: bool = False  # no first beat within the startup grace and no declared timeout: its stack is watched instead
+    role: str = "workload"  # "launcher" once known (declared, or a rank below it registered): never judged by beats
 
     @property
     def watched_by_stack(self) -> bool:
-        return self.registration.beat_file is None or self.stack_timeout is not None
+        if self.role == "launcher":
+            return False
+        return self.registration.beat_file is None or self.stack_timeout is not None or self.never_beat
 
     def notify_status(self) -> str | None:
         path = self.registration.status_file
@@ -263,7 +271,7 @@ class Watched:
             "pid": r.process.pid, "start_time": r.process.start_time, "job": r.job, "rank": r.rank,
             "local_rank": r.local_rank, "world_size": r.world_size, "state": self.state.value,
             "timeout": self.timeout, "timeout_source": self.timeout_source, "stack_timeout": self.stack_timeout,
-            "source": r.source, "notify_status": self.notify_status(),
+            "source": r.source, "role": self.role, "launcher": r.launcher, "notify_status": self.notify_status(),
             "beats": self.beat.count if self.beat else 0,
             "last_beat_age": round(age, 3) if age is not None else None,
             "last_beat_time": (time.time() - age) if age is not None else None,

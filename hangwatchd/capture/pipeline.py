@@ -9,6 +9,7 @@ from pathlib import Path
 
 import structlog
 
+from .. import exits
 from ..metrics import Metrics
 from ..model import Incident, ProcessCapture, Registration, StepResult, Suspicion
 from ..analyze.verdict import analyze
@@ -79,8 +80,12 @@ def capture_incident(
     metrics: Metrics | None = None,
     gate: Callable[[Path], str | None] | None = None,
     notify_status: str | None = None,
+    gone: Sequence[exits.Departed] = (),
 ) -> str:
-    """Capture every target into one new incident and store it; return the incident's id."""
+    """Capture every target into one new incident and store it; return the incident's id.
+
+    ``gone``: job-mates that had exited, each written as ``PID/exit.json`` for the verdict.
+    """
     job = targets[0].job if targets else None
     draft = store.begin(suspicion.reason, job, [t.process.pid for t in targets])
     # Everything gentle on every rank first: a GPU dump ends its process, and a launcher
@@ -91,6 +96,7 @@ def capture_incident(
     captures = [ProcessCapture(pc.registration, pc.steps + run_steps(last, pc.registration, draft.path / str(pc.registration.process.pid),
                                                                       budget, metrics, gate).steps) if last else pc
                 for pc in first_pass]
+    exits.write_into(draft.path, list(gone), targets[0] if targets else None, suspicion.since)
     try:
         analysis = analyze(draft.path)
         verdict, analysis_dict = analysis.summary, analysis.to_dict()
@@ -99,6 +105,6 @@ def capture_incident(
         verdict, analysis_dict = f"the analysis failed ({type(exc).__name__}: {exc}); the evidence is kept", None
     incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason=suspicion.reason,
                         detail=suspicion.detail, job=job, processes=tuple(captures), signals=suspicion.signals,
-                        notify_status=notify_status, verdict=verdict)
+                        notify_status=notify_status, verdict=verdict, since=suspicion.since)
     store.commit(draft, incident, f"{verdict} ({suspicion.detail})", analysis_dict)
     return draft.id
