@@ -52,6 +52,11 @@ def _address(v: Any) -> str | None:
     return "HOST:PORT (port 0 picks a free one), or \"\" to serve no metrics"
 
 
+def _count(v: Any) -> str | None:
+    ok = isinstance(v, int) and not isinstance(v, bool) and v > 0
+    return None if ok else "a whole number greater than 0"
+
+
 def _one_of(*allowed: str) -> Callable[[Any], str | None]:
     def check(v: Any) -> str | None:
         return None if v in allowed else "one of " + ", ".join(allowed)
@@ -128,6 +133,8 @@ KEYS: dict[str, Key] = {
     "max_state_bytes": Key(50 * 2**30, _positive, "the state dir's size bound: oldest dumps go first, then oldest incidents"),
     "dump_max_age_days": Key(7.0, _positive, "raw GPU dumps older than this are deleted (their reports are kept)"),
     "incident_max_age_days": Key(90.0, _positive, "incidents older than this are deleted, report and index entry too"),
+    "max_registrations_per_uid": Key(64, _count, "processes one non-root user may have watched at once; more registrations are refused"),
+    "pyspy_samples_per_uid": Key(4.0, _positive, "py-spy samples per second the daemon takes of one non-root user's processes (bursts of 2 s worth)"),
     "log_format": Key("json", _one_of("json", "console"), "json: one JSON object a line; console: for a person"),
     "log_level": Key("info", _one_of("debug", "info", "warning", "error"), "the least severe events logged"),
 }
@@ -164,6 +171,8 @@ class Config:
     max_state_bytes: float = KEYS["max_state_bytes"].default
     dump_max_age_days: float = KEYS["dump_max_age_days"].default
     incident_max_age_days: float = KEYS["incident_max_age_days"].default
+    max_registrations_per_uid: int = KEYS["max_registrations_per_uid"].default
+    pyspy_samples_per_uid: float = KEYS["pyspy_samples_per_uid"].default
     log_format: str = KEYS["log_format"].default
     log_level: str = KEYS["log_level"].default
 

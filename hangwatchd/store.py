@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from . import incident_access
 from .model import Incident
 
 SCHEMA = """
@@ -101,7 +102,7 @@ class Store:
         now = time.time() if now is None else now
         incident_id = new_id(now)
         draft = Draft(incident_id, now, self.dir / f".partial-{incident_id}")
-        draft.path.mkdir(parents=True)
+        draft.path.mkdir(parents=True, mode=0o700)  # root's alone until commit opens it to its owner
         with self._db() as db:
             db.execute(
                 "INSERT INTO incidents (id, time, host, reason, job, status, processes) VALUES (?,?,?,?,?,?,?)",
@@ -120,6 +121,7 @@ class Store:
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(draft.path / "incident.json")
+        incident_access.restrict(draft.path, [pc.registration.uid for pc in incident.processes])
         final = self.dir / draft.id
         draft.path.replace(final)
         self._fsync_dir(self.dir)

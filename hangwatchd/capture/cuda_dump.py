@@ -13,10 +13,10 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import gpudump, procfs
+from .. import gpudump, procfs, untrusted
 from ..model import Registration
 from .base import StepFailed, poke_held_fifo
-from .waitfile import Watch, owned_regular_file
+from .waitfile import Watch
 
 KEYS = frozenset({"CUDA_COREDUMP_PIPE", "CUDA_COREDUMP_FILE", "CUDA_ENABLE_USER_TRIGGERED_COREDUMP"})
 
@@ -54,15 +54,17 @@ class CudaDumpStep:
             watch.close()
         if found is None:
             if partial:
-                size = partial[0].stat().st_size
+                size = partial[0].lstat().st_size
                 raise StepFailed(f"the driver wrote {size} bytes of {partial[0]} and did not finish within {timeout:g} s")
             raise StepFailed(f"no dump appeared as {target_glob} within {timeout:g} s")
-        refused = owned_regular_file(found, owner)
-        if refused:
-            raise StepFailed(f"refusing to read the dump: {refused}")
-        stored = gpudump.store(found, outdir)
+        if owner is None:
+            raise StepFailed(f"pid {pid} has no single uid (setuid, or gone): refusing to read its dump")
+        try:
+            stored = gpudump.store(found, outdir, owner)
+        except untrusted.Refused as exc:
+            raise StepFailed(f"refusing to read the dump: {exc}") from None
         files = list(stored.files)
-        if self.driver_logs is not None and gpudump.copy_text(self.driver_logs / f"{pid}.log", outdir / "driver.log"):
+        if self.driver_logs is not None and gpudump.copy_text(self.driver_logs / f"{pid}.log", outdir / "driver.log", owner):
             files.append("driver.log")
         if not stored.files:
             raise StepFailed(stored.note or "the dump could not be kept")

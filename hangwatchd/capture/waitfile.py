@@ -8,8 +8,6 @@ A file still being written is never handed out early.
 from __future__ import annotations
 
 import fnmatch
-import os
-import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,20 +47,3 @@ class Watch:
                 fresh = self.new_files()
                 if fresh:
                     return fresh[0]
-
-
-def owned_regular_file(path: Path, uid: int | None) -> str | None:
-    """Why we must not read ``path`` for a process of ``uid`` (None when it is fine).
-
-    Paths come from the watched process's environment: as root we must not be
-    led into reading someone else's file through a name or a symlink.
-    """
-    try:
-        st = os.lstat(path)
-    except OSError as exc:
-        return f"{path}: {exc.strerror}"
-    if not stat.S_ISREG(st.st_mode):
-        return f"{path} is not a regular file"
-    if st.st_uid not in (0, uid):
-        return f"{path} belongs to uid {st.st_uid}, not the process's uid {uid}"
-    return None
