@@ -96,6 +96,27 @@ class Store:
         finally:
             db.close()
 
+    @contextmanager
+    def _reader(self) -> Iterator[sqlite3.Connection]:
+        """The index for reading, also by a user who cannot write the state dir (``hangwatchd
+        incidents`` as the owner of an incident): read-only, and where SQLite cannot make its
+        shared-memory file there, as an immutable snapshot."""
+        if os.access(self.root, os.W_OK):
+            with self._db() as db:
+                yield db
+            return
+        uri = self.index.absolute().as_uri()
+        db = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=10)
+        try:
+            db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        except sqlite3.OperationalError:  # no -shm to share (the daemon is between writes): a snapshot
+            db.close()
+            db = sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True, timeout=10)
+        try:
+            yield db
+        finally:
+            db.close()
+
     # -- writing ---------------------------------------------------------
 
     def begin(self, reason: str, job: str | None, pids: list[int], now: float | None = None) -> Draft:
@@ -217,7 +238,7 @@ class Store:
         """Incidents newest first; never one still being captured."""
         if not self.index.exists():
             return []
-        with self._db() as db:
+        with self._reader() as db:
             rows = db.execute(
                 "SELECT id, time, host, reason, job, status, processes, summary FROM incidents "
                 "WHERE status != 'capturing' ORDER BY time DESC, id DESC LIMIT ?", (limit,)).fetchall()
@@ -225,6 +246,8 @@ class Store:
             {"id": r[0], "time": r[1], "host": r[2], "reason": r[3], "job": r[4], "complete": r[5] == "complete",
              "processes": json.loads(r[6]), "summary": r[7], "dir": str(self.dir / r[0])}
             for r in rows
+            # A user sees the incidents they may open (their own): see incident_access.
+            if os.geteuid() == 0 or os.access(self.dir / r[0], os.R_OK | os.X_OK)
         ]
 
     def path_of(self, incident_id: str) -> Path | None:
