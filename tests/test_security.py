@@ -444,3 +444,38 @@ def test_a_registration_flood_stops_at_the_per_user_limit(base: Path, attacker: 
         gone.wait()
         wait_for(lambda: len(evil & watched_pids(d)) == 3 and gone.pid not in watched_pids(d), 10, "a waiting one admitted")
         assert d.proc.poll() is None
+
+
+@needs_root
+def test_fifos_planted_under_the_name_of_a_dump_being_taken_do_not_stand_in_for_it(base: Path, attacker: Attacker) -> None:
+    with Daemon(base / "d", config={"gpu_dump": "always", "pyspy_native": False}) as d:
+        dumps = d.state_dir / "dumps"
+        work = d.run([sys.executable, "-m", "hangwatchd.testing", "gpu-workload", "--beats", "40",
+                      "--dump", str(FIXTURES / "cpp_hang" / "coredump.nvcudmp.xz")],
+                     "--heartbeat-timeout", "1", "--rank", "0", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                     start_new_session=True)
+        try:
+            pid = wait_for(lambda: list(watched_pids(d)), 10, "the workload's pid")[0]
+            # Until stopped: a new FIFO under the name the driver will use for this pid, every 20 ms.
+            attacker.spawn([SYSTEM_PYTHON, "-c", f"""
+import os, time
+for n in range(3000):
+    tmp = os.path.join({str(dumps)!r}, '.f%d' % n)
+    os.mkfifo(tmp)
+    os.rename(tmp, os.path.join({str(dumps)!r}, {f"core_{socket.gethostname()}.{pid}."!r} + str(n) + '.nvcudmp'))
+    time.sleep(0.02)
+"""], user=NOBODY, group=NOBODY, extra_groups=[], cwd="/")
+            assert b"stopped beating" in work.stdout.readline()  # type: ignore[union-attr]
+            stopped = time.monotonic()
+            inc = wait_for(lambda: next((i for i in d.store().list() if i["reason"] == "heartbeat"), None), 60, "the incident")
+            data = json.loads((Path(inc["dir"]) / "incident.json").read_text())
+            steps = {s["step"]: s for s in data["processes"][0]["steps"]}
+            assert steps["cuda_dump"]["ok"], steps["cuda_dump"]
+            assert (Path(inc["dir"]) / str(pid) / "symbolized.json").exists()
+            assert time.monotonic() - stopped <= 1 + 6
+            assert d.proc.poll() is None
+        finally:
+            if work.poll() is None:
+                os.killpg(work.pid, signal.SIGKILL)
+            work.wait()
+            work.stdout.close()  # type: ignore[union-attr]

@@ -36,6 +36,8 @@ class CudaDumpStep:
         cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
         wanted = os.path.basename(gpudump.expand(env["CUDA_COREDUMP_PIPE"], pid)) if env.get("CUDA_COREDUMP_PIPE") else None
         owner = procfs.uid(pid)
+        if owner is None:
+            raise StepFailed(f"pid {pid} has no single uid (setuid, or gone): refusing to act on it for its user, or to read its dump")
         pipes = [(fd, path, st) for fd, path, st in procfs.held_fifos(pid)
                  if os.path.basename(path) == wanted or os.path.basename(path).startswith(("corepipe", "cuda_pipe"))]
         if not pipes:
@@ -45,7 +47,7 @@ class CudaDumpStep:
         target_glob = Path(gpudump.expand(pattern, pid))
         if not target_glob.is_absolute():
             target_glob = cwd / target_glob
-        watch = Watch(target_glob.parent, target_glob.name)
+        watch = Watch(target_glob.parent, target_glob.name, owner)
         try:
             poke_held_fifo(pid, pipes[0], b"\0", owner)
             found = watch.wait(timeout, lambda: not procfs.alive(proc))
@@ -57,8 +59,6 @@ class CudaDumpStep:
                 size = partial[0].lstat().st_size
                 raise StepFailed(f"the driver wrote {size} bytes of {partial[0]} and did not finish within {timeout:g} s")
             raise StepFailed(f"no dump appeared as {target_glob} within {timeout:g} s")
-        if owner is None:
-            raise StepFailed(f"pid {pid} has no single uid (setuid, or gone): refusing to read its dump")
         try:
             stored = gpudump.store(found, outdir, owner)
         except untrusted.Refused as exc:

@@ -34,13 +34,15 @@ class FlightRecorderStep:
         rank = env.get("RANK", str(target.rank) if target.rank is not None else "0")
         pipe_name = os.path.basename(prefix) + rank + ".pipe"
         owner = procfs.uid(pid)
+        if owner is None:
+            raise StepFailed(f"pid {pid} has no single uid (setuid, or gone): refusing to act on it for its user, or to read its trace")
         fifo = next(((fd, path, st) for fd, path, st in procfs.held_fifos(pid) if os.path.basename(path) == pipe_name), None)
         if fifo is None:
             raise StepFailed(f"pid {pid} holds no flight-recorder pipe {pipe_name} (no NCCL process group yet, or PyTorch < 2.3)")
         dump = Path(temp + rank)
         if not dump.is_absolute():
             dump = Path(os.readlink(f"/proc/{pid}/cwd")) / dump
-        watch = Watch(dump.parent, dump.name)
+        watch = Watch(dump.parent, dump.name, owner)
         try:
             poke_held_fifo(pid, fifo, b"1", owner)
             found = watch.wait(timeout, lambda: not procfs.alive(target.process))
@@ -48,8 +50,6 @@ class FlightRecorderStep:
             watch.close()
         if found is None:
             raise StepFailed(f"the flight recorder wrote nothing to {dump} within {timeout:g} s")
-        if owner is None:
-            raise StepFailed(f"pid {pid} has no single uid (setuid, or gone): refusing to read its trace")
         try:
             fd = untrusted.open_fd(found, owner, allow_root=owner == 0, max_size=MAX_TRACE)
             try:
