@@ -70,9 +70,9 @@ def _apply(path: Path, is_dir: bool, reader: int | None) -> None:
     try:
         os.setxattr(path, XATTR, acl(7 if is_dir else 6, reader, 5 if is_dir else 4), follow_symlinks=False)
     except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM, errno.EACCES):
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM, errno.EACCES, errno.ENOSPC, errno.EDQUOT):
             raise
         if not _warned:
             _warned = True
-            log.warning("incident_acl_unsupported", dir=str(path), error=exc.strerror,
+            log.warning("incident_acl_not_set", dir=str(path), error=exc.strerror,
                         effect="incidents are readable by root only")

@@ -98,20 +98,25 @@ class Store:
 
     @contextmanager
     def _reader(self) -> Iterator[sqlite3.Connection]:
-        """The index for reading, also by a user who cannot write the state dir (``hangwatchd
-        incidents`` as the owner of an incident): read-only, and where SQLite cannot make its
-        shared-memory file there, as an immutable snapshot."""
+        """The index for reading, also where it cannot be written: by a user who may not write
+        the state dir (``hangwatchd incidents`` as the owner of an incident), or on a full disk.
+        Read-only, and where SQLite cannot make its shared-memory file, an immutable snapshot."""
+        db: sqlite3.Connection | None = None
         if os.access(self.root, os.W_OK):
-            with self._db() as db:
-                yield db
-            return
-        uri = self.index.absolute().as_uri()
-        db = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=10)
-        try:
-            db.execute("SELECT count(*) FROM sqlite_master").fetchone()
-        except sqlite3.OperationalError:  # no -shm to share (the daemon is between writes): a snapshot
-            db.close()
-            db = sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True, timeout=10)
+            db = sqlite3.connect(self.index, timeout=10, isolation_level=None)
+            try:
+                db.execute("PRAGMA journal_mode=WAL")
+            except sqlite3.OperationalError:
+                db.close()
+                db = None
+        if db is None:
+            uri = self.index.absolute().as_uri()
+            db = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=10)
+            try:
+                db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            except sqlite3.OperationalError:  # no -shm to share (the daemon is between writes): a snapshot
+                db.close()
+                db = sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True, timeout=10)
         try:
             yield db
         finally:
