@@ -22,6 +22,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -173,12 +174,17 @@ class RootHang:
         self.d, self.job = d, job
         self.proc = d.run(workload_argv(beats=beats, interval=0.05), "--heartbeat-timeout", str(TIMEOUT), "--job", job,
                           stdout=subprocess.PIPE, start_new_session=True)
+        self.stopped: list[float] = []  # when it said it stopped beating, noted as the line came
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            if b"stopped beating" in line:
+                self.stopped.append(time.monotonic())
 
     def stored_in_time(self) -> dict[str, object]:
         """Wait for it to stop beating, then for its incident: within its timeout + 6 s."""
-        line = self.proc.stdout.readline()  # type: ignore[union-attr]
-        assert b"stopped beating" in line
-        stopped = time.monotonic()
+        stopped = wait_for(lambda: self.stopped, 60, "the root workload's last beat")[0]
 
         def mine() -> dict[str, object] | None:
             return next((i for i in self.d.store().list() if i["job"] == self.job and i["reason"] == "heartbeat"), None)
@@ -186,6 +192,7 @@ class RootHang:
         inc = wait_for(mine, TIMEOUT + 30, "the root workload's incident")
         took = time.monotonic() - stopped
         assert took <= TIMEOUT + 6, f"the root workload's hang took {took:.1f} s to be stored during the attack"
+        print(f"root hang stored {took:.2f} s after its last beat (timeout {TIMEOUT:g} s)")
         return inc
 
     def stop(self) -> None:
@@ -196,7 +203,6 @@ class RootHang:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-        self.proc.stdout.close()  # type: ignore[union-attr]
 
 
 def all_bytes(root: Path) -> Iterator[tuple[Path, bytes]]:
@@ -479,3 +485,17 @@ for n in range(3000):
                 os.killpg(work.pid, signal.SIGKILL)
             work.wait()
             work.stdout.close()  # type: ignore[union-attr]
+
+
+def test_the_per_user_limits_are_validated(tmp_path: Path) -> None:
+    from hangwatchd import config
+
+    for key, bad in (("max_registrations_per_uid", 0), ("max_registrations_per_uid", 2.5), ("pyspy_samples_per_uid", -1)):
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(f"{key} = {bad}\n")
+        with pytest.raises(config.ConfigError) as err:
+            config.load(cfg)
+        assert key in str(err.value) and "greater than 0" in str(err.value)
+    cfg.write_text("max_registrations_per_uid = 8\npyspy_samples_per_uid = 0.5\n")
+    loaded = config.load(cfg)
+    assert (loaded.max_registrations_per_uid, loaded.pyspy_samples_per_uid) == (8, 0.5)
