@@ -25,7 +25,6 @@ from typing import Any
 import structlog
 from inotify_simple import INotify
 from inotify_simple import flags as inflags
-from prometheus_client import start_http_server
 
 from . import __version__, dump_ingest, gpudump, procfs, registry, untrusted
 from .analyze.stacks import gpu_wait
@@ -34,10 +33,11 @@ from .capture import capture_incident, make_steps
 from .config import Config
 from .detect import HeartbeatDetector
 from .detect.stack import BLOCKING, IDLE, classify, take_sample
-from .metrics import Metrics, create
+from .metrics import Metrics, create, serve
 from .model import Registration, State, Suspicion
 from .notify import notify, watchdog_interval
 from .registry import RegistrationError, Watched
+from .report import html
 from .samples import Sample
 from .store import Store
 from .user_limits import UserLimits
@@ -67,7 +67,7 @@ class Daemon:
     watched: dict[registry.ProcessId, Watched] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.store = Store(self.config.state_dir)
+        self.store = Store(self.config.state_dir, pages=html.pages)
         cfg = self.config
         self.detector = HeartbeatDetector(cfg.startup_grace, cfg.learn_timeouts, cfg.learned_timeout_factor,
                                           cfg.learned_timeout_min, cfg.learned_timeout_max, int(cfg.learn_min_beats))
@@ -124,9 +124,7 @@ class Daemon:
         self.selector.register(self.inotify.fileno(), selectors.EVENT_READ, "inotify")
         self.selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         if cfg.metrics_address:
-            host, _, port = cfg.metrics_address.rpartition(":")
-            server, _thread = start_http_server(int(port), addr=host or "0.0.0.0", registry=self.metrics.registry)
-            self.metrics_address = f"{host or '0.0.0.0'}:{server.server_port}"
+            self.metrics_address = serve(self.metrics.registry, cfg.metrics_address)
         self.metrics.info.info({"version": __version__})
         me = procfs.identify(os.getpid())
         self._write_json(Path(cfg.runtime_dir) / DAEMON_FILE, {
@@ -631,6 +629,7 @@ class Daemon:
                 if incident_id is None:
                     continue  # a refused dump: counted and logged already
                 self.metrics.incidents.labels(**self.metrics.labels(reason=c.suspicion.reason)).inc()
+                self.metrics.incident_stored(incident_id, c.suspicion.reason, c.watched[0].registration.job if c.watched else None, time.time())
                 log.warning("incident_stored", incident=incident_id, reason=c.suspicion.reason,
                             pids=[w.process.pid for w in c.watched], seconds=round(time.monotonic() - c.started, 3))
             for w in c.watched:
