@@ -112,6 +112,24 @@ def test_user_limits_bound_a_user_but_never_root() -> None:
     assert lim.first("x", 1) and not lim.first("x", 1)
 
 
+def test_a_dump_is_linked_only_to_a_process_of_its_owner() -> None:
+    from hangwatchd.dump_ingest import attribute
+    from hangwatchd.model import ProcessId, Registration
+
+    me, other = os.getuid(), os.getuid() + 1
+    claimed = Registration(ProcessId(os.getpid(), 1), uid=me, job="mine")
+    assert attribute(me, os.getpid(), claimed).linked
+    planted = attribute(other, os.getpid(), claimed)
+    assert not planted.linked and planted.registration.uid == other and planted.registration.job is None
+    assert planted.registration.process.pid == 0
+    assert f"written by uid {other} but names pid {os.getpid()}, which runs as uid {me}" in (planted.note or "")
+    # Unregistered: the live process's own uid decides; a pid that names nothing is the owner's claim.
+    assert attribute(me, os.getpid(), None).linked
+    assert not attribute(other, os.getpid(), None).linked
+    gone = attribute(other, 2**22 + 4321, None)
+    assert gone.linked and gone.registration.uid == other
+
+
 # -- attacks (root daemon, nobody attacker) ------------------------------------
 
 @pytest.fixture
