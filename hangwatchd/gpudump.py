@@ -83,12 +83,16 @@ def store_fd(fd: int, dump: Path, outdir: Path, remove_source: bool) -> Stored:
     files: list[str] = []
     notes: list[str] = []
     result: Symbolized | None = None
+    opened = untrusted.fd_path(fd)
     try:
-        result = symbolize(untrusted.fd_path(fd), strict=False)
-        (outdir / "symbolized.json").write_text(json.dumps(result.to_dict(), indent=1))
+        result = symbolize(opened, strict=False)
+        data = result.to_dict()
+        if data.get("path") == opened:
+            data["path"] = str(dump)  # the name it came by, not the fd it was read through
+        (outdir / "symbolized.json").write_text(json.dumps(data, indent=1))
         files.append("symbolized.json")
     except CoreDumpError as exc:
-        notes.append(str(exc))
+        notes.append(str(exc).replace(opened, str(dump)))
     target = outdir / "coredump.nvcudmp.zst"
     try:
         _compress(fd, dump, target)

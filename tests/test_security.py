@@ -339,6 +339,8 @@ os.rename(tmp, os.path.join({str(dumps)!r}, 'nodump_{socket.gethostname()}.{pid}
             real = wait_for(lambda: [i for i in d.store().list() if i["reason"] == "gpu-exception" and i["processes"] == [pid]],
                             30, "the real exception")[0]
             assert not (Path(real["dir"]) / str(pid) / "driver.log").exists()
+            sym = json.loads((Path(real["dir"]) / str(pid) / "symbolized.json").read_text())
+            assert sym["path"] == str(dumps / dump_name(pid))  # read through its fd, named as it came
             assert d.metric("hangwatchd_gpu_exceptions_total", type="WARP_ILLEGAL_ADDRESS") == 1.0
             hang = victim.stored_in_time()
             # A root workload's incidents are root's alone.
