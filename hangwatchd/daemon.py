@@ -28,6 +28,7 @@ from inotify_simple import flags as inflags
 
 from . import __version__, dump_ingest, gpudump, procfs, registry, untrusted
 from .analyze.stacks import gpu_wait
+from .cudacore import sandbox
 from .runtime import DAEMON_FILE, STATUS_FILE, write_json
 from .capture import capture_incident, make_steps
 from .config import Config
@@ -108,6 +109,8 @@ class Daemon:
     def _prepare(self) -> None:
         cfg = self.config
         self.store.open()
+        sandbox.configure(sandbox.Limits(cfg.symbolize_cpu_seconds, int(cfg.symbolize_memory_mb), cfg.symbolize_timeout))
+        sandbox.start()  # warm before the first dump arrives
         for incident_id in self.store.recover():
             log.warning("incident_recovered", incident=incident_id)
         registry.prepare_dirs(Path(cfg.runtime_dir))

@@ -19,7 +19,8 @@ import zstandard
 
 from . import untrusted
 from .cudacore.errors import CoreDumpError
-from .cudacore.symbolize import Symbolized, symbolize
+from .cudacore import sandbox
+from .cudacore.symbolize import Symbolized
 
 # hangwatchd run sets CUDA_COREDUMP_FILE to DUMP_DIR/core_%h.%p.%t.nvcudmp
 NAME_PATTERN = "core_%h.%p.%t.nvcudmp"
@@ -85,7 +86,8 @@ def store_fd(fd: int, dump: Path, outdir: Path, remove_source: bool) -> Stored:
     result: Symbolized | None = None
     opened = untrusted.fd_path(fd)
     try:
-        result = symbolize(opened, strict=False)
+        # In a limited child, through the fd we checked: the dump is untrusted.
+        result = sandbox.symbolize(opened)
         data = result.to_dict()
         if data.get("path") == opened:
             data["path"] = str(dump)  # the name it came by, not the fd it was read through
