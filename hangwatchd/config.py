@@ -232,6 +232,8 @@ KEYS: dict[str, Key] = {
     "max_state_bytes": Key(50 * 2**30, parse_size, "the state dir's size bound (\"50GiB\", \"500MB\" or bytes): oldest dumps go first, then oldest incidents"),
     "dump_max_age_days": Key(7.0, _days, "raw GPU dumps older than this are deleted (their reports are kept)"),
     "incident_max_age_days": Key(90.0, _days, "incidents older than this are deleted, report and index entry too"),
+    "max_registrations_per_uid": Key(64, _count, "processes one non-root user may have watched at once; more registrations are refused"),
+    "pyspy_samples_per_uid": Key(4.0, _factor, "py-spy samples per second the daemon takes of one non-root user's processes (bursts of 2 s worth)"),
     "log_format": Key("json", _one_of("json", "console"), "json: one JSON object a line; console: for a person"),
     "log_level": Key("info", _one_of("debug", "info", "warning", "error"), "the least severe events logged"),
 }
@@ -273,6 +275,8 @@ class Config:
     max_state_bytes: int = KEYS["max_state_bytes"].default
     dump_max_age_days: float = KEYS["dump_max_age_days"].default
     incident_max_age_days: float = KEYS["incident_max_age_days"].default
+    max_registrations_per_uid: int = KEYS["max_registrations_per_uid"].default
+    pyspy_samples_per_uid: float = KEYS["pyspy_samples_per_uid"].default
     log_format: str = KEYS["log_format"].default
     log_level: str = KEYS["log_level"].default
 

@@ -26,21 +26,22 @@ import structlog
 from inotify_simple import INotify
 from inotify_simple import flags as inflags
 
-from . import __version__, exits, gpudump, procfs, ranks, registry
+from . import __version__, dump_ingest, exits, gpudump, procfs, ranks, registry, untrusted
 from .analyze.stacks import gpu_wait
-from .cudacore import driverlog, sandbox
+from .cudacore import sandbox
 from .runtime import DAEMON_FILE, STATUS_FILE, write_json
 from .capture import capture_incident, make_steps
 from .config import Config
 from .detect import HeartbeatDetector
 from .detect.stack import BLOCKING, IDLE, classify, take_sample
 from .metrics import Metrics, create, serve
-from .model import Incident, ProcessCapture, ProcessId, Registration, State, StepResult, Suspicion
+from .model import Registration, State, Suspicion
 from .notify import notify, watchdog_interval
 from .registry import RegistrationError, Watched
 from .report import html
 from .samples import Sample
 from .store import Store
+from .user_limits import UserLimits
 
 log = structlog.get_logger("hangwatchd.daemon")
 
@@ -80,6 +81,8 @@ class Daemon:
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="capture")
         self.captures: list[_Capture] = []
         self.refused: dict[str, float] = {}  # registration name -> mtime already refused (no log spam)
+        self.limits = UserLimits(cfg.max_registrations_per_uid, cfg.pyspy_samples_per_uid)
+        self.over_limit: set[str] = set()  # registrations waiting for their user to drop under the limit
         self.dumping: set[int] = set()  # pids whose GPU dump a capture is taking: not exception dumps
         self.ingested: set[str] = set()  # dump files already made into incidents
         self.recent: dict[int, tuple[Registration, float]] = {}  # exited processes, to link late dumps
@@ -196,6 +199,8 @@ class Daemon:
             for w in list(self.watched.values()):
                 if w.next_check <= now:
                     self._observe(w, now)
+                if w.process not in self.watched:
+                    continue  # dropped for a tampered file
                 if w.next_sample <= now and not w.sampling:
                     self._sample(w, now)
             if now >= next_rescan:
@@ -260,6 +265,7 @@ class Daemon:
                 self._unregistered(registry.file_name(pid_key))
         exits.remove_stale(Path(self.config.runtime_dir), time.time() - self.config.exited_keep)
         self.refused = {k: v for k, v in self.refused.items() if k in names}
+        self.over_limit &= names
         if self.config.discover:
             self._discover()
 
@@ -282,7 +288,23 @@ class Daemon:
             if old.registration.source != "discovered":
                 return
             self._forget(old, "registered")  # a registration says more than discovery
+        over = self.limits.over_registrations(reg.uid, (x.registration.uid for x in self.watched.values()
+                                                          if x.registration.source != "discovered"))
+        if over:
+            self._refuse(path.name, "uid_limit", over, reg.uid)
+            return
+        self.over_limit.discard(path.name)
+        self.limits.clear("uid_limit", reg.uid)
         self._watch(reg)
+
+    def _refuse(self, name: str, reason: str, why: str, uid: int) -> None:
+        """A registration over its user's limit: counted once per file, logged once per user.
+        Not remembered as refused: it is admitted at a later rescan once the user is under the limit."""
+        if name not in self.over_limit:
+            self.over_limit.add(name)
+            self.metrics.registration_errors.labels(**self.metrics.labels(reason=reason)).inc()
+        if self.limits.first(reason, uid):
+            log.warning("registration_refused", file=name, reason=reason, uid=uid, error=why)
 
     def _watch(self, reg: Registration) -> None:
         try:
@@ -351,7 +373,10 @@ class Daemon:
             self._forget(w, "exited")
             registry.remove(self.config.registrations, process)
             if w.registration.beat_file:
-                Path(w.registration.beat_file).unlink(missing_ok=True)
+                try:
+                    Path(w.registration.beat_file).unlink(missing_ok=True)
+                except OSError:
+                    pass  # swapped for a directory: the user's to clean up
 
     def _forget(self, w: Watched, why: str) -> None:
         self._set_state(w, State.EXITED)
@@ -373,7 +398,12 @@ class Daemon:
     # -- detection -------------------------------------------------------
 
     def _observe(self, w: Watched, now: float) -> None:
-        obs = self.detector.observe(w, now)
+        try:
+            w.check_files()
+            obs = self.detector.observe(w, now)
+        except untrusted.Refused as exc:
+            self._tampered(w, exc)
+            return
         w.next_check = obs.next_check
         r = w.registration
         labels = self.metrics.labels(job=r.job or "", rank=str(r.rank if r.rank is not None else ""), pid=str(r.process.pid))
@@ -399,6 +429,19 @@ class Daemon:
             w.suspicion = None
         if obs.state is not w.state and not (w.state is State.SUSPECT and w.suspicion):
             self._set_state(w, obs.state)
+
+    def _tampered(self, w: Watched, exc: untrusted.Refused) -> None:
+        """A beat or status file swapped after acceptance (a directory, FIFO, link, another
+        user's file): that costs this registration, nothing else."""
+        reason = f"tampered_{exc.reason}"
+        self.metrics.registration_errors.labels(**self.metrics.labels(reason=reason)).inc()
+        log.warning("registration_refused", pid=w.process.pid, uid=w.registration.uid, reason=reason, error=str(exc))
+        path = self.config.registrations / registry.file_name(w.process)
+        try:
+            self.refused[path.name] = path.lstat().st_mtime  # not taken back until it is written anew
+        except OSError:
+            pass
+        self._forget(w, "tampered")
 
     def _suspect(self, w: Watched, suspicion: Suspicion | None, now: float) -> None:
         """One signal says stalled. Confirm before anything is done about it."""
@@ -446,6 +489,13 @@ class Daemon:
     # -- stack sampling (on the sampler's threads) ------------------------
 
     def _sample(self, w: Watched, now: float) -> None:
+        wait = self.limits.sample_wait(w.registration.uid, now)
+        if wait:
+            w.next_sample = now + wait
+            if self.limits.first("pyspy_rate", w.registration.uid):
+                log.warning("stack_sampling_limited", uid=w.registration.uid,
+                            limit=f"pyspy_samples_per_uid = {self.config.pyspy_samples_per_uid:g}")
+            return
         w.sampling = True
         pid = w.process
         native = w.state is State.SUSPECT and w.suspicion is not None and w.suspicion.reason == "stack"
@@ -596,6 +646,8 @@ class Daemon:
                 log.error("capture_failed", pids=[w.process.pid for w in c.watched], error=f"{type(exc).__name__}: {exc}")
                 incident_id = None
             else:
+                if incident_id is None:
+                    continue  # a refused dump: counted and logged already
                 self.metrics.incidents.labels(**self.metrics.labels(reason=c.suspicion.reason)).inc()
                 self.metrics.incident_stored(incident_id, c.suspicion.reason, c.watched[0].registration.job if c.watched else None, time.time())
                 log.warning("incident_stored", incident=incident_id, reason=c.suspicion.reason,
@@ -617,7 +669,7 @@ class Daemon:
         cutoff = time.time() - 3600
         for stale in cfg.driver_logs.glob("*.log"):
             try:
-                if stale.stat().st_mtime < cutoff:
+                if stale.lstat().st_mtime < cutoff:
                     stale.unlink()
             except OSError:
                 pass
@@ -631,9 +683,9 @@ class Daemon:
         if pid is not None and pid in self.dumping:
             return  # a capture asked for this one and takes it itself
         self.ingested.add(name)
-        future = self.pool.submit(self._ingest, self.config.dumps / name, pid)
-        future.add_done_callback(self._wake)
         reg = self._registration_of(pid)
+        future = self.pool.submit(self._ingest, self.config.dumps / name, pid, reg)
+        future.add_done_callback(self._wake)
         fake = Watched(reg, State.CAPTURED, seen_at=time.monotonic(), timeout=0) if reg else None
         self.captures.append(_Capture([fake] if fake else [], Suspicion("gpu-exception", name, time.time()),
                                       time.monotonic(), future))
@@ -646,33 +698,17 @@ class Daemon:
                 return w.registration
         return self.recent.get(pid, (None, 0.0))[0]
 
-    def _ingest(self, path: Path, pid: int | None) -> str:
-        """One dump (or driver report without a dump), one incident."""
-        reg = self._registration_of(pid) or Registration(ProcessId(pid or 0, 0), uid=-1)
-        start = time.monotonic()
-        draft = self.store.begin("gpu-exception", reg.job, [pid] if pid else [])
-        outdir = draft.path / str(pid or "unknown")
-        outdir.mkdir(parents=True)
-        if path.name.endswith(gpudump.DRIVER_LOG_SUFFIX):
-            lines = path.read_text(errors="replace").splitlines()
-            report = driverlog.parse(lines)
-            gpudump.copy_text(path, outdir / "driver.log")
-            path.unlink(missing_ok=True)
-            step = StepResult("driver_log", True, time.monotonic() - start, files=("driver.log",))
-            detail = f"the driver reported {report.summary()} but wrote no dump"
-            exc_type = report.exception or "UNKNOWN"
-        else:
-            stored = gpudump.store(path, outdir)
-            files = list(stored.files)
-            if pid and gpudump.copy_text(self.config.driver_logs / f"{pid}.log", outdir / "driver.log"):
-                files.append("driver.log")
-            step = StepResult("cuda_dump", bool(stored.files), time.monotonic() - start, stored.note, tuple(files))
-            detail, exc_type = _describe(stored.symbolized, path.name, stored.note)
-        self.metrics.gpu_exceptions.labels(**self.metrics.labels(type=exc_type)).inc()
-        incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason="gpu-exception",
-                            detail=detail, job=reg.job, processes=(ProcessCapture(reg, (step,)),))
-        self.store.commit(draft, incident, f"gpu-exception: {detail}")
-        return draft.id
+    def _ingest(self, path: Path, pid: int | None, claimed: Registration | None) -> str | None:
+        """One dump (or driver report without a dump), one incident; a refused file, none."""
+        def count(exc_type: str) -> None:
+            self.metrics.gpu_exceptions.labels(**self.metrics.labels(type=exc_type)).inc()
+        try:
+            return dump_ingest.ingest(self.store, path, pid, claimed, self.config.driver_logs, count)
+        except untrusted.Refused as exc:
+            reason = f"dump_{exc.reason}"
+            self.metrics.registration_errors.labels(**self.metrics.labels(reason=reason)).inc()
+            log.warning("dump_refused", file=str(path), reason=reason, error=str(exc))
+            return None
 
     # -- status ----------------------------------------------------------
 
@@ -695,16 +731,3 @@ class Daemon:
             write_json(path, data)
         except OSError as exc:
             log.error("status_write_failed", file=str(path), error=str(exc))
-
-
-def _describe(sym: object, name: str, note: str | None) -> tuple[str, str]:
-    """One line for an exception dump: what, in which kernel, where; and the exception type."""
-    from .cudacore.symbolize import Symbolized
-
-    if not isinstance(sym, Symbolized):
-        return f"{name}: {note or 'unreadable dump'}", "UNREADABLE"
-    for e in sym.exceptions:
-        where = next((f" at {f.file}:{f.line}" for f in e.frames if f.file), "")
-        return f"{e.type} in {e.kernel or 'an unknown kernel'}{where}", e.type
-    kernels = ", ".join(k.name for k in sym.kernels) or "no running kernel"
-    return f"GPU coredump with no exception ({kernels})", "NONE"

@@ -212,8 +212,12 @@ class NotifyProxy(threading.Thread):
                 heartbeat.BEAT.pack_into(self.mm, heartbeat.BEAT_OFFSET, next(self.counter), time.monotonic_ns())
             elif line.startswith("STATUS="):
                 try:
+                    # In the world-writable beats dir: never write through a name someone planted.
                     tmp = self.status_file.with_name(f".{self.status_file.name}.tmp")
-                    tmp.write_text(line[7:][:1024])
+                    tmp.unlink(missing_ok=True)
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                    with os.fdopen(fd, "w") as f:
+                        f.write(line[7:][:1024])
                     tmp.replace(self.status_file)
                 except OSError:
                     pass
@@ -265,8 +269,11 @@ class StderrTee(threading.Thread):
 
 
 def _open_log(path: Path):  # type: ignore[no-untyped-def]
+    """Our own new file in the world-writable driver-logs dir: whatever another user planted
+    under the name (a file, a FIFO that would block us, a link) is removed first, never written."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError:
         return None
     return os.fdopen(fd, "w")

@@ -42,7 +42,7 @@ class HeartbeatDetector:
         if path is None:
             return Observation(w.state, now + 3600.0)  # nothing to read: the stack detector's business
         try:
-            reading = heartbeat.read(path)
+            reading = heartbeat.read(path, w.registration.uid)
         except heartbeat.SegmentError as exc:
             return Observation(State.SUSPECT, now, Suspicion("heartbeat", f"beat segment unreadable: {exc}", time.time(), ("heartbeat",)))
         if w.beat is None or reading.count != w.beat.count:
