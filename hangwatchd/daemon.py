@@ -37,7 +37,8 @@ from .detect.stack import BLOCKING, IDLE, classify, take_sample
 from .metrics import Metrics, create, serve
 from .model import Registration, State, Suspicion
 from .notify import notify, watchdog_interval
-from .registry import RegistrationError, Watched
+from .registry import RegistrationError
+from .watched import Watched
 from .report import html
 from .samples import Sample
 from .store import Store
@@ -369,7 +370,7 @@ class Daemon:
             self.recent = {pid: v for pid, v in self.recent.items() if now - v[1] < 600}
             self.recent[process.pid] = (w.registration, now)
             if w.role != "launcher":
-                self.departures.add(exits.departed_from(w, time.time()))
+                self.departures.add(w.departed(time.time()))
             self._forget(w, "exited")
             registry.remove(self.config.registrations, process)
             if w.registration.beat_file:

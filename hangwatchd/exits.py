@@ -25,7 +25,6 @@ from typing import Any
 
 from . import heartbeat
 from .model import ProcessId, Registration
-from .registry import Watched
 
 MAX_FILE = 4096
 DIR = "exits"
@@ -232,18 +231,3 @@ class Departures:
                     self._gone[key] = d
             out.append(d)
         return sorted(out, key=lambda d: (d.registration.rank is None, d.registration.rank or 0, d.registration.process.pid))
-
-
-def departed_from(w: Watched, noticed_at: float) -> Departed:
-    """What the daemon knew of ``w`` when it exited: its last beat read once more, its last stack."""
-    beat = w.beat
-    if w.registration.beat_file:
-        try:
-            beat = heartbeat.read(w.registration.beat_file)
-        except heartbeat.SegmentError:
-            pass  # removed at its exit already: what was last read stands
-    last_beat = None
-    if beat is not None and beat.count:
-        last_beat = noticed_at - max(0.0, (time.monotonic_ns() - beat.last_ns) / 1e9)
-    stack = w.history.samples[-1].signature if w.history.samples else ()
-    return Departed(w.registration, noticed_at, last_beat, beat.count if beat else 0, stack)

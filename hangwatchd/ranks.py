@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from . import heartbeat
-from .registry import Watched
+from .watched import Watched
 
 
 def launcher_of(rank: Watched, watched: Iterable[Watched]) -> Watched | None:

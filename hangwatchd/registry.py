@@ -15,18 +15,14 @@ import json
 import os
 import time
 from collections.abc import Mapping
-from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from . import procfs, untrusted
-from .heartbeat import Reading
-from .model import ProcessId, Registration, State, Suspicion
-from .samples import StackHistory
+from .model import ProcessId, Registration
 
 MAX_FILE = 64 * 1024
-STATUS_MAX = 4096
 READ_DEADLINE = 1.0  # seconds: these are small regular files, a read that takes longer is an attack
 SUFFIX = ".json"
 
@@ -217,76 +213,3 @@ def check_file(path: str, owner: int) -> None:
     """Refused unless ``path`` (a beat or status file) is a regular file of ``owner`` (or root)."""
     fd = untrusted.open_fd(path, owner, max_size=MAX_FILE)
     os.close(fd)
-
-
-@dataclass
-class Watched:
-    """The daemon's running record of one watched process (mutable, owned by the daemon loop)."""
-
-    registration: Registration
-    state: State
-    seen_at: float  # monotonic: when the daemon first saw the registration
-    timeout: float
-    beat: Reading | None = None
-    last_progress: float | None = None  # monotonic time of the last beat seen
-    next_check: float = 0.0
-    incident: str | None = None
-    pidfd: int | None = None
-    timeout_source: str = "config"  # "registration", "config" or "learned"
-    intervals: deque[float] = field(default_factory=lambda: deque(maxlen=200))  # observed seconds per beat
-    beats_observed: int = 0
-    stack_timeout: float | None = None  # declared, or from the config's stack_timeouts
-    history: StackHistory = field(default_factory=StackHistory)
-    next_sample: float = float("inf")
-    sampling: bool = False
-    suspicion: Suspicion | None = None
-    confirm_by: float = 0.0  # SUSPECT: by when the suspicion is confirmed or dropped
-    idle_noted: bool = False  # a frozen but idle stack was logged once
-    never_beat: bool = False  # no first beat within the startup grace and no declared timeout: its stack is watched instead
-    role: str = "workload"  # "launcher" once known (declared, or a rank below it registered): never judged by beats
-
-    @property
-    def watched_by_stack(self) -> bool:
-        if self.role == "launcher":
-            return False
-        return self.registration.beat_file is None or self.stack_timeout is not None or self.never_beat
-
-    def notify_status(self) -> str | None:
-        """The workload's last STATUS= text; None when there is none or its file is not to be trusted."""
-        path = self.registration.status_file
-        if not path:
-            return None
-        try:
-            raw = untrusted.read_bytes(path, self.registration.uid, STATUS_MAX, READ_DEADLINE)
-        except untrusted.Refused:
-            return None
-        return raw.decode("utf-8", "replace").strip() or None
-
-    def check_files(self) -> None:
-        """Raise untrusted.Refused when the status file was swapped for a directory, FIFO, link or
-        another user's file since the registration was accepted (the beat file is checked at each
-        read). A missing status file is fine: it is written only once the workload sends STATUS=."""
-        if self.registration.status_file:
-            try:
-                check_file(self.registration.status_file, self.registration.uid)
-            except untrusted.Refused as exc:
-                if exc.reason != "missing":
-                    raise untrusted.Refused(exc.reason, f"status file {exc}") from None
-
-    @property
-    def process(self) -> ProcessId:
-        return self.registration.process
-
-    def summary(self) -> dict[str, Any]:
-        r = self.registration
-        age = (time.monotonic() - self.last_progress) if self.last_progress is not None else None
-        return {
-            "pid": r.process.pid, "start_time": r.process.start_time, "job": r.job, "rank": r.rank,
-            "local_rank": r.local_rank, "world_size": r.world_size, "state": self.state.value,
-            "timeout": self.timeout, "timeout_source": self.timeout_source, "stack_timeout": self.stack_timeout,
-            "source": r.source, "role": self.role, "launcher": r.launcher, "notify_status": self.notify_status(),
-            "beats": self.beat.count if self.beat else 0,
-            "last_beat_age": round(age, 3) if age is not None else None,
-            "last_beat_time": (time.time() - age) if age is not None else None,
-            "beat_file": r.beat_file, "cmdline": list(r.cmdline), "incident": self.incident,
-        }

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..model import State, Suspicion
-from ..registry import Watched
+from ..watched import Watched
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import structlog
 
 from .. import heartbeat
 from ..model import State, Suspicion
-from ..registry import Watched
+from ..watched import Watched
 from .base import Observation
 
 log = structlog.get_logger("hangwatchd.detect")
