@@ -30,10 +30,11 @@ from . import __version__, dump_ingest, exits, gpudump, procfs, ranks, registry,
 from .analyze.stacks import gpu_wait
 from .cudacore import sandbox
 from .runtime import DAEMON_FILE, STATUS_FILE, write_json
-from .capture import capture_incident, make_steps
+from .capture import make_steps
 from .config import Config
 from .detect import HeartbeatDetector
 from .detect.stack import BLOCKING, IDLE, classify, take_sample
+from .make_incident import make_incident
 from .metrics import Metrics, create, serve
 from .model import Registration, State, Suspicion
 from .notify import notify, watchdog_interval
@@ -635,8 +636,8 @@ class Daemon:
         def gate(outdir: Path) -> str | None:  # a job-mate's GPU dump needs its own evidence
             return self._gate(outdir, suspicion.signals if outdir.name == first else ())
 
-        return capture_incident(self.store, self.steps, [w.registration for w in group], suspicion,
-                                self.config.capture_timeout, self.metrics, gate, group[0].notify_status(), gone)
+        return make_incident(self.store, self.steps, [w.registration for w in group], suspicion,
+                             self.config.capture_timeout, self.metrics, gate, group[0].notify_status(), gone)
 
     def _collect_captures(self) -> None:
         for c in [c for c in self.captures if c.future.done()]:

@@ -285,7 +285,7 @@ def test_each_unreadable_piece_of_evidence_is_a_line_and_the_verdict_says_what_i
 
 
 def test_a_capture_is_stored_even_when_its_analysis_fails(tmp_path: Path, monkeypatch) -> None:
-    from hangwatchd.capture import pipeline
+    from hangwatchd import make_incident
     from hangwatchd.capture.proc import ProcStep
     from hangwatchd.model import Suspicion
     from hangwatchd.registry import from_proc
@@ -294,14 +294,14 @@ def test_a_capture_is_stored_even_when_its_analysis_fails(tmp_path: Path, monkey
     def broken(_path: Path):  # type: ignore[no-untyped-def]
         raise KeyError("a bug in the analysis")
 
-    monkeypatch.setattr(pipeline, "analyze", broken)
+    monkeypatch.setattr(make_incident, "analyze", broken)
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         reg = from_proc(p.pid)
         assert reg is not None
         store = Store(tmp_path / "state")
         store.open()
-        incident_id = pipeline.capture_incident(store, [(ProcStep(), 5.0)], [reg], Suspicion("heartbeat", "test", 0.0), 30.0)
+        incident_id = make_incident.make_incident(store, [(ProcStep(), 5.0)], [reg], Suspicion("heartbeat", "test", 0.0), 30.0)
     finally:
         p.kill()
         p.wait()

@@ -10,7 +10,7 @@ from .cuda_dump import CudaDumpStep
 from .flight_recorder import FlightRecorderStep
 from .nccl_ras import NcclRasStep
 from .nvml import NvmlStep
-from .pipeline import capture_incident, run_steps
+from .pipeline import capture_all, run_steps
 from .proc import ProcStep
 from .pyspy import PySpyStep
 
@@ -31,4 +31,4 @@ def make_steps(config: Config) -> list[tuple[Step, float]]:
     return [factories[name]() for name in names]
 
 
-__all__ = ["Step", "StepFailed", "capture_incident", "make_steps", "run_steps"]
+__all__ = ["Step", "StepFailed", "capture_all", "make_steps", "run_steps"]

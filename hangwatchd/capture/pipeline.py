@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import structlog
 
-from .. import exits
 from ..metrics import Metrics
-from ..model import Incident, ProcessCapture, Registration, StepResult, Suspicion
-from ..analyze.verdict import analyze
-from ..store import Store
+from ..model import ProcessCapture, Registration, StepResult
 from .base import Step, StepFailed, StepNotApplicable
 
 log = structlog.get_logger("hangwatchd.capture")
@@ -71,40 +67,20 @@ def run_steps(
     return ProcessCapture(target, tuple(results))
 
 
-def capture_incident(
-    store: Store,
+def capture_all(
     steps: Sequence[tuple[Step, float]],
     targets: Sequence[Registration],
-    suspicion: Suspicion,
+    outdir: Path,
     budget: float,
     metrics: Metrics | None = None,
     gate: Callable[[Path], str | None] | None = None,
-    notify_status: str | None = None,
-    gone: Sequence[exits.Departed] = (),
-) -> str:
-    """Capture every target into one new incident and store it; return the incident's id.
-
-    ``gone``: job-mates that had exited, each written as ``PID/exit.json`` for the verdict.
-    """
-    job = targets[0].job if targets else None
-    draft = store.begin(suspicion.reason, job, [t.process.pid for t in targets])
+) -> list[ProcessCapture]:
+    """Capture every target into ``outdir/PID``: the gentle steps on every target, then the destructive ones."""
     # Everything gentle on every rank first: a GPU dump ends its process, and a launcher
     # like torchrun then tears down the other ranks before they could be read.
     gentle = [(s, t) for s, t in steps if not getattr(s, "destructive", False)]
     last = [(s, t) for s, t in steps if getattr(s, "destructive", False)]
-    first_pass = [run_steps(gentle, t, draft.path / str(t.process.pid), budget, metrics, gate) for t in targets]
-    captures = [ProcessCapture(pc.registration, pc.steps + run_steps(last, pc.registration, draft.path / str(pc.registration.process.pid),
-                                                                      budget, metrics, gate).steps) if last else pc
-                for pc in first_pass]
-    exits.write_into(draft.path, list(gone), targets[0] if targets else None, suspicion.since)
-    try:
-        analysis = analyze(draft.path)
-        verdict, analysis_dict = analysis.summary, analysis.to_dict()
-    except Exception as exc:  # noqa: BLE001 - a capture is stored even when its analysis fails
-        log.error("analysis_failed", incident=draft.id, error=f"{type(exc).__name__}: {exc}")
-        verdict, analysis_dict = f"the analysis failed ({type(exc).__name__}: {exc}); the evidence is kept", None
-    incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason=suspicion.reason,
-                        detail=suspicion.detail, job=job, processes=tuple(captures), signals=suspicion.signals,
-                        notify_status=notify_status, verdict=verdict, since=suspicion.since)
-    store.commit(draft, incident, f"{verdict} ({suspicion.detail})", analysis_dict)
-    return draft.id
+    first_pass = [run_steps(gentle, t, outdir / str(t.process.pid), budget, metrics, gate) for t in targets]
+    return [ProcessCapture(pc.registration, pc.steps + run_steps(last, pc.registration, outdir / str(pc.registration.process.pid),
+                                                                 budget, metrics, gate).steps) if last else pc
+            for pc in first_pass]

@@ -1,0 +1,57 @@
+"""A hang made into an incident: capture, then analyse, then store, the three stages in their order.
+
+The capture stage knows nothing of the stages after it: it writes what it took
+into a directory it is given. This module, above them, hands it the store's
+draft directory, asks the analysis for a verdict on what was written, and
+commits the incident. The daemon and ``hangwatchd capture`` both come here.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import structlog
+
+from . import exits
+from .analyze.verdict import analyze
+from .capture.base import Step
+from .capture.pipeline import capture_all
+from .metrics import Metrics
+from .model import Incident, Registration, Suspicion
+from .store import Store
+
+log = structlog.get_logger("hangwatchd.capture")
+
+
+def make_incident(
+    store: Store,
+    steps: Sequence[tuple[Step, float]],
+    targets: Sequence[Registration],
+    suspicion: Suspicion,
+    budget: float,
+    metrics: Metrics | None = None,
+    gate: Callable[[Path], str | None] | None = None,
+    notify_status: str | None = None,
+    gone: Sequence[exits.Departed] = (),
+) -> str:
+    """Capture every target into one new incident and store it; return the incident's id.
+
+    ``gone``: job-mates that had exited, each written as ``PID/exit.json`` for the verdict.
+    """
+    job = targets[0].job if targets else None
+    draft = store.begin(suspicion.reason, job, [t.process.pid for t in targets])
+    captures = capture_all(steps, targets, draft.path, budget, metrics, gate)
+    exits.write_into(draft.path, list(gone), targets[0] if targets else None, suspicion.since)
+    try:
+        analysis = analyze(draft.path)
+        verdict, analysis_dict = analysis.summary, analysis.to_dict()
+    except Exception as exc:  # noqa: BLE001 - a capture is stored even when its analysis fails
+        log.error("analysis_failed", incident=draft.id, error=f"{type(exc).__name__}: {exc}")
+        verdict, analysis_dict = f"the analysis failed ({type(exc).__name__}: {exc}); the evidence is kept", None
+    incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason=suspicion.reason,
+                        detail=suspicion.detail, job=job, processes=tuple(captures), signals=suspicion.signals,
+                        notify_status=notify_status, verdict=verdict, since=suspicion.since)
+    store.commit(draft, incident, f"{verdict} ({suspicion.detail})", analysis_dict)
+    return draft.id
