@@ -99,9 +99,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_capture(args: argparse.Namespace) -> int:
     from . import config, log, registry
     from .capture import make_steps
-    from .make_incident import make_incident
+    from .make_incident import make_incident, pages
     from .model import Suspicion
-    from .report import html
     from .store import Store, StoreError
 
     cfg = config.load(args.config, {"state_dir": args.state_dir, "runtime_dir": args.runtime_dir})
@@ -109,7 +108,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
     target = registry.from_proc(args.pid)
     if target is None:
         raise UsageError(f"capture: no process {args.pid}")
-    store = Store(cfg.state_dir, pages=html.pages)
+    store = Store(cfg.state_dir, pages=pages)
     try:
         store.open()
     except StoreError as exc:
@@ -162,9 +161,11 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def _print_incident(args: argparse.Namespace, path: Path) -> int:
     """An incident for a person (text), a script (--json) or a ticket (--html)."""
+    from .analyze.verdict import analyze
     from .report import incident
 
-    data = incident.load(path)
+    # Derived from the files, so always redone: a trace added by hand later counts too.
+    data = incident.load(path, analyze(path).to_dict())
     if getattr(args, "html", None) is not None:
         from .report import html
 

@@ -34,13 +34,12 @@ from .capture import make_steps
 from .config import Config
 from .detect import HeartbeatDetector
 from .detect.stack import BLOCKING, IDLE, classify, take_sample
-from .make_incident import make_incident
+from .make_incident import make_incident, pages
 from .metrics import Metrics, create, serve
 from .model import Registration, State, Suspicion
 from .notify import notify, watchdog_interval
 from .registry import RegistrationError
 from .watched import Watched
-from .report import html
 from .samples import Sample
 from .store import Store
 from .user_limits import UserLimits
@@ -70,7 +69,7 @@ class Daemon:
     watched: dict[registry.ProcessId, Watched] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.store = Store(self.config.state_dir, pages=html.pages)
+        self.store = Store(self.config.state_dir, pages=pages)
         cfg = self.config
         self.detector = HeartbeatDetector(cfg.startup_grace, cfg.learn_timeouts, cfg.learned_timeout_factor,
                                           cfg.learned_timeout_min, cfg.learned_timeout_max, int(cfg.learn_min_beats))

@@ -9,7 +9,7 @@ commits the incident. The daemon and ``hangwatchd capture`` both come here.
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import structlog
@@ -20,6 +20,7 @@ from .capture.base import Step
 from .capture.pipeline import capture_all
 from .metrics import Metrics
 from .model import Incident, Registration, Suspicion
+from .report import html
 from .store import Store
 
 log = structlog.get_logger("hangwatchd.capture")
@@ -55,3 +56,9 @@ def make_incident(
                         notify_status=notify_status, verdict=verdict, since=suspicion.since)
     store.commit(draft, incident, f"{verdict} ({suspicion.detail})", analysis_dict)
     return draft.id
+
+
+def pages(incident_dir: Path) -> Mapping[str, str]:
+    """The pages the store keeps beside each incident.json (``Store(pages=...)``): its
+    report.html, with the verdict derived from the files as they are now."""
+    return html.pages(incident_dir, analyze(incident_dir).to_dict())

@@ -335,7 +335,7 @@ def test_the_incident_dir_readers_never_raise(tmp_path_factory, files: dict[str,
 
     assert report.render_analysis(out.to_dict()).startswith(out.summary)
     if "incident.json" not in files:  # the daemon writes that one; the process's files come from the workload
-        assert report.render_text(report.load(root)).startswith(out.summary)  # hangwatchd show reads them too
+        assert report.render_text(report.load(root, out.to_dict())).startswith(out.summary)  # hangwatchd show reads them too
 
 
 CATALOGUE_CASES = [

@@ -1,6 +1,6 @@
 """An incident as one self-contained HTML page (no network, no scripts), for pasting into a ticket.
 
-It renders what ``report.incident.load`` read; it computes nothing.
+It renders what ``report.incident.load`` read and the analysis it was given; it computes nothing.
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ def render(data: dict[str, Any], incident_dir: Path) -> str:
     return "".join(parts)
 
 
-def pages(incident_dir: Path) -> dict[str, str]:
-    """The page stored beside each incident.json (``Store(pages=...)``)."""
+def pages(incident_dir: Path, analysis: dict[str, Any]) -> dict[str, str]:
+    """The page stored beside each incident.json, rendering ``analysis`` of it."""
     from . import incident
 
-    return {"report.html": render(incident.load(incident_dir), incident_dir)}
+    return {"report.html": render(incident.load(incident_dir, analysis), incident_dir)}

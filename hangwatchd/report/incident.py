@@ -1,6 +1,8 @@
 """An incident directory read back for people (text) and scripts (JSON).
 
-The reading is here once; the text renderer only formats what it returns.
+The reading is here once; the text renderer only formats what it returns. The
+analysis is handed in by whoever asks (the CLI, the store's page writer): a
+report renders a verdict, it never computes one.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from ..analyze.stacks import is_user_frame, load_threads
-from ..analyze.verdict import analyze
 from .names import fold
 
 def _read_json(path: Path) -> Any:
@@ -21,8 +22,8 @@ def _read_json(path: Path) -> Any:
         return None
 
 
-def load(incident_dir: Path) -> dict[str, Any]:
-    """incident.json with each process's captured files attached (stacks, proc facts)."""
+def load(incident_dir: Path, analysis: dict[str, Any]) -> dict[str, Any]:
+    """incident.json with each process's captured files attached (stacks, proc facts) and ``analysis``."""
     data = _read_json(incident_dir / "incident.json")
     if not isinstance(data, dict):
         data = {"id": incident_dir.name, "complete": False, "note": "incident.json is missing or damaged"}
@@ -37,8 +38,7 @@ def load(incident_dir: Path) -> dict[str, Any]:
         proc["stacks"] = load_threads(pdir)
         proc["stacks_native"] = (pdir / "pyspy-native.json").exists()
     data["processes"] = processes
-    # Derived from the files, so always redone: a trace added by hand later counts too.
-    data["analysis"] = analyze(incident_dir).to_dict()
+    data["analysis"] = analysis
     return data
 
 
