@@ -1,18 +1,23 @@
-"""The daemon: one event loop that ties registration, detection, capture and the store together.
+"""The daemon: one event loop that hands the work of each stage to its room.
 
 The loop sleeps in ``select`` until something happens: a registration file
-appears (inotify), a watched process exits (its pidfd), a capture finishes
-(a wake-up pipe), a signal arrives, or the earliest timer is due (a process's
-heartbeat deadline, the rescan, systemd's watchdog). It never blocks on what
-it watches: reads of /proc and of beat segments do not block, and captures
-run on worker threads with their own deadlines.
+appears (inotify), a watched process exits (its pidfd), a capture or a stack
+sample finishes (a wake-up pipe), a signal arrives, or the earliest timer is
+due (a process's heartbeat deadline, the rescan, systemd's watchdog). It never
+blocks on what it watches: reads of /proc and of beat segments do not block,
+and captures and samples run on worker threads with their own deadlines.
+
+Who does what: ``registrations`` admits and forgets processes, ``detect``
+judges them (``machine``, with stack samples from ``sampler``),
+``make_incident`` captures, analyses and stores a hang, ``dump_ingest`` files
+exception dumps, ``retention`` keeps the store to its limits and
+``status_file`` says what is watched. The loop owns the ``Watchlist`` and
+calls them in turn.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import queue
-import re
 import os
 import selectors
 import signal
@@ -20,34 +25,31 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import structlog
 from inotify_simple import INotify
 from inotify_simple import flags as inflags
 
-from . import __version__, dump_ingest, exits, gpudump, procfs, ranks, registry, untrusted
-from .analyze.stacks import gpu_wait
-from .cudacore import sandbox
-from .runtime import DAEMON_FILE, STATUS_FILE, write_json
+from . import __version__, dump_ingest, exits, gpudump, registry, retention
 from .capture import make_steps
 from .config import Config
+from .cudacore import sandbox
 from .detect import HeartbeatDetector
-from .detect.stack import BLOCKING, IDLE, classify, take_sample
+from .detect.gate import gpu_dump_veto
+from .detect.machine import StateMachine
+from .detect.sampler import Sampler
+from .detect.stack import BLOCKING, IDLE
 from .make_incident import make_incident, pages
 from .metrics import Metrics, create, serve
-from .model import Registration, State, Suspicion
+from .model import State, Suspicion
 from .notify import notify, watchdog_interval
-from .registry import RegistrationError
-from .watched import Watched
-from .samples import Sample
+from .registrations import Registrations
+from .status_file import STATUS_EVERY, StatusFile
 from .store import Store
 from .user_limits import UserLimits
+from .watched import Watched, Watchlist
 
 log = structlog.get_logger("hangwatchd.daemon")
-
-STATUS_EVERY = 2.0
-RETENTION_EVERY = 600.0
 
 
 class SetupError(Exception):
@@ -66,28 +68,28 @@ class _Capture:
 class Daemon:
     config: Config
     metrics: Metrics = field(default_factory=create)
-    watched: dict[registry.ProcessId, Watched] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.store = Store(self.config.state_dir, pages=pages)
         cfg = self.config
-        self.detector = HeartbeatDetector(cfg.startup_grace, cfg.learn_timeouts, cfg.learned_timeout_factor,
-                                          cfg.learned_timeout_min, cfg.learned_timeout_max, int(cfg.learn_min_beats))
-        self.blocking = tuple(BLOCKING) + tuple(cfg.stack_blocking_patterns)
-        self.idle = cfg.stack_idle_pattern or IDLE
-        self.sampler = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="sample")
-        self.samples: queue.SimpleQueue[tuple[registry.ProcessId, Sample, bool]] = queue.SimpleQueue()
-        self.steps = make_steps(self.config)
+        self.store = Store(cfg.state_dir, pages=pages)
+        self.status = StatusFile(Path(cfg.runtime_dir))
+        self.watched = Watchlist(self.metrics, on_change=self._write_status)
+        self.limits = UserLimits(cfg.max_registrations_per_uid, cfg.pyspy_samples_per_uid)
         self.selector = selectors.DefaultSelector()
+        self.registrations = Registrations(cfg, self.watched, self.metrics, self.limits,
+                                           attach=lambda fd, p: self.selector.register(fd, selectors.EVENT_READ, p),
+                                           detach=self.selector.unregister, first_look=self._first_look)
+        detector = HeartbeatDetector(cfg.startup_grace, cfg.learn_timeouts, cfg.learned_timeout_factor,
+                                     cfg.learned_timeout_min, cfg.learned_timeout_max, int(cfg.learn_min_beats))
+        self.machine = StateMachine(cfg, detector, self.watched, self.metrics,
+                                    tuple(BLOCKING) + tuple(cfg.stack_blocking_patterns), cfg.stack_idle_pattern or IDLE,
+                                    on_hung=self._start_capture, on_tampered=self.registrations.tampered)
+        self.sampler = Sampler(cfg.pyspy_timeout, cfg.pyspy_samples_per_uid, self.limits, self._wake)
+        self.steps = make_steps(cfg)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="capture")
         self.captures: list[_Capture] = []
-        self.refused: dict[str, float] = {}  # registration name -> mtime already refused (no log spam)
-        self.limits = UserLimits(cfg.max_registrations_per_uid, cfg.pyspy_samples_per_uid)
-        self.over_limit: set[str] = set()  # registrations waiting for their user to drop under the limit
         self.dumping: set[int] = set()  # pids whose GPU dump a capture is taking: not exception dumps
         self.ingested: set[str] = set()  # dump files already made into incidents
-        self.recent: dict[int, tuple[Registration, float]] = {}  # exited processes, to link late dumps
-        self.departures = exits.Departures(Path(cfg.runtime_dir), cfg.exited_keep)  # for job-mates' incidents
         self.stopping = False
         self.metrics_address = ""
         self._wake_r, self._wake_w = socket.socketpair()
@@ -131,11 +133,7 @@ class Daemon:
         if cfg.metrics_address:
             self.metrics_address = serve(self.metrics.registry, cfg.metrics_address)
         self.metrics.info.info({"version": __version__})
-        me = procfs.identify(os.getpid())
-        self._write_json(Path(cfg.runtime_dir) / DAEMON_FILE, {
-            "pid": os.getpid(), "start_time": me.start_time if me else None, "version": __version__,
-            "state_dir": cfg.state_dir, "dump_dir": str(cfg.dumps), "metrics_address": self.metrics_address,
-        })
+        self.status.write_daemon(cfg.state_dir, cfg.dumps, self.metrics_address)
 
     def stop(self, *_: object) -> None:
         self.stopping = True
@@ -154,7 +152,7 @@ class Daemon:
         try:
             self.rescan()
             notify("READY=1")
-            self._status(f"watching {len(self.watched)} processes")
+            self.status.say(f"watching {len(self.watched)} processes")
             log.info("daemon_ready", state_dir=self.config.state_dir, runtime_dir=self.config.runtime_dir,
                      metrics=self.metrics_address, pid=os.getpid())
             self.loop()
@@ -162,11 +160,10 @@ class Daemon:
             notify("STOPPING=1")
             log.info("daemon_stopping", captures_in_flight=len(self.captures))
             self.pool.shutdown(wait=True, cancel_futures=True)
-            self.sampler.shutdown(wait=True, cancel_futures=True)
+            self.sampler.shutdown()
             for s, h in old.items():
                 signal.signal(s, h)
-            for name in (DAEMON_FILE, STATUS_FILE):
-                (Path(self.config.runtime_dir) / name).unlink(missing_ok=True)
+            self.status.remove()
         return 0
 
     # -- the loop --------------------------------------------------------
@@ -193,17 +190,18 @@ class Daemon:
                 elif key.data == "wake":
                     self._drain_wake()
                 elif isinstance(key.data, registry.ProcessId):
-                    self._on_exit(key.data)
+                    self.registrations.exited(key.data)
             now = time.monotonic()
             self._collect_captures()
-            self._collect_samples(now)
+            for w, sample, native in self.sampler.ready(self.watched):
+                self.machine.judge_stack(w, sample, native, now)
             for w in list(self.watched.values()):
                 if w.next_check <= now:
-                    self._observe(w, now)
+                    self.machine.observe(w, now)
                 if w.process not in self.watched:
                     continue  # dropped for a tampered file
                 if w.next_sample <= now and not w.sampling:
-                    self._sample(w, now)
+                    self.sampler.sample(w, now)
             if now >= next_rescan:
                 self.rescan()
                 next_rescan = now + self.config.rescan_interval
@@ -211,8 +209,8 @@ class Daemon:
                 self._write_status()
                 next_status = now + STATUS_EVERY
             if now >= next_retention and not self.captures:
-                self.pool.submit(self._retention)
-                next_retention = now + RETENTION_EVERY
+                self.pool.submit(retention.enforce, self.store, self.config)
+                next_retention = now + retention.RETENTION_EVERY
             if ping_every and now >= next_ping:
                 if self._healthy(now):
                     notify("WATCHDOG=1")
@@ -231,7 +229,8 @@ class Daemon:
         except BlockingIOError:
             pass
 
-    # -- registrations ---------------------------------------------------
+    def rescan(self) -> None:
+        self.registrations.rescan()
 
     def _on_inotify(self) -> None:
         for event in self.inotify.read(timeout=0):
@@ -240,400 +239,33 @@ class Daemon:
                 continue
             if event.wd == self.dump_wd:
                 self._dump_appeared(name)
-                continue
-            path = self.config.registrations / name
-            if event.mask & (inflags.DELETE | inflags.MOVED_FROM):
-                self._unregistered(name)
-            elif event.mask & inflags.CREATE:
-                # A regular file is read at CLOSE_WRITE, once complete; a symlink or
-                # directory never gets one, so it is judged (and refused) now.
-                if path.is_symlink() or path.is_dir():
-                    self._consider(path)
             else:
-                self._consider(path)
+                self.registrations.changed(name, event.mask)
 
-    def rescan(self) -> None:
-        """The safety net under inotify: pick up anything missed, drop what vanished."""
-        try:
-            names = {p.name for p in self.config.registrations.iterdir() if not p.name.startswith(".")}
-        except OSError as exc:
-            log.error("rescan_failed", dir=str(self.config.registrations), error=str(exc))
-            return
-        for name in names:
-            self._consider(self.config.registrations / name)
-        for pid_key, w in list(self.watched.items()):
-            if w.registration.source != "discovered" and registry.file_name(pid_key) not in names:
-                self._unregistered(registry.file_name(pid_key))
-        exits.remove_stale(Path(self.config.runtime_dir), time.time() - self.config.exited_keep)
-        self.refused = {k: v for k, v in self.refused.items() if k in names}
-        self.over_limit &= names
-        if self.config.discover:
-            self._discover()
+    def _first_look(self, w: Watched, now: float) -> None:
+        self.machine.observe(w, now)
 
-    def _consider(self, path: Path) -> None:
-        try:
-            mtime = path.lstat().st_mtime
-        except OSError:
-            return
-        if self.refused.get(path.name) == mtime:
-            return
-        try:
-            reg = registry.load(path, self.config.beats)
-        except RegistrationError as exc:
-            self.refused[path.name] = mtime
-            self.metrics.registration_errors.labels(**self.metrics.labels(reason=exc.reason)).inc()
-            log.warning("registration_refused", file=str(path), reason=exc.reason, error=str(exc))
-            return
-        old = self.watched.get(reg.process)
-        if old is not None:
-            if old.registration.source != "discovered":
-                return
-            self._forget(old, "registered")  # a registration says more than discovery
-        over = self.limits.over_registrations(reg.uid, (x.registration.uid for x in self.watched.values()
-                                                          if x.registration.source != "discovered"))
-        if over:
-            self._refuse(path.name, "uid_limit", over, reg.uid)
-            return
-        self.over_limit.discard(path.name)
-        self.limits.clear("uid_limit", reg.uid)
-        self._watch(reg)
+    def _write_status(self) -> None:
+        self.status.write(self.watched.values())
 
-    def _refuse(self, name: str, reason: str, why: str, uid: int) -> None:
-        """A registration over its user's limit: counted once per file, logged once per user.
-        Not remembered as refused: it is admitted at a later rescan once the user is under the limit."""
-        if name not in self.over_limit:
-            self.over_limit.add(name)
-            self.metrics.registration_errors.labels(**self.metrics.labels(reason=reason)).inc()
-        if self.limits.first(reason, uid):
-            log.warning("registration_refused", file=name, reason=reason, uid=uid, error=why)
+    # -- capture (on worker threads) -------------------------------------
 
-    def _watch(self, reg: Registration) -> None:
-        try:
-            pidfd = os.pidfd_open(reg.process.pid)
-        except OSError:
-            return  # gone already
-        if not procfs.alive(reg.process):  # the pid was reused between load and pidfd_open
-            os.close(pidfd)
-            return
-        now = time.monotonic()
-        timeout = reg.heartbeat_timeout or self.config.heartbeat_timeout
-        source = "registration" if reg.heartbeat_timeout else "config"
-        state = State.STARTING if reg.beat_file else State.HEALTHY
-        w = Watched(reg, state, seen_at=now, timeout=timeout, next_check=now, timeout_source=source,
-                    stack_timeout=reg.stack_timeout or self._stack_timeout_for(reg), role=reg.role)
-        launcher = ranks.launcher_of(w, self.watched.values())
-        if launcher is not None and launcher.role != "launcher":
-            launcher.role = "launcher"
-            log.info("launcher_found", pid=launcher.process.pid, rank_pid=reg.process.pid, job=reg.job)
-        if ranks.ranks_below(w, self.watched.values()):
-            w.role = "launcher"
-        self.watched[reg.process] = w
-        self.selector.register(pidfd, selectors.EVENT_READ, reg.process)
-        w.pidfd = pidfd
-        if w.watched_by_stack:
-            w.next_sample = now
-        log.info("process_registered", pid=reg.process.pid, job=reg.job, rank=reg.rank, timeout=timeout,
-                 stack_timeout=w.stack_timeout, source=reg.source, cmdline=" ".join(reg.cmdline)[:200])
-        self._set_state(w, state)
-        self._observe(w, now)
-
-    def _stack_timeout_for(self, reg: Registration) -> float | None:
-        command = " ".join(reg.cmdline)
-        for pattern, seconds in self.config.stack_timeouts.items():
-            if re.search(pattern, command):
-                return float(seconds)
-        return None
-
-    def _discover(self) -> None:
-        """Every process holding /dev/nvidia* open, watched by its stack (a sidecar's view of the pod)."""
-        known = {p.pid for p in self.watched} | {os.getpid()}
-        for pid in procfs.gpu_processes():
-            if pid in known:
-                continue
-            reg = registry.from_proc(pid, source="discovered")
-            if reg is not None:
-                self._watch(reg)
-
-    def _unregistered(self, name: str) -> None:
-        for key, w in list(self.watched.items()):
-            if registry.file_name(key) == name:
-                gone = not procfs.alive(key) or exits.read(Path(self.config.runtime_dir), key, w.registration.uid)
-                if gone:  # removed at (or by its launcher after) its exit, before the pidfd was read
-                    self._on_exit(key)
-                else:
-                    self._forget(w, "unregistered")
-
-    def _on_exit(self, process: registry.ProcessId) -> None:
-        w = self.watched.get(process)
-        if w is not None:
-            now = time.monotonic()
-            self.recent = {pid: v for pid, v in self.recent.items() if now - v[1] < 600}
-            self.recent[process.pid] = (w.registration, now)
-            if w.role != "launcher":
-                self.departures.add(w.departed(time.time()))
-            self._forget(w, "exited")
-            registry.remove(self.config.registrations, process)
-            if w.registration.beat_file:
-                try:
-                    Path(w.registration.beat_file).unlink(missing_ok=True)
-                except OSError:
-                    pass  # swapped for a directory: the user's to clean up
-
-    def _forget(self, w: Watched, why: str) -> None:
-        self._set_state(w, State.EXITED)
-        log.info("process_forgotten", pid=w.process.pid, why=why, job=w.registration.job, rank=w.registration.rank)
-        pidfd = w.pidfd
-        if pidfd is not None:
-            self.selector.unregister(pidfd)
-            os.close(pidfd)
-        del self.watched[w.process]
-        r = w.registration
-        try:
-            self.metrics.last_beat.remove(*self.metrics.const.values(), r.job or "", str(r.rank if r.rank is not None else ""), str(r.process.pid))
-            self.metrics.timeout.remove(*self.metrics.const.values(), r.job or "", str(r.rank if r.rank is not None else ""), str(r.process.pid))
-        except KeyError:
-            pass
-        self._count_states()
-        self._write_status()
-
-    # -- detection -------------------------------------------------------
-
-    def _observe(self, w: Watched, now: float) -> None:
-        try:
-            w.check_files()
-            obs = self.detector.observe(w, now)
-        except untrusted.Refused as exc:
-            self._tampered(w, exc)
-            return
-        w.next_check = obs.next_check
-        r = w.registration
-        labels = self.metrics.labels(job=r.job or "", rank=str(r.rank if r.rank is not None else ""), pid=str(r.process.pid))
-        self.metrics.timeout.labels(**labels).set(w.timeout)
-        if w.beat is not None and w.beat.count:
-            self.metrics.last_beat.labels(**labels).set(w.beat.wall_time() or 0)
-        if w.state in (State.HUNG, State.CAPTURED):
-            if obs.state is State.HEALTHY and w.state is State.CAPTURED:
-                log.info("process_recovered", pid=r.process.pid, incident=w.incident)
-                self._set_state(w, State.HEALTHY)
-            else:
-                w.next_check = now + min(w.timeout, 5.0)  # look again later in case it recovers
-            return
-        if obs.state is State.SUSPECT:
-            if w.state is not State.SUSPECT:
-                self._suspect(w, obs.suspicion, now)
-            elif now >= w.confirm_by:
-                self._confirm(w, now)
-            w.next_check = max(now + 0.1, min(w.confirm_by, now + 1.0))
-            return
-        if w.state is State.SUSPECT and w.suspicion and w.suspicion.reason == "heartbeat":
-            log.info("suspicion_dropped", pid=r.process.pid, why="a beat came")
-            w.suspicion = None
-        if obs.state is not w.state and not (w.state is State.SUSPECT and w.suspicion):
-            self._set_state(w, obs.state)
-
-    def _tampered(self, w: Watched, exc: untrusted.Refused) -> None:
-        """A beat or status file swapped after acceptance (a directory, FIFO, link, another
-        user's file): that costs this registration, nothing else."""
-        reason = f"tampered_{exc.reason}"
-        self.metrics.registration_errors.labels(**self.metrics.labels(reason=reason)).inc()
-        log.warning("registration_refused", pid=w.process.pid, uid=w.registration.uid, reason=reason, error=str(exc))
-        path = self.config.registrations / registry.file_name(w.process)
-        try:
-            self.refused[path.name] = path.lstat().st_mtime  # not taken back until it is written anew
-        except OSError:
-            pass
-        self._forget(w, "tampered")
-
-    def _suspect(self, w: Watched, suspicion: Suspicion | None, now: float) -> None:
-        """One signal says stalled. Confirm before anything is done about it."""
-        assert suspicion is not None
-        w.suspicion = suspicion
-        self._set_state(w, State.SUSPECT)
-        log.info("process_suspect", pid=w.process.pid, reason=suspicion.reason, detail=suspicion.detail)
-        if suspicion.reason == "heartbeat" and w.timeout_source == "learned":
-            # A learned timeout may only mean a new phase: the stack must hold still too.
-            w.history = type(w.history)()
-            w.confirm_by = now + max(3.0, min(10.0, w.timeout / 2))
-            w.next_sample = now
-        else:
-            w.confirm_by = now + 0.5  # a declared timeout: one more look, then act
-
-    def _confirm(self, w: Watched, now: float) -> None:
-        suspicion = w.suspicion
-        assert suspicion is not None
-        signals = set(suspicion.signals)
-        if w.history.frozen_for() >= 2.0:
-            signals.add("stack")
-        why_not = None
-        if suspicion.reason == "heartbeat" and w.timeout_source == "learned":
-            busy = w.history.cpu_share() if w.history.samples else None
-            blocked, _ = classify(w.history.samples[-1].frames if w.history.samples else (), self.blocking, self.idle)
-            if "stack" not in signals:
-                why_not = "the stack moved"
-            elif busy is not None and busy >= 0.5 and not blocked:
-                why_not = "busy on the CPU, blocked on nothing"
-        if why_not:
-            # The beats paused but the process works: a new phase, not a hang. Learn the longer gap.
-            log.info("suspicion_dropped", pid=w.process.pid, why=why_not, paused=round(now - (w.last_progress or now), 1))
-            w.intervals.append(now - (w.last_progress or now))
-            w.last_progress = now
-            w.suspicion = None
-            w.next_sample = float("inf") if not w.watched_by_stack else now + self.config.stack_interval
-            self._set_state(w, State.HEALTHY)
-            return
-        if w.beat is not None and w.last_progress is not None and suspicion.reason == "stack":
-            if now - w.last_progress > w.timeout:
-                signals.add("heartbeat")
-        evidence = f"; {w.history.evidence()}" if w.history.samples and "stack" in signals else ""
-        self._hung(w, Suspicion(suspicion.reason, suspicion.detail + evidence, suspicion.since, tuple(sorted(signals))))
-
-    # -- stack sampling (on the sampler's threads) ------------------------
-
-    def _sample(self, w: Watched, now: float) -> None:
-        wait = self.limits.sample_wait(w.registration.uid, now)
-        if wait:
-            w.next_sample = now + wait
-            if self.limits.first("pyspy_rate", w.registration.uid):
-                log.warning("stack_sampling_limited", uid=w.registration.uid,
-                            limit=f"pyspy_samples_per_uid = {self.config.pyspy_samples_per_uid:g}")
-            return
-        w.sampling = True
-        pid = w.process
-        native = w.state is State.SUSPECT and w.suspicion is not None and w.suspicion.reason == "stack"
-        future = self.sampler.submit(take_sample, pid.pid, self.config.pyspy_timeout, native)
-
-        def done(f: concurrent.futures.Future[Sample]) -> None:
-            if not f.cancelled() and f.exception() is None:
-                self.samples.put((pid, f.result(), native))
-            self._wake()
-
-        future.add_done_callback(done)
-
-    def _collect_samples(self, now: float) -> None:
-        while True:
-            try:
-                pid, sample, native = self.samples.get_nowait()
-            except queue.Empty:
-                return
-            w = self.watched.get(pid)
-            if w is None:
-                continue
-            w.sampling = False
-            if not procfs.alive(pid):
-                continue
-            if sample.error:
-                log.warning("stack_sample_failed", pid=pid.pid, error=sample.error)
-            else:
-                w.history.add(sample)
-            self._judge_stack(w, sample, native, now)
-
-    def _judge_stack(self, w: Watched, sample: Sample, native: bool, now: float) -> None:
-        suspect = w.state is State.SUSPECT and w.suspicion is not None
-        if suspect and w.suspicion.reason == "heartbeat":  # type: ignore[union-attr]
-            if len(w.history.samples) <= 1 and now < w.confirm_by:
-                w.next_sample = now + 1.0  # confirming: sample fast
-            elif w.history.frozen_for() >= 2.0 or now >= w.confirm_by:
-                self._confirm(w, now)
-            else:
-                w.next_sample = now + 1.0
-            return
-        if suspect and native:  # the one native look at a frozen stack: does it count?
-            blocked, idle = classify(sample.frames, self.blocking, self.idle)
-            declared = w.stack_timeout is not None
-            if declared or (blocked and not idle):
-                why = "declared --stack-timeout" if declared and not blocked else f"blocked in {blocked}"
-                w.suspicion = Suspicion("stack", f"the same stack for {w.history.frozen_for():.0f} s ({why})",
-                                        w.suspicion.since, ("stack",))  # type: ignore[union-attr]
-                self._confirm(w, now)
-            else:
-                if not w.idle_noted:
-                    log.info("stack_frozen_idle", pid=w.process.pid, why="idle pattern" if idle else "no blocking call")
-                    w.idle_noted = True
-                w.suspicion = None
-                self._set_state(w, State.HEALTHY)
-                w.next_sample = now + self.config.stack_interval
-            return
-        if not w.watched_by_stack or w.state in (State.HUNG, State.CAPTURED):
-            w.next_sample = float("inf") if not w.watched_by_stack else now + self.config.stack_interval
-            if w.state is State.CAPTURED and len(w.history.samples) == 1:
-                self._set_state(w, State.HEALTHY)  # its stack moved on: not hung any more
-            return
-        window = w.stack_timeout or self.config.stack_window
-        if len(w.history.samples) == 1:
-            w.idle_noted = False
-        if w.history.frozen_for() >= window and not w.idle_noted:
-            w.suspicion = Suspicion("stack", f"the same stack for {w.history.frozen_for():.0f} s", time.time() - w.history.frozen_for(), ("stack",))
-            self._set_state(w, State.SUSPECT)
-            log.info("process_suspect", pid=w.process.pid, reason="stack", detail=w.history.evidence())
-            w.confirm_by = now + self.config.pyspy_timeout + 5
-            w.next_sample = now  # the native look
-        else:
-            w.next_sample = now + self.config.stack_interval
-
-    def _set_state(self, w: Watched, state: State) -> None:
-        old = w.state
-        w.state = state
-        self.metrics.state_changes.labels(**self.metrics.labels(state=state.value)).inc()
-        self._count_states()
-        if old is not state:
-            log.info("state_changed", pid=w.process.pid, job=w.registration.job, rank=w.registration.rank,
-                     old=old.value, new=state.value)
-        self._write_status()
-
-    def _count_states(self) -> None:
-        for s in State:
-            if s is not State.EXITED:  # exited processes are forgotten, not watched
-                self.metrics.watched.labels(**self.metrics.labels(state=s.value)).set(
-                    sum(1 for x in self.watched.values() if x.state is s))
-
-    def _hung(self, w: Watched, suspicion: Suspicion | None) -> None:
-        assert suspicion is not None
-        self._set_state(w, State.HUNG)
-        self.metrics.hangs.labels(**self.metrics.labels(reason=suspicion.reason)).inc()
-        log.warning("process_hung", pid=w.process.pid, job=w.registration.job, rank=w.registration.rank,
-                    reason=suspicion.reason, detail=suspicion.detail, signals=list(suspicion.signals))
-        w.suspicion = None
-        # Every rank of the same job on this node goes into the same incident: the rank
-        # that differs is the answer, and it may be one that looks healthy.
-        mates = [x for x in self.watched.values() if x is not w and w.registration.job
-                 and x.registration.job == w.registration.job and x.role != "launcher"
-                 and x.state in (State.STARTING, State.HEALTHY, State.SUSPECT)]
-        for x in mates:
-            x.suspicion = None
-            self._set_state(x, State.HUNG)
-        group = [w] + mates
+    def _start_capture(self, group: list[Watched], suspicion: Suspicion) -> None:
+        """A confirmed hang: capture the group (the hung process and its job-mates) on a worker."""
+        w = group[0]
         self.dumping.update(x.process.pid for x in group)
-        gone = self.departures.of_job(w.registration.job, w.registration.registered_at)  # job-mates that exited: often the cause
+        gone = self.registrations.departures.of_job(w.registration.job, w.registration.registered_at)  # job-mates that exited: often the cause
         if gone:
             log.info("exited_job_mates", job=w.registration.job, pids=[d.registration.process.pid for d in gone])
         future = self.pool.submit(self._capture, group, suspicion, gone)
         future.add_done_callback(self._wake)
         self.captures.append(_Capture(group, suspicion, time.monotonic(), future))
 
-    def _gate(self, outdir: Path, signals: tuple[str, ...] = ()) -> str | None:
-        """May this capture take a GPU dump (which ends the process)? None means yes."""
-        policy = self.config.gpu_dump
-        if policy == "always":
-            return None
-        if policy == "never":
-            return "gpu_dump = never"
-        if {"heartbeat", "stack"} <= set(signals):
-            log.info("gpu_dump_confirmed", dir=str(outdir), signals=list(signals))
-            return None
-        waiting = gpu_wait(outdir)
-        if waiting:
-            log.info("gpu_dump_confirmed", dir=str(outdir), frame=waiting)
-            return None
-        return ("not confirmed: only one signal, and no thread waits on the GPU or a collective "
-                "(gpu_dump = confirmed)")
-
-    # -- capture (on worker threads) -------------------------------------
-
     def _capture(self, group: list[Watched], suspicion: Suspicion, gone: list[exits.Departed]) -> str | None:
         first = str(group[0].process.pid)
 
         def gate(outdir: Path) -> str | None:  # a job-mate's GPU dump needs its own evidence
-            return self._gate(outdir, suspicion.signals if outdir.name == first else ())
+            return gpu_dump_veto(self.config.gpu_dump, outdir, suspicion.signals if outdir.name == first else ())
 
         return make_incident(self.store, self.steps, [w.registration for w in group], suspicion,
                              self.config.capture_timeout, self.metrics, gate, group[0].notify_status(), gone)
@@ -657,23 +289,7 @@ class Daemon:
                 self.dumping.discard(w.process.pid)
                 w.incident = incident_id
                 if w.process in self.watched and w.state is State.HUNG:
-                    self._set_state(w, State.CAPTURED)
-
-    def _retention(self) -> None:
-        cfg = self.config
-        try:
-            for path in self.store.enforce_retention(cfg.max_state_bytes, cfg.dump_max_age_days * 86400,
-                                                     cfg.incident_max_age_days * 86400):
-                log.info("retention_removed", path=path)
-        except OSError as exc:
-            log.error("retention_failed", error=str(exc))
-        cutoff = time.time() - 3600
-        for stale in cfg.driver_logs.glob("*.log"):
-            try:
-                if stale.lstat().st_mtime < cutoff:
-                    stale.unlink()
-            except OSError:
-                pass
+                    self.watched.set_state(w, State.CAPTURED)
 
     # -- GPU dumps nobody asked for: exceptions ---------------------------
 
@@ -684,51 +300,10 @@ class Daemon:
         if pid is not None and pid in self.dumping:
             return  # a capture asked for this one and takes it itself
         self.ingested.add(name)
-        reg = self._registration_of(pid)
-        future = self.pool.submit(self._ingest, self.config.dumps / name, pid, reg)
+        reg = self.registrations.registration_of(pid)
+        future = self.pool.submit(dump_ingest.ingest_counted, self.store, self.config.dumps / name, pid, reg,
+                                  self.config.driver_logs, self.metrics)
         future.add_done_callback(self._wake)
         fake = Watched(reg, State.CAPTURED, seen_at=time.monotonic(), timeout=0) if reg else None
         self.captures.append(_Capture([fake] if fake else [], Suspicion("gpu-exception", name, time.time()),
                                       time.monotonic(), future))
-
-    def _registration_of(self, pid: int | None) -> Registration | None:
-        if pid is None:
-            return None
-        for w in self.watched.values():
-            if w.process.pid == pid:
-                return w.registration
-        return self.recent.get(pid, (None, 0.0))[0]
-
-    def _ingest(self, path: Path, pid: int | None, claimed: Registration | None) -> str | None:
-        """One dump (or driver report without a dump), one incident; a refused file, none."""
-        def count(exc_type: str) -> None:
-            self.metrics.gpu_exceptions.labels(**self.metrics.labels(type=exc_type)).inc()
-        try:
-            return dump_ingest.ingest(self.store, path, pid, claimed, self.config.driver_logs, count)
-        except untrusted.Refused as exc:
-            reason = f"dump_{exc.reason}"
-            self.metrics.registration_errors.labels(**self.metrics.labels(reason=reason)).inc()
-            log.warning("dump_refused", file=str(path), reason=reason, error=str(exc))
-            return None
-
-    # -- status ----------------------------------------------------------
-
-    def _status(self, text: str) -> None:
-        notify(f"STATUS={text}")
-
-    def _write_status(self) -> None:
-        counts: dict[str, int] = {}
-        for w in self.watched.values():
-            counts[w.state.value] = counts.get(w.state.value, 0) + 1
-        self._write_json(Path(self.config.runtime_dir) / STATUS_FILE, {
-            "pid": os.getpid(), "time": time.time(), "metrics_address": self.metrics_address,
-            "processes": [w.summary() for w in self.watched.values()],
-        })
-        self._status(", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "watching no processes")
-
-    @staticmethod
-    def _write_json(path: Path, data: dict[str, Any]) -> None:
-        try:
-            write_json(path, data)
-        except OSError as exc:
-            log.error("status_write_failed", file=str(path), error=str(exc))

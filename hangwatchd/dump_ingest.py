@@ -17,10 +17,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 from . import gpudump, procfs, untrusted
 from .cudacore import driverlog
+from .metrics import Metrics
 from .model import Incident, ProcessCapture, ProcessId, Registration, StepResult
 from .store import Store
+
+log = structlog.get_logger("hangwatchd.daemon")
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,21 @@ def ingest(store: Store, path: Path, pid: int | None, claimed: Registration | No
                         detail=detail, job=reg.job, processes=(ProcessCapture(reg, (step,)),))
     store.commit(draft, incident, f"gpu-exception: {detail}")
     return draft.id
+
+
+def ingest_counted(store: Store, path: Path, pid: int | None, claimed: Registration | None, driver_logs: Path,
+                   metrics: Metrics) -> str | None:
+    """``ingest`` as the daemon runs it: a linked exception counted in
+    ``hangwatchd_gpu_exceptions_total``; a refused file counted and logged, and no incident."""
+    def count(exc_type: str) -> None:
+        metrics.gpu_exceptions.labels(**metrics.labels(type=exc_type)).inc()
+    try:
+        return ingest(store, path, pid, claimed, driver_logs, count)
+    except untrusted.Refused as exc:
+        reason = f"dump_{exc.reason}"
+        metrics.registration_errors.labels(**metrics.labels(reason=reason)).inc()
+        log.warning("dump_refused", file=str(path), reason=reason, error=str(exc))
+        return None
 
 
 def describe(sym: object, name: str, note: str | None) -> tuple[str, str]:

@@ -2,22 +2,29 @@
 
 A ``Registration`` is the frozen claim a workload made; a ``Watched`` is what
 the daemon has learned of it since (its state, its beats, its stack samples,
-its suspicion). The loop owns every ``Watched`` and is its only writer; the
-detectors read and update the one they are handed.
+its suspicion). The ``Watchlist`` holds them all by identity and is the one
+place a state changes (counted, logged, announced). The loop owns it and is
+its only writer; the detectors read and update the record they are handed.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
+
 from . import exits, heartbeat, untrusted
 from .heartbeat import Reading
+from .metrics import Metrics
 from .model import ProcessId, Registration, State, Suspicion
 from .registry import READ_DEADLINE, check_file
 from .samples import StackHistory
+
+log = structlog.get_logger("hangwatchd.daemon")
 
 STATUS_MAX = 4096
 
@@ -107,3 +114,30 @@ class Watched:
             last_beat = noticed_at - max(0.0, (time.monotonic_ns() - beat.last_ns) / 1e9)
         stack = self.history.samples[-1].signature if self.history.samples else ()
         return exits.Departed(self.registration, noticed_at, last_beat, beat.count if beat else 0, stack)
+
+
+class Watchlist(dict[ProcessId, Watched]):
+    """Every watched process by identity. A state changes here only: counted in
+    ``hangwatchd_state_changes_total``, logged, and announced through ``on_change``
+    (the status file)."""
+
+    def __init__(self, metrics: Metrics, on_change: Callable[[], None] = lambda: None) -> None:
+        super().__init__()
+        self.metrics = metrics
+        self.on_change = on_change
+
+    def set_state(self, w: Watched, state: State) -> None:
+        old = w.state
+        w.state = state
+        self.metrics.state_changes.labels(**self.metrics.labels(state=state.value)).inc()
+        self.count_states()
+        if old is not state:
+            log.info("state_changed", pid=w.process.pid, job=w.registration.job, rank=w.registration.rank,
+                     old=old.value, new=state.value)
+        self.on_change()
+
+    def count_states(self) -> None:
+        for s in State:
+            if s is not State.EXITED:  # exited processes are forgotten, not watched
+                self.metrics.watched.labels(**self.metrics.labels(state=s.value)).set(
+                    sum(1 for x in self.values() if x.state is s))

@@ -1,0 +1,77 @@
+"""Stack samples taken on worker threads, handed back to the loop: the frozen-stack detector's eyes.
+
+A py-spy run takes up to ``pyspy_timeout``; the loop never waits for one. Each
+user's processes share a sampling budget (``pyspy_samples_per_uid``), so one
+user's thousand processes cannot keep py-spy busy for everyone.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+from collections.abc import Callable, Iterator, Mapping
+
+import structlog
+
+from .. import procfs
+from ..model import ProcessId, State
+from ..samples import Sample
+from ..user_limits import UserLimits
+from ..watched import Watched
+from .stack import take_sample
+
+log = structlog.get_logger("hangwatchd.daemon")
+
+
+class Sampler:
+    def __init__(self, pyspy_timeout: float, samples_per_uid: float, limits: UserLimits, wake: Callable[[], None]) -> None:
+        self.pyspy_timeout = pyspy_timeout
+        self.samples_per_uid = samples_per_uid
+        self.limits = limits
+        self.wake = wake  # a sample is ready: wake the loop
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="sample")
+        self.done: queue.SimpleQueue[tuple[ProcessId, Sample, bool]] = queue.SimpleQueue()
+
+    def sample(self, w: Watched, now: float) -> None:
+        """Start one sample of ``w`` (native when it is the one look at a frozen stack)."""
+        wait = self.limits.sample_wait(w.registration.uid, now)
+        if wait:
+            w.next_sample = now + wait
+            if self.limits.first("pyspy_rate", w.registration.uid):
+                log.warning("stack_sampling_limited", uid=w.registration.uid,
+                            limit=f"pyspy_samples_per_uid = {self.samples_per_uid:g}")
+            return
+        w.sampling = True
+        pid = w.process
+        native = w.state is State.SUSPECT and w.suspicion is not None and w.suspicion.reason == "stack"
+        future = self.pool.submit(take_sample, pid.pid, self.pyspy_timeout, native)
+
+        def done(f: concurrent.futures.Future[Sample]) -> None:
+            if not f.cancelled() and f.exception() is None:
+                self.done.put((pid, f.result(), native))
+            self.wake()
+
+        future.add_done_callback(done)
+
+    def ready(self, watched: Mapping[ProcessId, Watched]) -> Iterator[tuple[Watched, Sample, bool]]:
+        """The samples taken since last asked, of processes still watched and alive, each
+        added to its process's history: (process, sample, whether it was the native look)."""
+        while True:
+            try:
+                pid, sample, native = self.done.get_nowait()
+            except queue.Empty:
+                return
+            w = watched.get(pid)
+            if w is None:
+                continue
+            w.sampling = False
+            if not procfs.alive(pid):
+                continue
+            if sample.error:
+                log.warning("stack_sample_failed", pid=pid.pid, error=sample.error)
+            else:
+                w.history.add(sample)
+            yield w, sample, native
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)

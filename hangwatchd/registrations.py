@@ -1,0 +1,230 @@
+"""The daemon's side of registering: claims read, checked and admitted; processes watched and forgotten.
+
+A registration file appearing (inotify, or the rescan under it) is considered:
+loaded and checked (``registry.load``), held to its user's limit, then watched
+with a pidfd so its exit is an event. Discovery adds GPU processes nobody
+registered. A process leaves the watchlist when it exits, unregisters, or its
+files are tampered with; an exited one is remembered a while, for late dumps
+and its job-mates' incidents.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+from inotify_simple import flags as inflags
+
+from . import exits, procfs, ranks, registry, untrusted
+from .config import Config
+from .metrics import Metrics
+from .model import ProcessId, Registration, State
+from .registry import RegistrationError
+from .user_limits import UserLimits
+from .watched import Watched, Watchlist
+
+log = structlog.get_logger("hangwatchd.daemon")
+
+RECENT_KEEP = 600.0  # seconds an exited process is remembered, to link a dump that comes late
+
+
+class Registrations:
+    def __init__(self, config: Config, watched: Watchlist, metrics: Metrics, limits: UserLimits,
+                 attach: Callable[[int, ProcessId], None], detach: Callable[[int], None],
+                 first_look: Callable[[Watched, float], None]) -> None:
+        """``attach``/``detach`` hand a process's pidfd to the loop's selector and take it back;
+        ``first_look`` is the detectors' first observation of a process just watched."""
+        self.config = config
+        self.watched = watched
+        self.metrics = metrics
+        self.limits = limits
+        self.attach = attach
+        self.detach = detach
+        self.first_look = first_look
+        self.refused: dict[str, float] = {}  # registration name -> mtime already refused (no log spam)
+        self.over_limit: set[str] = set()  # registrations waiting for their user to drop under the limit
+        self.recent: dict[int, tuple[Registration, float]] = {}  # exited processes, to link late dumps
+        self.departures = exits.Departures(Path(config.runtime_dir), config.exited_keep)  # for job-mates' incidents
+
+    def changed(self, name: str, mask: int) -> None:
+        """An inotify event on RUNTIME_DIR/registrations."""
+        path = self.config.registrations / name
+        if mask & (inflags.DELETE | inflags.MOVED_FROM):
+            self.unregistered(name)
+        elif mask & inflags.CREATE:
+            # A regular file is read at CLOSE_WRITE, once complete; a symlink or
+            # directory never gets one, so it is judged (and refused) now.
+            if path.is_symlink() or path.is_dir():
+                self.consider(path)
+        else:
+            self.consider(path)
+
+    def rescan(self) -> None:
+        """The safety net under inotify: pick up anything missed, drop what vanished."""
+        try:
+            names = {p.name for p in self.config.registrations.iterdir() if not p.name.startswith(".")}
+        except OSError as exc:
+            log.error("rescan_failed", dir=str(self.config.registrations), error=str(exc))
+            return
+        for name in names:
+            self.consider(self.config.registrations / name)
+        for pid_key, w in list(self.watched.items()):
+            if w.registration.source != "discovered" and registry.file_name(pid_key) not in names:
+                self.unregistered(registry.file_name(pid_key))
+        exits.remove_stale(Path(self.config.runtime_dir), time.time() - self.config.exited_keep)
+        self.refused = {k: v for k, v in self.refused.items() if k in names}
+        self.over_limit &= names
+        if self.config.discover:
+            self.discover()
+
+    def consider(self, path: Path) -> None:
+        try:
+            mtime = path.lstat().st_mtime
+        except OSError:
+            return
+        if self.refused.get(path.name) == mtime:
+            return
+        try:
+            reg = registry.load(path, self.config.beats)
+        except RegistrationError as exc:
+            self.refused[path.name] = mtime
+            self.metrics.registration_errors.labels(**self.metrics.labels(reason=exc.reason)).inc()
+            log.warning("registration_refused", file=str(path), reason=exc.reason, error=str(exc))
+            return
+        old = self.watched.get(reg.process)
+        if old is not None:
+            if old.registration.source != "discovered":
+                return
+            self.forget(old, "registered")  # a registration says more than discovery
+        over = self.limits.over_registrations(reg.uid, (x.registration.uid for x in self.watched.values()
+                                                          if x.registration.source != "discovered"))
+        if over:
+            self._refuse(path.name, "uid_limit", over, reg.uid)
+            return
+        self.over_limit.discard(path.name)
+        self.limits.clear("uid_limit", reg.uid)
+        self.watch(reg)
+
+    def _refuse(self, name: str, reason: str, why: str, uid: int) -> None:
+        """A registration over its user's limit: counted once per file, logged once per user.
+        Not remembered as refused: it is admitted at a later rescan once the user is under the limit."""
+        if name not in self.over_limit:
+            self.over_limit.add(name)
+            self.metrics.registration_errors.labels(**self.metrics.labels(reason=reason)).inc()
+        if self.limits.first(reason, uid):
+            log.warning("registration_refused", file=name, reason=reason, uid=uid, error=why)
+
+    def watch(self, reg: Registration) -> None:
+        try:
+            pidfd = os.pidfd_open(reg.process.pid)
+        except OSError:
+            return  # gone already
+        if not procfs.alive(reg.process):  # the pid was reused between load and pidfd_open
+            os.close(pidfd)
+            return
+        now = time.monotonic()
+        timeout = reg.heartbeat_timeout or self.config.heartbeat_timeout
+        source = "registration" if reg.heartbeat_timeout else "config"
+        state = State.STARTING if reg.beat_file else State.HEALTHY
+        w = Watched(reg, state, seen_at=now, timeout=timeout, next_check=now, timeout_source=source,
+                    stack_timeout=reg.stack_timeout or self._stack_timeout_for(reg), role=reg.role)
+        launcher = ranks.launcher_of(w, self.watched.values())
+        if launcher is not None and launcher.role != "launcher":
+            launcher.role = "launcher"
+            log.info("launcher_found", pid=launcher.process.pid, rank_pid=reg.process.pid, job=reg.job)
+        if ranks.ranks_below(w, self.watched.values()):
+            w.role = "launcher"
+        self.watched[reg.process] = w
+        self.attach(pidfd, reg.process)
+        w.pidfd = pidfd
+        if w.watched_by_stack:
+            w.next_sample = now
+        log.info("process_registered", pid=reg.process.pid, job=reg.job, rank=reg.rank, timeout=timeout,
+                 stack_timeout=w.stack_timeout, source=reg.source, cmdline=" ".join(reg.cmdline)[:200])
+        self.watched.set_state(w, state)
+        self.first_look(w, now)
+
+    def _stack_timeout_for(self, reg: Registration) -> float | None:
+        command = " ".join(reg.cmdline)
+        for pattern, seconds in self.config.stack_timeouts.items():
+            if re.search(pattern, command):
+                return float(seconds)
+        return None
+
+    def discover(self) -> None:
+        """Every process holding /dev/nvidia* open, watched by its stack (a sidecar's view of the pod)."""
+        known = {p.pid for p in self.watched} | {os.getpid()}
+        for pid in procfs.gpu_processes():
+            if pid in known:
+                continue
+            reg = registry.from_proc(pid, source="discovered")
+            if reg is not None:
+                self.watch(reg)
+
+    def unregistered(self, name: str) -> None:
+        for key, w in list(self.watched.items()):
+            if registry.file_name(key) == name:
+                gone = not procfs.alive(key) or exits.read(Path(self.config.runtime_dir), key, w.registration.uid)
+                if gone:  # removed at (or by its launcher after) its exit, before the pidfd was read
+                    self.exited(key)
+                else:
+                    self.forget(w, "unregistered")
+
+    def exited(self, process: ProcessId) -> None:
+        w = self.watched.get(process)
+        if w is not None:
+            now = time.monotonic()
+            self.recent = {pid: v for pid, v in self.recent.items() if now - v[1] < RECENT_KEEP}
+            self.recent[process.pid] = (w.registration, now)
+            if w.role != "launcher":
+                self.departures.add(w.departed(time.time()))
+            self.forget(w, "exited")
+            registry.remove(self.config.registrations, process)
+            if w.registration.beat_file:
+                try:
+                    Path(w.registration.beat_file).unlink(missing_ok=True)
+                except OSError:
+                    pass  # swapped for a directory: the user's to clean up
+
+    def forget(self, w: Watched, why: str) -> None:
+        self.watched.set_state(w, State.EXITED)
+        log.info("process_forgotten", pid=w.process.pid, why=why, job=w.registration.job, rank=w.registration.rank)
+        pidfd = w.pidfd
+        if pidfd is not None:
+            self.detach(pidfd)
+            os.close(pidfd)
+        del self.watched[w.process]
+        r = w.registration
+        try:
+            self.metrics.last_beat.remove(*self.metrics.const.values(), r.job or "", str(r.rank if r.rank is not None else ""), str(r.process.pid))
+            self.metrics.timeout.remove(*self.metrics.const.values(), r.job or "", str(r.rank if r.rank is not None else ""), str(r.process.pid))
+        except KeyError:
+            pass
+        self.watched.count_states()
+        self.watched.on_change()
+
+    def tampered(self, w: Watched, exc: untrusted.Refused) -> None:
+        """A beat or status file swapped after acceptance (a directory, FIFO, link, another
+        user's file): that costs this registration, nothing else."""
+        reason = f"tampered_{exc.reason}"
+        self.metrics.registration_errors.labels(**self.metrics.labels(reason=reason)).inc()
+        log.warning("registration_refused", pid=w.process.pid, uid=w.registration.uid, reason=reason, error=str(exc))
+        path = self.config.registrations / registry.file_name(w.process)
+        try:
+            self.refused[path.name] = path.lstat().st_mtime  # not taken back until it is written anew
+        except OSError:
+            pass
+        self.forget(w, "tampered")
+
+    def registration_of(self, pid: int | None) -> Registration | None:
+        """Whose a dump naming ``pid`` is: a watched process, or one that exited lately."""
+        if pid is None:
+            return None
+        for w in self.watched.values():
+            if w.process.pid == pid:
+                return w.registration
+        return self.recent.get(pid, (None, 0.0))[0]
