@@ -54,6 +54,7 @@ def _daemon_config(args: argparse.Namespace) -> Any:
         "state_dir": args.state_dir, "runtime_dir": args.runtime_dir, "dump_dir": args.dump_dir,
         "metrics_address": args.metrics_address, "heartbeat_timeout": args.heartbeat_timeout,
         "log_format": args.log_format, "log_level": args.log_level,
+        "store": args.store, "node_name": args.node_name,
     }
     return config.load(args.config, overrides)
 
@@ -127,6 +128,10 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     from .analyze.verdict import analyze
     from .report.incident import render_analysis
 
+    if args.store:
+        return _analyze_store(args)
+    if not args.dir:
+        raise UsageError("analyze: give an incident directory, or --store URL --job JOB")
     path = Path(args.dir)
     if not path.is_dir():
         raise UsageError(f"analyze: {path} is not a directory; give an incident directory (one subdirectory per process)")
@@ -135,6 +140,44 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         _print_json(result.to_dict())
     else:
         sys.stdout.write(render_analysis(result.to_dict()))
+    return 0
+
+
+def _store_url(args: argparse.Namespace) -> Any:
+    from .fleet.url import StoreURLError, parse
+
+    try:
+        return parse(args.store)
+    except StoreURLError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _analyze_store(args: argparse.Namespace) -> int:
+    """The newest incident of a job from every node, merged into one directory and analysed as one."""
+    import tempfile
+
+    from .analyze.verdict import analyze
+    from .fleet.reader import ReadError, fetch, job_incidents
+    from .report.incident import render_analysis
+
+    if not args.job:
+        raise UsageError("analyze --store: give the job with --job JOB ('hangwatchd incidents --store URL' lists them)")
+    url = _store_url(args)
+    try:
+        found = job_incidents(url, args.job)
+        if not found:
+            raise Failure(f"no incident of job {args.job!r} in {url}")
+        with tempfile.TemporaryDirectory(prefix="hangwatchd-job-") as tmp:
+            merged = fetch(url, found[0], Path(tmp) / found[0].job_incident)
+            job = {k: v for k, v in found[0].to_dict().items() if k != "ranks"}  # the analysis's ranks say more
+            result = {**analyze(merged).to_dict(), **job}
+    except ReadError as exc:
+        raise Failure(str(exc)) from None
+    if args.json:
+        _print_json(result)
+    else:
+        sys.stdout.write(f"job {result['job']}, job incident {result['job_incident']}, nodes {', '.join(result['nodes'])}\n")
+        sys.stdout.write(render_analysis(result))
     return 0
 
 
@@ -229,7 +272,31 @@ def _store(args: argparse.Namespace) -> Any:
     return Store(state_dir)
 
 
+def _store_incidents(args: argparse.Namespace) -> int:
+    from .fleet.reader import ReadError, job_incidents
+
+    url = _store_url(args)
+    try:
+        items = [j.to_dict() for j in job_incidents(url, args.job)]
+    except ReadError as exc:
+        raise Failure(str(exc)) from None
+    if args.json:
+        _print_json(items)
+        return 0
+    if not items:
+        print(f"no job incidents in {url}" + (f" for job {args.job}" if args.job else ""))
+        return 0
+    rows = [("JOB INCIDENT", "TIME (UTC)", "JOB", "NODES", "RANKS", "REASON")]
+    for i in items:
+        rows.append((i["job_incident"], time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(i["time"])), i["job"],
+                     ",".join(i["nodes"]), ",".join(map(str, i["ranks"])) or "-", i["reason"] or "-"))
+    _table(rows)
+    return 0
+
+
 def cmd_incidents(args: argparse.Namespace) -> int:
+    if args.store:
+        return _store_incidents(args)
     store = _store(args)
     items = store.list()
     if args.json:
@@ -274,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dump-dir", help="where CUDA writes coredumps (default STATE_DIR/dumps)")
     d.add_argument("--metrics-address", help="HOST:PORT for Prometheus /metrics; '' for none (default 0.0.0.0:9842)")
     d.add_argument("--heartbeat-timeout", type=float, help="seconds without a beat before a process is hung")
+    d.add_argument("--store", help="shared store for job incidents across nodes, s3://BUCKET/PREFIX (credentials: AWS_* variables)")
+    d.add_argument("--node-name", help="this node's name in the store, records and metrics (default: the host name)")
     d.add_argument("--log-format", choices=["json", "console"])
     d.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     d.set_defaults(func=cmd_daemon)
@@ -292,6 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=cmd_status)
 
     i = sub.add_parser("incidents", parents=[dirs, as_json], help="stored incidents, newest first")
+    i.add_argument("--store", help="list job incidents across nodes from this store, s3://BUCKET/PREFIX")
+    i.add_argument("--job", help="only this job's (with --store)")
     i.set_defaults(func=cmd_incidents)
 
     sh = sub.add_parser("show", parents=[dirs, as_json], help="the report of one incident")
@@ -308,7 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     an = sub.add_parser("analyze", parents=[as_json],
                         help="explain an incident directory: each rank's verdict, the rank that diverged")
-    an.add_argument("dir", help="an incident directory (also one put together by hand)")
+    an.add_argument("dir", nargs="?", help="an incident directory (also one put together by hand)")
+    an.add_argument("--store", help="analyse a job across nodes from this store, s3://BUCKET/PREFIX (with --job)")
+    an.add_argument("--job", help="the job whose newest incident to fetch from every node (with --store)")
     an.set_defaults(func=cmd_analyze)
 
     ck = sub.add_parser("check", parents=[dirs, as_json],

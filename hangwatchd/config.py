@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ def _one_of(*allowed: str) -> Callable[[Any], str | None]:
     return check
 
 
-STEP_NAMES = ("proc", "pyspy", "nvml", "flight_recorder", "cuda_dump")
+STEP_NAMES = ("proc", "progress", "pyspy", "nvml", "flight_recorder", "cuda_dump")
 
 
 def _steps(v: Any) -> str | None:
@@ -66,6 +67,22 @@ def _steps(v: Any) -> str | None:
     if isinstance(v, list) and v and all(s in from_known for s in v) and len(set(v)) == len(v):
         return None
     return "a list of capture steps without repeats, from: " + ", ".join(from_known)
+
+
+def _store_url(v: Any) -> str | None:
+    if v == "":
+        return None
+    from .fleet.url import StoreURLError, parse
+
+    try:
+        parse(v)
+    except StoreURLError:
+        return "s3://BUCKET/PREFIX, or \"\" for no shared store"
+    return None
+
+
+def _count(v: Any) -> str | None:
+    return None if isinstance(v, int) and not isinstance(v, bool) and v > 0 else "a whole number greater than 0"
 
 
 def _bool(v: Any) -> str | None:
@@ -128,6 +145,12 @@ KEYS: dict[str, Key] = {
     "max_state_bytes": Key(50 * 2**30, _positive, "the state dir's size bound: oldest dumps go first, then oldest incidents"),
     "dump_max_age_days": Key(7.0, _positive, "raw GPU dumps older than this are deleted (their reports are kept)"),
     "incident_max_age_days": Key(90.0, _positive, "incidents older than this are deleted, report and index entry too"),
+    "store": Key("", _store_url, "shared S3-compatible store for job incidents across nodes, s3://BUCKET/PREFIX "
+                  "(endpoint and credentials from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ..., or a role); \"\" for none"),
+    "node_name": Key("", _optional_path, "this node's name in the store, records and metrics; \"\" means the host name"),
+    "store_poll_interval": Key(2.0, _positive, "seconds between polls of the store for capture requests, per watched job"),
+    "store_spool_max": Key(1000, _count, "uploads kept queued on disk while the store is down (the oldest dropped first)"),
+    "job_incident_window": Key(300.0, _positive, "seconds during which a job's hang reported by any node is the same job incident"),
     "log_format": Key("json", _one_of("json", "console"), "json: one JSON object a line; console: for a person"),
     "log_level": Key("info", _one_of("debug", "info", "warning", "error"), "the least severe events logged"),
 }
@@ -164,12 +187,21 @@ class Config:
     max_state_bytes: float = KEYS["max_state_bytes"].default
     dump_max_age_days: float = KEYS["dump_max_age_days"].default
     incident_max_age_days: float = KEYS["incident_max_age_days"].default
+    store: str = KEYS["store"].default
+    node_name: str = KEYS["node_name"].default
+    store_poll_interval: float = KEYS["store_poll_interval"].default
+    store_spool_max: int = KEYS["store_spool_max"].default
+    job_incident_window: float = KEYS["job_incident_window"].default
     log_format: str = KEYS["log_format"].default
     log_level: str = KEYS["log_level"].default
 
     @property
     def dumps(self) -> Path:
         return Path(self.dump_dir) if self.dump_dir else Path(self.state_dir) / "dumps"
+
+    @property
+    def node(self) -> str:
+        return self.node_name or os.environ.get("NODE_NAME") or socket.gethostname()
 
     @property
     def registrations(self) -> Path:

@@ -35,6 +35,7 @@ from .capture import capture_incident, make_steps
 from .config import Config
 from .detect import HeartbeatDetector
 from .detect.stack import BLOCKING, IDLE, classify, take_sample
+from .fleet.agent import Agent
 from .metrics import Metrics, create
 from .model import Incident, ProcessCapture, ProcessId, Registration, State, StepResult, Suspicion
 from .notify import notify, watchdog_interval
@@ -58,16 +59,21 @@ class _Capture:
     suspicion: Suspicion
     started: float
     future: concurrent.futures.Future[str | None]
+    job_incident: str | None = None
 
 
 @dataclass
 class Daemon:
     config: Config
-    metrics: Metrics = field(default_factory=create)
+    metrics: Metrics = field(default=None)  # type: ignore[assignment]  # made with the node's name below
     watched: dict[registry.ProcessId, Watched] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.metrics = self.metrics or create(node=self.config.node)
         self.store = Store(self.config.state_dir)
+        cfg = self.config
+        self.fleet = Agent(cfg.store, cfg.node, Path(cfg.state_dir), cfg.store_poll_interval, cfg.job_incident_window,
+                           cfg.store_spool_max, self._wake) if cfg.store else None
         cfg = self.config
         self.detector = HeartbeatDetector(cfg.startup_grace, cfg.learn_timeouts, cfg.learned_timeout_factor,
                                           cfg.learned_timeout_min, cfg.learned_timeout_max, int(cfg.learn_min_beats))
@@ -108,6 +114,8 @@ class Daemon:
         self.store.open()
         for incident_id in self.store.recover():
             log.warning("incident_recovered", incident=incident_id)
+        if self.fleet:
+            self.fleet.start()
         registry.prepare_dirs(Path(cfg.runtime_dir))
         cfg.dumps.mkdir(parents=True, exist_ok=True)
         if os.stat(cfg.dumps).st_uid == os.geteuid():
@@ -158,6 +166,8 @@ class Daemon:
             log.info("daemon_stopping", captures_in_flight=len(self.captures))
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.sampler.shutdown(wait=True, cancel_futures=True)
+            if self.fleet:
+                self.fleet.stop()
             for s, h in old.items():
                 signal.signal(s, h)
             for name in (DAEMON_FILE, STATUS_FILE):
@@ -191,6 +201,7 @@ class Daemon:
                     self._on_exit(key.data)
             now = time.monotonic()
             self._collect_captures()
+            self._serve_requests()
             self._collect_samples(now)
             for w in list(self.watched.values()):
                 if w.next_check <= now:
@@ -536,11 +547,34 @@ class Daemon:
         for x in mates:
             x.suspicion = None
             self._set_state(x, State.HUNG)
-        group = [w] + mates
+        job = w.registration.job
+        # Every other node watching a rank of this job captures it too, under one job incident id.
+        job_incident = self.fleet.declare(job, suspicion.reason, suspicion.detail) if self.fleet and job else None
+        self._start_capture([w] + mates, suspicion, job_incident)
+
+    def _start_capture(self, group: list[Watched], suspicion: Suspicion, job_incident: str | None) -> None:
         self.dumping.update(x.process.pid for x in group)
-        future = self.pool.submit(self._capture, group, suspicion)
+        future = self.pool.submit(self._capture, group, suspicion, job_incident)
         future.add_done_callback(self._wake)
-        self.captures.append(_Capture(group, suspicion, time.monotonic(), future))
+        self.captures.append(_Capture(group, suspicion, time.monotonic(), future, job_incident))
+
+    def _serve_requests(self) -> None:
+        """Another node declared a job hung: capture this node's ranks of it now, whatever they look like here."""
+        if self.fleet is None:
+            return
+        self.fleet.jobs = frozenset(w.registration.job for w in self.watched.values() if w.registration.job)
+        for req in self.fleet.pending():
+            group = [w for w in self.watched.values() if w.registration.job == req.job
+                     and w.state in (State.STARTING, State.HEALTHY, State.SUSPECT)]
+            if not group or not self.fleet.accept(req):
+                continue
+            log.warning("job_capture_requested", job=req.job, job_incident=req.job_incident, by=req.node,
+                        pids=[w.process.pid for w in group])
+            for x in group:
+                x.suspicion = None
+                self._set_state(x, State.HUNG)
+            why = Suspicion("job-request", f"node {req.node} declared job {req.job} hung ({req.reason}: {req.detail})", req.time)
+            self._start_capture(group, why, req.job_incident)
 
     def _gate(self, outdir: Path, signals: tuple[str, ...] = ()) -> str | None:
         """May this capture take a GPU dump (which ends the process)? None means yes."""
@@ -561,14 +595,15 @@ class Daemon:
 
     # -- capture (on worker threads) -------------------------------------
 
-    def _capture(self, group: list[Watched], suspicion: Suspicion) -> str | None:
+    def _capture(self, group: list[Watched], suspicion: Suspicion, job_incident: str | None = None) -> str | None:
         first = str(group[0].process.pid)
 
         def gate(outdir: Path) -> str | None:  # a job-mate's GPU dump needs its own evidence
             return self._gate(outdir, suspicion.signals if outdir.name == first else ())
 
         return capture_incident(self.store, self.steps, [w.registration for w in group], suspicion,
-                                self.config.capture_timeout, self.metrics, gate, group[0].notify_status())
+                                self.config.capture_timeout, self.metrics, gate, group[0].notify_status(),
+                                self.config.node, job_incident)
 
     def _collect_captures(self) -> None:
         for c in [c for c in self.captures if c.future.done()]:
@@ -582,6 +617,9 @@ class Daemon:
                 self.metrics.incidents.labels(**self.metrics.labels(reason=c.suspicion.reason)).inc()
                 log.warning("incident_stored", incident=incident_id, reason=c.suspicion.reason,
                             pids=[w.process.pid for w in c.watched], seconds=round(time.monotonic() - c.started, 3))
+                if self.fleet and incident_id:
+                    job = next((w.registration.job for w in c.watched if w.registration.job), None)
+                    self.fleet.stored(incident_id, self.store.dir / incident_id, job, c.job_incident)
             for w in c.watched:
                 self.dumping.discard(w.process.pid)
                 w.incident = incident_id
@@ -652,7 +690,7 @@ class Daemon:
             detail, exc_type = _describe(stored.symbolized, path.name, stored.note)
         self.metrics.gpu_exceptions.labels(**self.metrics.labels(type=exc_type)).inc()
         incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason="gpu-exception",
-                            detail=detail, job=reg.job, processes=(ProcessCapture(reg, (step,)),))
+                            detail=detail, job=reg.job, processes=(ProcessCapture(reg, (step,)),), node=self.config.node)
         self.store.commit(draft, incident, f"gpu-exception: {detail}")
         return draft.id
 

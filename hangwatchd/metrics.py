@@ -49,9 +49,11 @@ class Metrics:
         return {**self.const, **labels}
 
 
-def create(registry: CollectorRegistry | None = None) -> Metrics:
+def create(registry: CollectorRegistry | None = None, node: str | None = None) -> Metrics:
     reg = registry or CollectorRegistry()
     const = constant_labels()
+    if node:
+        const["node"] = node  # the name this node has in the shared store and its incidents
     names = list(const)
 
     def labels(*extra: str) -> list[str]:

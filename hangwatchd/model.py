@@ -86,3 +86,5 @@ class Incident:
     verdict: str | None = None
     signals: tuple[str, ...] = ()
     notify_status: str | None = None  # the workload's last sd_notify STATUS=
+    node: str | None = None  # the node's name (config node_name), as in the shared store
+    job_incident: str | None = None  # shared by every node's part of one job hang

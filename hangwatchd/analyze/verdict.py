@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import flight
+from . import flight, lockstep
 from .stacks import COLLECTIVE_WAITS, GPU_LIBRARIES, GPU_WAITS, is_user_frame, load_threads
 
 LOCK_WAITS = ("acquire", "lock_PyThread", "_wait_for_tstate_lock", "take_gil", "pthread_mutex_lock")
@@ -28,6 +28,7 @@ class RankVerdict:
     location: str | None  # "function (file:line)"
     collective: str | None = None
     last_collective: tuple[str, int] | None = None  # (pg, seq) last entered, from the flight recorder
+    node: str | None = None  # the node it ran on (proc.json), for a job merged from many nodes
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class Culprit:
     pid: int | None
     reason: str
     location: str | None
+    node: str | None = None
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ def judge(pdir: Path, known: dict[str, Any] | None = None) -> RankVerdict:
     gpu_busy = f", GPU {max(busy)}% busy" if busy and max(x or 0 for x in busy) else ""
 
     def verdict(kind: str, detail: str, loc: str | None = location, coll: str | None = None) -> RankVerdict:
-        return RankVerdict(rank, pid, kind, detail, loc, coll, last)
+        return RankVerdict(rank, pid, kind, detail, loc, coll, last, proc.get("node"))
 
     for e in sym.get("exceptions", []):
         frame = next((f for f in e.get("frames", []) if f.get("file")), None)
@@ -172,6 +174,8 @@ def analyze(incident: Path) -> Analysis:
         summary = f"Ranks disagree on {c.name} #{c.seq} (process group {c.pg}): {c.mismatch}."
         culprits = [Culprit(r, by_rank[r].pid if r in by_rank else None, c.mismatch or "", by_rank[r].location if r in by_rank else None)
                     for r in c.ranks_entered]
+    elif lockstep.left_the_lockstep(process_dirs(incident))[0]:
+        culprits, summary = _lockstep(incident, ranks)
     else:
         odd = _odd_one_out(ranks)
         lost = [v for v in ranks if v.verdict in ("dead", "unknown")]
@@ -195,7 +199,25 @@ def analyze(incident: Path) -> Analysis:
             summary = f"{who}: {v.detail}" + (f" at {v.location}." if v.location else ".")
         else:
             summary = "Nothing was captured that can be analysed."
+    nodes = {(v.rank, v.pid): v.node for v in ranks}
+    culprits = [replace(c, node=nodes.get((c.rank, c.pid))) for c in culprits]
     return Analysis(summary, tuple(culprits), tuple(ranks), tuple(collectives))
+
+
+def _lockstep(incident: Path, ranks: list[RankVerdict]) -> tuple[list[Culprit], str]:
+    moving, stuck = lockstep.left_the_lockstep(process_dirs(incident))
+    by_dir = dict(zip((p.name for p in process_dirs(incident)), ranks))
+
+    def who(name: str) -> str:
+        v = by_dir[name]
+        return (f"rank {v.rank}" if v.rank is not None else f"pid {v.pid}") + (f" on {v.node}" if v.node else "")
+
+    culprits = [Culprit(by_dir[p.dir].rank, by_dir[p.dir].pid, f"still making progress ({p.how}) while the others are hung",
+                        by_dir[p.dir].location) for p in moving]
+    where = "; ".join(f"{who(p.dir)} is at {by_dir[p.dir].location or 'an unknown place'}" for p in moving)
+    summary = (f"{where[0].upper()}{where[1:]}: still making progress while {', '.join(who(p.dir) for p in stuck)} "
+               f"{'is' if len(stuck) == 1 else 'are'} hung; it left the lockstep and the others wait for it.")
+    return culprits, summary
 
 
 def _odd_one_out(ranks: list[RankVerdict]) -> RankVerdict | None:

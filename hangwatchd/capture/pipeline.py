@@ -14,6 +14,7 @@ from ..model import Incident, ProcessCapture, Registration, StepResult, Suspicio
 from ..analyze.verdict import analyze
 from ..store import Store
 from .base import Step, StepFailed
+from .parallel import run_across
 
 log = structlog.get_logger("hangwatchd.capture")
 
@@ -77,6 +78,8 @@ def capture_incident(
     metrics: Metrics | None = None,
     gate: Callable[[Path], str | None] | None = None,
     notify_status: str | None = None,
+    node: str | None = None,
+    job_incident: str | None = None,
 ) -> str:
     """Capture every target into one new incident and store it; return the incident's id."""
     job = targets[0].job if targets else None
@@ -85,13 +88,13 @@ def capture_incident(
     # like torchrun then tears down the other ranks before they could be read.
     gentle = [(s, t) for s, t in steps if not getattr(s, "destructive", False)]
     last = [(s, t) for s, t in steps if getattr(s, "destructive", False)]
-    first_pass = [run_steps(gentle, t, draft.path / str(t.process.pid), budget, metrics, gate) for t in targets]
-    captures = [ProcessCapture(pc.registration, pc.steps + run_steps(last, pc.registration, draft.path / str(pc.registration.process.pid),
-                                                                      budget, metrics, gate).steps) if last else pc
-                for pc in first_pass]
+    def one(ss: Sequence[tuple[Step, float]], t: Registration, outdir: Path, left: float) -> ProcessCapture:
+        return run_steps(ss, t, outdir, left, metrics, gate)
+
+    captures = run_across(gentle + last, targets, lambda t: draft.path / str(t.process.pid), budget, one)
     analysis = analyze(draft.path)
     incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason=suspicion.reason,
                         detail=suspicion.detail, job=job, processes=tuple(captures), signals=suspicion.signals,
-                        notify_status=notify_status, verdict=analysis.summary)
+                        notify_status=notify_status, verdict=analysis.summary, node=node, job_incident=job_incident)
     store.commit(draft, incident, f"{analysis.summary} ({suspicion.detail})", analysis.to_dict())
     return draft.id

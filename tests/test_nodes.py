@@ -1,0 +1,198 @@
+"""Many nodes through a shared S3-compatible store: a real moto server, real daemons standing for nodes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hangwatchd.fleet.testing import S3Server
+from hangwatchd.testing import Daemon, wait_for
+
+from .conftest import hangwatchd
+
+# Rank 0 stops beating inside a function that stands for a collective; rank 1 keeps beating
+# in another branch, never joining it.
+RANKS = """
+import sys, threading, time
+import hangwatchd
+
+def all_reduce():
+    threading.Event().wait()
+
+def other_branch():
+    while True:
+        hangwatchd.beat()
+        time.sleep(0.1)
+
+for _ in range(20):
+    hangwatchd.beat()
+    time.sleep(0.05)
+print("diverging", flush=True)
+if sys.argv[1] == "stuck":
+    all_reduce()
+else:
+    other_branch()
+"""
+
+FAST = {"pyspy_native": False, "gpu_dump": "never", "store_poll_interval": 0.5, "capture_steps": ["proc", "progress", "pyspy"]}
+
+
+@pytest.fixture
+def s3() -> Iterator[S3Server]:
+    server = S3Server().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def node(base: Path, name: str, s3: S3Server, **config: object) -> Daemon:
+    return Daemon(base / name, "--store", s3.url(), "--node-name", name, env=s3.env, config={**FAST, **config})
+
+
+def rank(d: Daemon, job: str, r: int, how: str, timeout: float) -> subprocess.Popen[bytes]:
+    return d.run([sys.executable, "-c", RANKS, how], "--job", job, "--rank", str(r), "--heartbeat-timeout", str(timeout),
+                 stdout=subprocess.PIPE, env=dict(os.environ, WORLD_SIZE="2"))
+
+
+def stop(*procs: subprocess.Popen[bytes]) -> None:
+    """The launcher passes SIGTERM on to its workload and waits for it."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def analyze_store(s3: S3Server, job: str) -> dict | None:
+    res = hangwatchd("analyze", "--store", s3.url(), "--job", job, "--json", env=s3.env)
+    if res.returncode != 0:
+        return None
+    return json.loads(res.stdout)
+
+
+def test_the_rank_that_left_the_lockstep_is_named_with_its_node(tmp_path: Path, s3: S3Server) -> None:
+    job = "train-42"
+    with node(tmp_path, "node-a", s3) as a, node(tmp_path, "node-b", s3) as b:
+        r0 = rank(a, job, 0, "stuck", 2.0)
+        r1 = rank(b, job, 1, "branch", 2.0)
+        try:
+            assert r0.stdout is not None and r0.stdout.readline() == b"diverging\n"
+            deadline = time.monotonic() + 2.0 + 15.0  # rank 0's last beat, its timeout, then 15 s
+
+            def both() -> dict | None:
+                got = analyze_store(s3, job)
+                return got if got and len(got["ranks"]) == 2 else None
+
+            result = wait_for(both, deadline - time.monotonic(), "both ranks in the store", every=0.5)
+            assert {(r["rank"], r["node"]) for r in result["ranks"]} == {(0, "node-a"), (1, "node-b")}
+            first = result["culprits"][0]
+            assert (first["rank"], first["node"]) == (1, "node-b")
+            assert first["location"].startswith("other_branch ")
+            assert "rank 1 on node-b" in result["summary"].lower()
+            assert result["nodes"] == ["node-a", "node-b"] and result["ranks_not_captured"] == []
+            # Rank 1 was captured because node-a asked, under the same job incident.
+            inc_b = json.loads((Path(b.store().list()[0]["dir"]) / "incident.json").read_text())
+            inc_a = json.loads((Path(a.store().list()[0]["dir"]) / "incident.json").read_text())
+            assert inc_b["reason"] == "job-request" and inc_b["node"] == "node-b"
+            assert inc_a["job_incident"] == inc_b["job_incident"] == result["job_incident"]
+            proc_b = json.loads(next(Path(b.store().list()[0]["dir"]).glob("*/proc.json")).read_text())
+            assert proc_b["node"] == "node-b"
+            assert a.metric("hangwatchd_hangs_total", node="node-a") == 1.0
+        finally:
+            stop(r0, r1)
+        listed = hangwatchd("incidents", "--store", s3.url(), "--job", job, "--json", env=s3.env)
+        assert listed.returncode == 0, listed.stderr
+        items = json.loads(listed.stdout)
+        assert len(items) == 1 and items[0]["nodes"] == ["node-a", "node-b"] and items[0]["ranks"] == [0, 1]
+        table = hangwatchd("incidents", "--store", s3.url(), env=s3.env)
+        assert job in table.stdout and "node-a,node-b" in table.stdout
+
+
+def test_one_job_hang_is_one_job_incident_however_many_nodes_notice(tmp_path: Path, s3: S3Server) -> None:
+    job = "train-43"
+    with node(tmp_path, "node-a", s3) as a, node(tmp_path, "node-b", s3) as b:
+        r0 = rank(a, job, 0, "stuck", 2.0)
+        r1 = rank(b, job, 1, "stuck", 2.5)
+        try:
+            wait_for(lambda: len(s3.keys("hw/jobs/")) >= 2, 30, "both nodes' parts in the store", every=0.5)
+            time.sleep(3)  # room for a second, duplicate request or capture to show up
+        finally:
+            stop(r0, r1)
+        items = json.loads(hangwatchd("incidents", "--store", s3.url(), "--json", env=s3.env).stdout)
+        assert len(items) == 1, items
+        assert sorted(items[0]["nodes"]) == ["node-a", "node-b"]
+        assert len(a.store().list()) == 1 and len(b.store().list()) == 1
+        manifests = s3.keys("hw/jobs/")
+        assert len(manifests) == 2, manifests
+
+
+def test_store_down_during_the_hang(tmp_path: Path) -> None:
+    s3 = S3Server().start()
+    try:
+        port = s3.port
+        d = node(tmp_path, "node-a", s3)
+        p = rank(d, "train-44", 0, "stuck", 2.0)
+        s3.stop()  # the store goes down before the hang
+        try:
+            incidents = wait_for(lambda: d.store().list(), 30, "the local incident")
+            assert incidents[0]["complete"]
+            local = Path(incidents[0]["dir"])
+            assert (local / "incident.json").is_file() and list(local.glob("*/pyspy.json"))
+            spool = d.state_dir / "store-spool"
+            wait_for(lambda: any("incident" in n for n in os.listdir(spool)), 10, "the upload spooled")
+        finally:
+            stop(p)
+            d.stop()
+        # The daemon restarts with the store still down, then the store comes back (empty: moto forgets).
+        d = node(tmp_path, "node-a", s3)
+        try:
+            s3 = S3Server(port=port).start()
+            wait_for(lambda: s3.keys("hw/jobs/"), 60, "the incident in the store", every=0.5)
+            wait_for(lambda: not os.listdir(d.state_dir / "store-spool"), 10, "the spool emptied")
+        finally:
+            d.stop()
+        d = node(tmp_path, "node-a", s3)  # and once more: nothing is sent twice
+        d.stop()
+        manifests = s3.keys("hw/jobs/")
+        assert len(manifests) == 1 and manifests[0].endswith(f"/node-a/{incidents[0]['id']}.json")
+        m = json.loads(s3.client().get_object(Bucket=s3.bucket, Key=manifests[0])["Body"].read())
+        parts = s3.keys(f"hw/nodes/node-a/incidents/{incidents[0]['id']}/")
+        assert sorted(k.split(f"{incidents[0]['id']}/", 1)[1] for k in parts) == sorted(f["path"] for f in m["files"])
+        assert "incident.json" in [f["path"] for f in m["files"]]
+        res = hangwatchd("analyze", "--store", s3.url(), "--job", "train-44", "--json", env=s3.env)
+        assert res.returncode == 0, res.stderr
+        assert [(r["rank"], r["node"]) for r in json.loads(res.stdout)["ranks"]] == [(0, "node-a")]
+        assert json.loads(res.stdout)["ranks_not_captured"] == [1]
+    finally:
+        s3.stop()
+
+
+def test_bad_store_url_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    res = hangwatchd("daemon", "--state-dir", str(tmp_path / "s"), "--runtime-dir", str(tmp_path / "r"),
+                     "--store", "http://bucket/prefix")
+    assert res.returncode == 2
+    assert "s3://BUCKET/PREFIX" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    res = hangwatchd("analyze", "--store", "s3://Bad_Bucket/x", "--job", "j")
+    assert res.returncode == 2 and "not a valid bucket name" in res.stderr
+    res = hangwatchd("analyze", "--store", "s3://bucket/x")
+    assert res.returncode == 2 and "--job" in res.stderr
+
+
+def test_unreachable_store_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    from hangwatchd.fleet.testing import free_port
+
+    env = {**S3Server().env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}
+    res = hangwatchd("incidents", "--store", "s3://bucket/x", env=env)
+    assert res.returncode == 1 and "s3://bucket/x" in res.stderr and len(res.stderr.strip().splitlines()) == 1
