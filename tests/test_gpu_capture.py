@@ -50,7 +50,7 @@ def test_a_hung_process_goes_through_every_step_and_its_gpu_dump_is_explained(tm
     try:
         (inc,) = wait_for(d.store().list, 30, "an incident")
         steps = steps_of(inc)
-        assert list(steps) == ["proc", "pyspy", "nvml", "flight_recorder", "cuda_dump"]
+        assert list(steps) == ["proc", "progress", "pyspy", "nvml", "flight_recorder", "cuda_dump"]
         assert steps["flight_recorder"]["ok"], steps["flight_recorder"]
         assert steps["cuda_dump"]["ok"], steps["cuda_dump"]
         assert not steps["nvml"]["ok"] and "NVML" in steps["nvml"]["error"]  # no GPU here: recorded, not fatal

@@ -196,3 +196,24 @@ def test_unreachable_store_is_one_line_and_exit_1(tmp_path: Path) -> None:
     env = {**S3Server().env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}
     res = hangwatchd("incidents", "--store", "s3://bucket/x", env=env)
     assert res.returncode == 1 and "s3://bucket/x" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_the_deploy_examples_show_the_store_settings() -> None:
+    import tomllib
+
+    import yaml
+
+    from hangwatchd import config
+
+    root = Path(__file__).parent.parent
+    docs = {d["kind"]: d for d in yaml.safe_load_all((root / "deploy" / "kubernetes" / "pod.yaml").read_text())}
+    cm = config.load(None, tomllib.loads(docs["ConfigMap"]["data"]["hangwatchd.toml"]))
+    assert cm.store.startswith("s3://")
+    env = {e["name"]: e for e in docs["Pod"]["spec"]["initContainers"][0]["env"]}
+    secret = docs["Secret"]["metadata"]["name"]
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        ref = env[name]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == secret and ref["key"] in docs["Secret"]["stringData"]
+    assert env["AWS_ENDPOINT_URL"]["value"].startswith("https://")
+    unit = (root / "systemd" / "hangwatchd.service").read_text()
+    assert "EnvironmentFile=-/etc/hangwatchd/store.env" in unit and "AWS_ENDPOINT_URL" in unit
