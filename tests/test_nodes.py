@@ -217,3 +217,77 @@ def test_the_deploy_examples_show_the_store_settings() -> None:
     assert env["AWS_ENDPOINT_URL"]["value"].startswith("https://")
     unit = (root / "systemd" / "hangwatchd.service").read_text()
     assert "EnvironmentFile=-/etc/hangwatchd/store.env" in unit and "AWS_ENDPOINT_URL" in unit
+
+
+def test_the_ranks_of_a_node_are_captured_side_by_side(tmp_path: Path) -> None:
+    """Four ranks whose flight recorders never answer: their waits overlap instead of adding up."""
+    fr_timeout = 2.0
+    with Daemon(tmp_path, config={"pyspy_native": False, "gpu_dump": "never", "flight_recorder_timeout": fr_timeout}) as d:
+        argv = [sys.executable, "-m", "hangwatchd.testing", "gpu-workload", "--cuda", "none", "--fr", "silent", "--beats", "20"]
+        procs = [d.run(argv, "--job", "side", "--rank", str(r), "--heartbeat-timeout", "2",
+                       env=dict(os.environ, RANK=str(r), WORLD_SIZE="4"), stdout=subprocess.DEVNULL) for r in range(4)]
+        try:
+            (inc,) = wait_for(d.store().list, 60, "the incident")
+            data = json.loads((Path(inc["dir"]) / "incident.json").read_text())
+            assert sorted(p["rank"] for p in data["processes"]) == [0, 1, 2, 3]
+            waits = [s["seconds"] for p in data["processes"] for s in p["steps"] if s["step"] == "flight_recorder"]
+            assert len(waits) == 4 and all(w >= fr_timeout * 0.9 for w in waits)
+            stored = next(e for e in d.logs() if e.get("event") == "incident_stored")
+            assert stored["seconds"] < sum(waits) - fr_timeout  # one after another would take at least their sum
+        finally:
+            stop(*procs)
+
+
+def test_the_lockstep_rule_on_a_directory_put_together_by_hand(tmp_path: Path) -> None:
+    """A rank without beats whose stack moved counts as progress; the verdict names it with its node."""
+    from hangwatchd.analyze.verdict import analyze
+
+    def rank_dir(name: str, r: int, node_name: str, func: str, progress: dict) -> None:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "proc.json").write_text(json.dumps({"pid": 100 + r, "rank": r, "node": node_name, "world_size": 3}))
+        frames = [{"name": func, "filename": "/srv/train.py", "short_filename": "train.py", "line": 10 + r}]
+        (d / "pyspy.json").write_text(json.dumps([{"thread_name": "MainThread", "frames": frames}]))
+        (d / "progress.json").write_text(json.dumps(progress))
+
+    hung = {"beating": False, "beats": 0, "stack_moved": None, "progressing": False}
+    rank_dir("n1-100", 0, "n1", "all_reduce", hung)
+    rank_dir("n2-101", 1, "n2", "all_reduce", hung)
+    rank_dir("n3-102", 2, "n3", "load_batch", {"beating": None, "beats": None, "stack_moved": True, "progressing": True})
+    result = analyze(tmp_path).to_dict()
+    assert [(c["rank"], c["node"], c["location"]) for c in result["culprits"]] == [(2, "n3", "load_batch (/srv/train.py:12)")]
+    assert "stack moved" in result["culprits"][0]["reason"]
+    assert result["summary"].startswith("Rank 2 on n3 is at load_batch")
+    # Everyone hung alike: the rule stays silent and the others speak.
+    (tmp_path / "n3-102" / "progress.json").write_text(json.dumps(hung))
+    assert "left the lockstep" not in analyze(tmp_path).summary
+
+
+@pytest.mark.parametrize("url", ["s3://b/p", "s3:/bucket/p", "S3://bucket", "s3://bucket/../x", "s3://bu\ncket/p", ""])
+def test_store_urls_are_checked(url: str) -> None:
+    from hangwatchd.fleet.url import StoreURLError, parse
+
+    if url in ("s3://bucket/../x",):
+        assert parse(url).prefix == "../x"  # a key prefix, not a path: S3 keys may hold dots
+        return
+    with pytest.raises(StoreURLError):
+        parse(url)
+
+
+def test_store_url_parser_never_fails_otherwise() -> None:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from hangwatchd.fleet.url import StoreURLError, parse
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.text(max_size=80))
+    def one(text: str) -> None:
+        try:
+            u = parse("s3://" + text)
+        except StoreURLError as exc:
+            assert "s3://" in str(exc)
+        else:
+            assert str(u).startswith("s3://" + u.bucket) and not u.prefix.startswith("/")
+
+    one()
