@@ -47,6 +47,7 @@ log = structlog.get_logger("hangwatchd.daemon")
 
 STATUS_EVERY = 2.0
 RETENTION_EVERY = 600.0
+CLOCK_SKEW = 30.0  # seconds two nodes' clocks may differ by, comparing one's request to the other's registrations
 
 
 class SetupError(Exception):
@@ -564,8 +565,11 @@ class Daemon:
             return
         self.fleet.jobs = frozenset(w.registration.job for w in self.watched.values() if w.registration.job)
         for req in self.fleet.pending():
+            # A rank registered after the request belongs to a restarted job of the same name, not this hang
+            # (give or take the skew between two nodes' clocks).
             group = [w for w in self.watched.values() if w.registration.job == req.job
-                     and w.state in (State.STARTING, State.HEALTHY, State.SUSPECT)]
+                     and w.state in (State.STARTING, State.HEALTHY, State.SUSPECT)
+                     and w.registration.registered_at <= req.time + CLOCK_SKEW]
             if not group or not self.fleet.accept(req):
                 continue
             log.warning("job_capture_requested", job=req.job, job_incident=req.job_incident, by=req.node,

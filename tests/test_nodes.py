@@ -118,6 +118,8 @@ def test_the_rank_that_left_the_lockstep_is_named_with_its_node(tmp_path: Path, 
         assert len(items) == 1 and items[0]["nodes"] == ["node-a", "node-b"] and items[0]["ranks"] == [0, 1]
         table = hangwatchd("incidents", "--store", s3.url(), env=s3.env)
         assert job in table.stdout and "node-a,node-b" in table.stdout
+        text = hangwatchd("analyze", "--store", s3.url(), "--job", job, env=s3.env).stdout
+        assert "nodes node-a, node-b" in text and "Culprit: rank 1 on node-b" in text
 
 
 def test_one_job_hang_is_one_job_incident_however_many_nodes_notice(tmp_path: Path, s3: S3Server) -> None:

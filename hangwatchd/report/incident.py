@@ -51,12 +51,13 @@ def _frame_line(frame: dict[str, Any]) -> str:
 def render_analysis(a: dict[str, Any]) -> str:
     out = [a["summary"], ""]
     for c in a.get("culprits", []):
-        out.append(f"Culprit: rank {c['rank']} (pid {c['pid']}): {c['reason']}" + (f", at {c['location']}" if c.get("location") else ""))
+        node = f" on {c['node']}" if c.get("node") else ""
+        out.append(f"Culprit: rank {c['rank']}{node} (pid {c['pid']}): {c['reason']}" + (f", at {c['location']}" if c.get("location") else ""))
     if a.get("ranks"):
         out += ["", "Ranks:"]
         for r in a["ranks"]:
             last = f"; last collective {r['last_collective'][0]}#{r['last_collective'][1]}" if r.get("last_collective") else ""
-            out.append(f"  rank {r['rank']} pid {r['pid']}: {r['verdict']} - {r['detail']}"
+            out.append(f"  rank {r['rank']}{' on ' + r['node'] if r.get('node') else ''} pid {r['pid']}: {r['verdict']} - {r['detail']}"
                        + (f" at {r['location']}" if r.get("location") else "") + last)
     if a.get("collectives"):
         out += ["", "Collectives (flight recorder):"]
