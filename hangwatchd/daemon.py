@@ -74,7 +74,7 @@ class Daemon:
         self.store = Store(self.config.state_dir)
         cfg = self.config
         self.fleet = Agent(cfg.store, cfg.node, Path(cfg.state_dir), cfg.store_poll_interval, cfg.job_incident_window,
-                           cfg.store_spool_max, self._wake) if cfg.store else None
+                           cfg.store_spool_max, self._wake, self._count_sends) if cfg.store else None
         cfg = self.config
         self.detector = HeartbeatDetector(cfg.startup_grace, cfg.learn_timeouts, cfg.learned_timeout_factor,
                                           cfg.learned_timeout_min, cfg.learned_timeout_max, int(cfg.learn_min_beats))
@@ -558,6 +558,10 @@ class Daemon:
         future = self.pool.submit(self._capture, group, suspicion, job_incident)
         future.add_done_callback(self._wake)
         self.captures.append(_Capture(group, suspicion, time.monotonic(), future, job_incident))
+
+    def _count_sends(self, outcome: str, spooled: int) -> None:  # on the uploader's thread
+        self.metrics.store_sends.labels(**self.metrics.labels(outcome=outcome)).inc()
+        self.metrics.store_spooled.labels(**self.metrics.const).set(spooled)
 
     def _serve_requests(self) -> None:
         """Another node declared a job hung: capture this node's ranks of it now, whatever they look like here."""

@@ -41,6 +41,8 @@ class Metrics:
     registration_errors: Counter
     incidents: Counter
     gpu_exceptions: Counter
+    store_sends: Counter
+    store_spooled: Gauge
     info: Info
     const: dict[str, str]
 
@@ -82,6 +84,11 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
         incidents=Counter("hangwatchd_incidents_total", "Incidents stored, by reason.", labels("reason"), registry=reg),
         gpu_exceptions=Counter("hangwatchd_gpu_exceptions_total", "GPU exceptions reported by the CUDA driver, by type.",
                                labels("type"), registry=reg),
+        store_sends=Counter("hangwatchd_store_sends_total", "Incidents and capture requests sent to the shared store "
+                            "(outcome ok), and tries that failed (outcome failed, retried with backoff).",
+                            labels("outcome"), registry=reg),
+        store_spooled=Gauge("hangwatchd_store_spooled", "Incidents and requests queued on disk for the shared store.",
+                            names, registry=reg),
         info=Info("hangwatchd_build", "Version of hangwatchd.", registry=reg),
         const=const,
     )

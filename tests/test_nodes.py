@@ -136,6 +136,8 @@ def test_one_job_hang_is_one_job_incident_however_many_nodes_notice(tmp_path: Pa
         assert len(items) == 1, items
         assert sorted(items[0]["nodes"]) == ["node-a", "node-b"]
         assert len(a.store().list()) == 1 and len(b.store().list()) == 1
+        shown = hangwatchd("show", b.store().list()[0]["id"], "--state-dir", str(b.state_dir)).stdout
+        assert f"job incident {items[0]['job_incident']} (node node-b)" in shown
         manifests = s3.keys("hw/jobs/")
         assert len(manifests) == 2, manifests
 
@@ -163,6 +165,8 @@ def test_store_down_during_the_hang(tmp_path: Path) -> None:
             s3 = S3Server(port=port).start()
             wait_for(lambda: s3.keys("hw/jobs/"), 60, "the incident in the store", every=0.5)
             wait_for(lambda: not os.listdir(d.state_dir / "store-spool"), 10, "the spool emptied")
+            assert d.metric("hangwatchd_store_sends_total", outcome="ok") >= 2  # the request, then the incident
+            assert d.metric("hangwatchd_store_spooled") == 0
         finally:
             d.stop()
         d = node(tmp_path, "node-a", s3)  # and once more: nothing is sent twice

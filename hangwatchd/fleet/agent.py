@@ -48,7 +48,8 @@ def new_job_incident(now: float) -> str:
 
 class Agent:
     def __init__(self, url: str, node: str, state_dir: Path, poll_interval: float, window: float,
-                 spool_max: int, wake: Callable[[], None] = lambda: None) -> None:
+                 spool_max: int, wake: Callable[[], None] = lambda: None,
+                 counted: Callable[[str, int], None] = lambda outcome, spooled: None) -> None:
         self.url: StoreURL = parse(url)
         self.node = node
         self.poll_interval = poll_interval
@@ -64,7 +65,7 @@ class Agent:
         self.requests: queue.SimpleQueue[CaptureRequest] = queue.SimpleQueue()
         self.polls = 0
         self._stop = threading.Event()
-        self.uploader = Uploader(self.url, node, self.spool, self.client, self._resolve, self._post)
+        self.uploader = Uploader(self.url, node, self.spool, self.client, self._resolve, self._post, counted)
         self.poller = threading.Thread(target=self._poll_loop, name="store-poll", daemon=True)
 
     def client(self) -> Any:

@@ -69,7 +69,8 @@ def build_manifest(node: str, task: Task, root: Path, files: list[Path]) -> dict
 
 class Uploader:
     def __init__(self, url: StoreURL, node: str, spool: Spool, client: Callable[[], Any],
-                 resolve: Callable[[Task], Task], on_request: Callable[[Task], Task]) -> None:
+                 resolve: Callable[[Task], Task], on_request: Callable[[Task], Task],
+                 counted: Callable[[str, int], None] = lambda outcome, spooled: None) -> None:
         self.url = url
         self.node = node
         self.spool = spool
@@ -78,6 +79,7 @@ class Uploader:
         self._on_request = on_request  # posts a request; returns it as posted (or as adopted)
         self._kick = threading.Event()
         self._stop = threading.Event()
+        self._counted = counted  # (outcome "ok"/"failed", tasks still spooled): for the metrics
         self.backoff = 0.0
         self.failures = 0
         self.sent = 0
@@ -114,9 +116,11 @@ class Uploader:
                 self.backoff = min(BACKOFF_MAX, max(BACKOFF_MIN, self.backoff * 2))
                 log.warning("store_upload_failed", task=task.name, error=f"{type(exc).__name__}: {exc}",
                             retry_in=round(self.backoff, 1))
+                self._counted("failed", len(self.spool.names()))
                 return False
             self.spool.done(task)
             self.sent += 1
+            self._counted("ok", len(self.spool.names()))
         self.backoff = 0.0
         return True
 

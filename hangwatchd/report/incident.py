@@ -77,7 +77,8 @@ def render_text(data: dict[str, Any]) -> str:
     out += [f"Incident {data.get('id')} ({state})",
            f"  {stamp} on {data.get('host', '?')}: {data.get('reason', '?')} - {data.get('detail') or data.get('note') or ''}"]
     if data.get("job"):
-        out.append(f"  job {data['job']}")
+        out.append(f"  job {data['job']}" + (f", job incident {data['job_incident']} (node {data.get('node')})"
+                                              if data.get("job_incident") else ""))
     if data.get("signals"):
         out.append(f"  signals that agreed: {', '.join(data['signals'])}")
     if data.get("notify_status"):
