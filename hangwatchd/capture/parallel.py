@@ -47,10 +47,16 @@ def run_across(
     end = time.monotonic() + budget
     if not targets:
         return []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(targets), thread_name_prefix="rank") as pool:
+    beside = max((sum(1 for s, _ in p if getattr(s, "beside", False)) for p in phases(steps)), default=0)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(targets) * (1 + beside), thread_name_prefix="rank") as pool:
         for phase in phases(steps):
             left = max(0.0, end - time.monotonic())
-            futures = [pool.submit(run_steps, phase, t, outdir_of(t), left) for t in targets]
-            for i, f in enumerate(futures):
-                results[i].extend(f.result().steps)
+            # A step that only watches over a window (``beside = True``) runs beside the rank's other steps.
+            lanes = [[x for x in phase if not getattr(x[0], "beside", False)]] + [[x] for x in phase if getattr(x[0], "beside", False)]
+            lanes = [lane for lane in lanes if lane]
+            futures = [[pool.submit(run_steps, lane, t, outdir_of(t), left) for lane in lanes] for t in targets]
+            order = {step.name: k for k, (step, _) in enumerate(phase)}
+            for i, fs in enumerate(futures):
+                done = [r for f in fs for r in f.result().steps]
+                results[i].extend(sorted(done, key=lambda r: order.get(r.step, len(order))))
     return [ProcessCapture(t, tuple(r)) for t, r in zip(targets, results)]

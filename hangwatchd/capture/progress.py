@@ -50,6 +50,7 @@ def _stack(pid: int, timeout: float) -> tuple[object, ...] | None:
 class ProgressStep:
     name: str = "progress"
     window: float = WINDOW
+    beside: bool = True  # it only watches: the pipeline runs it beside the rank's other steps
 
     def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
         window = max(0.1, min(self.window, timeout / 3))
