@@ -66,6 +66,8 @@ class Agent:
         self.polls = 0
         self._stop = threading.Event()
         self.uploader = Uploader(self.url, node, self.spool, self.client, self._resolve, self._post, counted)
+        self.requester = Uploader(self.url, node, self.spool, self.client, self._resolve, self._post, counted, kind="request")
+        self.requester.then = self.uploader.kick
         self.poller = threading.Thread(target=self._poll_loop, name="store-poll", daemon=True)
 
     def client(self) -> Any:
@@ -77,12 +79,15 @@ class Agent:
     def start(self) -> None:
         self.spool.open()
         self.uploader.start()
+        self.requester.start()
         self.poller.start()
         self.uploader.kick()  # what a previous run left spooled
+        self.requester.kick()
 
     def stop(self) -> None:
         self._stop.set()
         self.uploader.stop()
+        self.requester.stop()
         self.poller.join(5)
 
     # -- on the daemon's thread: never touches the network ----------------
@@ -99,7 +104,7 @@ class Agent:
         self.spool.put(Task("request", job, job_incident, detail={
             "job": job, "job_incident": job_incident, "node": self.node, "time": time.time(),
             "reason": reason, "detail": detail}))
-        self.uploader.kick()
+        self.requester.kick()
         return job_incident
 
     def accept(self, request: CaptureRequest) -> bool:
@@ -116,7 +121,7 @@ class Agent:
 
     def stored(self, incident: str, directory: Path, job: str | None, job_incident: str | None) -> None:
         """A local incident is complete: queue it for the store."""
-        self.spool.put(Task("incident", job, job_incident or incident, incident=incident, dir=str(directory)))
+        self.spool.put(self._resolve(Task("incident", job, job_incident or incident, incident=incident, dir=str(directory))))
         self.uploader.kick()
 
     def pending(self) -> list[CaptureRequest]:
@@ -131,8 +136,8 @@ class Agent:
 
     def _resolve(self, task: Task) -> Task:
         canonical = self.alias.get(task.job_incident)
-        if canonical:
-            return Task(**{**task.__dict__, "job_incident": canonical})
+        if canonical and task.kind == "incident":  # the manifest keeps the id this node first gave it, as declared_as
+            return Task(**{**task.__dict__, "job_incident": canonical, "detail": {"declared_as": task.job_incident}})
         return task
 
     def _post(self, task: Task) -> Task:
@@ -143,6 +148,9 @@ class Agent:
             self.alias[task.job_incident] = theirs.job_incident
             with self._lock:
                 self.current[task.job] = (theirs.job_incident, time.monotonic())
+            for spooled in self.spool.tasks():  # already spooled under our id: rewritten, so a restart keeps theirs
+                if spooled.kind == "incident" and spooled.job_incident == task.job_incident:
+                    self.spool.put(self._resolve(spooled))
             log.info("store_request_adopted", job=task.job, ours=task.job_incident, theirs=theirs.job_incident, node=theirs.node)
             return task
         body = json.dumps(task.detail).encode()

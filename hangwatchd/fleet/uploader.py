@@ -64,13 +64,14 @@ def build_manifest(node: str, task: Task, root: Path, files: list[Path]) -> dict
         "parts": layout.part(node, task.incident, ""),
         "files": [{"path": str(f.relative_to(root)), "size": f.stat().st_size, "sha256": _sha256(f)} for f in files],
         "uploaded": time.time(),
+        **({"declared_as": task.detail["declared_as"]} if task.detail.get("declared_as") else {}),
     }
 
 
 class Uploader:
     def __init__(self, url: StoreURL, node: str, spool: Spool, client: Callable[[], Any],
                  resolve: Callable[[Task], Task], on_request: Callable[[Task], Task],
-                 counted: Callable[[str, int], None] = lambda outcome, spooled: None) -> None:
+                 counted: Callable[[str, int], None] = lambda outcome, spooled: None, kind: str = "incident") -> None:
         self.url = url
         self.node = node
         self.spool = spool
@@ -80,10 +81,12 @@ class Uploader:
         self._kick = threading.Event()
         self._stop = threading.Event()
         self._counted = counted  # (outcome "ok"/"failed", tasks still spooled): for the metrics
+        self.kind = kind  # the kind of task this sender takes: requests never wait behind a large upload
+        self.then: Callable[[], None] = lambda: None  # after each task sent (the request sender wakes the uploader)
         self.backoff = 0.0
         self.failures = 0
         self.sent = 0
-        self.thread = threading.Thread(target=self._run, name="store-upload", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=f"store-{kind}", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
@@ -106,7 +109,12 @@ class Uploader:
 
     def drain(self) -> bool:
         """Send what is spooled, oldest first; stop at the first failure (the store is likely down)."""
-        for task in self.spool.tasks():
+        tasks = self.spool.tasks()
+        # An incident waits for its job's request: that is where its job incident id is settled.
+        asking = {t.job for t in tasks if t.kind == "request"}
+        for task in tasks:
+            if task.kind != self.kind or (task.kind == "incident" and task.job in asking):
+                continue
             if self._stop.is_set():
                 return False
             try:
@@ -121,6 +129,7 @@ class Uploader:
             self.spool.done(task)
             self.sent += 1
             self._counted("ok", len(self.spool.names()))
+            self.then()
         self.backoff = 0.0
         return True
 
