@@ -25,21 +25,21 @@ from typing import Any
 import structlog
 from inotify_simple import INotify
 from inotify_simple import flags as inflags
-from prometheus_client import start_http_server
 
 from . import __version__, gpudump, procfs, registry
 from .analyze.stacks import gpu_wait
-from .cudacore import driverlog
+from .cudacore import driverlog, sandbox
 from .runtime import DAEMON_FILE, STATUS_FILE, write_json
 from .capture import capture_incident, make_steps
 from .config import Config
 from .detect import HeartbeatDetector
 from .detect.stack import BLOCKING, IDLE, classify, take_sample
 from .fleet.agent import Agent
-from .metrics import Metrics, create
+from .metrics import Metrics, create, serve
 from .model import Incident, ProcessCapture, ProcessId, Registration, State, StepResult, Suspicion
 from .notify import notify, watchdog_interval
 from .registry import RegistrationError, Watched
+from .report import html
 from .samples import Sample
 from .store import Store
 
@@ -71,7 +71,7 @@ class Daemon:
 
     def __post_init__(self) -> None:
         self.metrics = self.metrics or create(node=self.config.node)
-        self.store = Store(self.config.state_dir)
+        self.store = Store(self.config.state_dir, pages=html.pages)
         cfg = self.config
         self.fleet = Agent(cfg.store, cfg.node, Path(cfg.state_dir), cfg.store_poll_interval, cfg.job_incident_window,
                            cfg.store_spool_max, self._wake, self._count_sends) if cfg.store else None
@@ -113,6 +113,8 @@ class Daemon:
     def _prepare(self) -> None:
         cfg = self.config
         self.store.open()
+        sandbox.configure(sandbox.Limits(cfg.symbolize_cpu_seconds, int(cfg.symbolize_memory_mb), cfg.symbolize_timeout))
+        sandbox.start()  # warm before the first dump arrives
         for incident_id in self.store.recover():
             log.warning("incident_recovered", incident=incident_id)
         if self.fleet:
@@ -131,9 +133,7 @@ class Daemon:
         self.selector.register(self.inotify.fileno(), selectors.EVENT_READ, "inotify")
         self.selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         if cfg.metrics_address:
-            host, _, port = cfg.metrics_address.rpartition(":")
-            server, _thread = start_http_server(int(port), addr=host or "0.0.0.0", registry=self.metrics.registry)
-            self.metrics_address = f"{host or '0.0.0.0'}:{server.server_port}"
+            self.metrics_address = serve(self.metrics.registry, cfg.metrics_address)
         self.metrics.info.info({"version": __version__})
         me = procfs.identify(os.getpid())
         self._write_json(Path(cfg.runtime_dir) / DAEMON_FILE, {
@@ -623,6 +623,7 @@ class Daemon:
                 incident_id = None
             else:
                 self.metrics.incidents.labels(**self.metrics.labels(reason=c.suspicion.reason)).inc()
+                self.metrics.incident_stored(incident_id, c.suspicion.reason, c.watched[0].registration.job if c.watched else None, time.time())
                 log.warning("incident_stored", incident=incident_id, reason=c.suspicion.reason,
                             pids=[w.process.pid for w in c.watched], seconds=round(time.monotonic() - c.started, 3))
                 if self.fleet and incident_id:

@@ -16,13 +16,22 @@ import shutil
 import socket
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from .model import Incident
+
+log = structlog.get_logger("hangwatchd.store")
+
+# Renders the pages stored beside incident.json (``report.html``), given the
+# incident's directory. Handed in by whoever opens the store: reports are a
+# later stage than the store, which must not import them.
+Pages = Callable[[Path], Mapping[str, str]]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS incidents (
@@ -69,8 +78,9 @@ def incident_to_json(incident: Incident) -> dict[str, Any]:
 
 
 class Store:
-    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, state_dir: str | os.PathLike[str], pages: Pages | None = None) -> None:
         self.root = Path(state_dir)
+        self.pages = pages
         self.dir = self.root / "incidents"
         self.index = self.root / "index.sqlite"
 
@@ -120,6 +130,7 @@ class Store:
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(draft.path / "incident.json")
+        self._write_pages(draft.path)
         final = self.dir / draft.id
         draft.path.replace(final)
         self._fsync_dir(self.dir)
@@ -127,6 +138,20 @@ class Store:
             db.execute("UPDATE incidents SET status=?, summary=? WHERE id=?",
                        ("complete" if incident.complete else "incomplete", summary, draft.id))
         return final
+
+    def _write_pages(self, path: Path) -> None:
+        """The pages a person opens (report.html), inside the draft so they arrive with it.
+
+        A page that cannot be made costs the page, never the incident."""
+        if self.pages is None:
+            return
+        try:
+            for name, text in self.pages(path).items():
+                tmp = path / f".{name}.tmp"
+                tmp.write_text(text)
+                tmp.replace(path / name)
+        except Exception as exc:  # noqa: BLE001 - a renderer's bug must not lose the evidence
+            log.error("incident_page_failed", dir=str(path), error=f"{type(exc).__name__}: {exc}")
 
     @staticmethod
     def _fsync_dir(path: Path) -> None:
@@ -146,6 +171,8 @@ class Store:
             final = self.dir / incident_id
             status = "incomplete"
             if (partial / "incident.json").exists():
+                if not (partial / "report.html").exists():
+                    self._write_pages(partial)
                 partial.replace(final)
                 status = "complete"
             elif partial.exists():
