@@ -27,6 +27,9 @@ from hangwatchd.fleet.testing import S3Server  # noqa: E402
 from hangwatchd.testing import Daemon, wait_for  # noqa: E402
 from hangwatchd import log  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from _figures import Figure, report  # noqa: E402
+
 RANKS = 8
 TARGET = 5.0
 CONFIG = {"pyspy_native": False, "gpu_dump": "never", "flight_recorder_timeout": 10.0, "store_poll_interval": 1.0}
@@ -91,11 +94,12 @@ def main() -> None:
                 serial = time.monotonic() - start
             finally:
                 _stop(procs)
-    ok = together <= TARGET and len(ranks) == RANKS
-    print(f"{RANKS} ranks of one job captured and in the store {together:.2f} s after the hang was declared "
-          f"(ranks {ranks}, {fr_files} flight-recorder dumps; target {TARGET:g} s); one after another, the capture "
-          f"alone took {serial:.2f} s (baseline, same run, no upload): {'ok' if ok else 'MISSED'}")
-
+    report("job_capture", [
+        Figure(f"{RANKS} ranks of one job on one node (CPU stand-ins, flight recorders over real FIFOs), hang declared "
+               "to the job incident in the store", f"{together:.2f} s ({len(ranks)} ranks, {fr_files} flight-recorder dumps)",
+               f"the same steps one rank after another, capture alone: {serial:.2f} s", f"within {TARGET:g} s",
+               together <= TARGET and len(ranks) == RANKS),
+    ], note="store: moto's S3 server on loopback")
 
 if __name__ == "__main__":
     main()

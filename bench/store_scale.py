@@ -27,6 +27,9 @@ from hangwatchd.fleet.agent import Agent  # noqa: E402
 from hangwatchd.fleet.testing import S3Server  # noqa: E402
 from hangwatchd.testing import Daemon  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from _figures import Figure, report  # noqa: E402
+
 TARGET_RATE = 1.0  # requests per second per node while nothing happens
 TARGET_SPREAD = 5.0  # seconds from the request to the last node noticing it (interval 2 s)
 
@@ -71,13 +74,17 @@ def main() -> None:
         with Daemon(Path(t) / "one", "--store", s3.url(), env=s3.env, config={"store_poll_interval": args.interval}) as d:
             time.sleep(3)
             rss = psutil.Process(d.proc.pid).memory_info().rss / 2**20
-    ok = idle_rate <= TARGET_RATE and spread <= TARGET_SPREAD and noticed == args.nodes - 1
-    print(f"{args.nodes} nodes polling one job every {args.interval:g} s: {idle_rate:.2f} requests/s per node "
-          f"(target <= {TARGET_RATE:g}; the store saw {idle_rate * args.nodes:.0f}/s); one node's request noticed by "
-          f"{noticed}/{args.nodes - 1} others, the last {spread:.2f} s after it was declared (target {TARGET_SPREAD:g} s, "
-          f"baseline: the poll interval {args.interval:g} s); a daemon with a store: {rss:.0f} MB RSS: "
-          f"{'ok' if ok else 'MISSED'}")
-
+    report("store_scale", [
+        Figure(f"request rate per node, {args.nodes} nodes polling one job every {args.interval:g} s, nothing happening",
+               f"{idle_rate:.2f} requests/s (the store saw {idle_rate * args.nodes:.0f}/s)",
+               f"one conditional GET per interval: {1 / args.interval:.2f}/s", f"<= {TARGET_RATE:g}/s",
+               idle_rate <= TARGET_RATE),
+        Figure("one node declares the job hung, to the last other node noticing its request",
+               f"{spread:.2f} s ({noticed}/{args.nodes - 1} nodes)", f"the poll interval, {args.interval:g} s",
+               f"within {TARGET_SPREAD:g} s", spread <= TARGET_SPREAD and noticed == args.nodes - 1),
+        Figure("memory of a daemon with a store configured, watching nothing", f"{rss:.0f} MB RSS", "-", "< 80 MB",
+               rss < 80),
+    ], note="moto's S3 server on loopback; the pollers are the real fleet.Agent sharing one HTTP client")
 
 if __name__ == "__main__":
     main()

@@ -433,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--store", metavar="s3://BUCKET/PREFIX",
                    help="shared store for job incidents across nodes; endpoint and credentials from the AWS_* "
                         "variables or a role (default: none)")
-    d.add_argument("--node-name", help="this node's name in the store, records and metrics (default: the host name)")
+    d.add_argument("--node-name", metavar="NAME", help="this node's name in the store, records and metrics (default: the host name)")
     d.add_argument("--log-format", choices=["json", "console"],
                    help=f"json: one JSON object a line, for a log shipper; console: for a person (default: {_default('log_format')})")
     d.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
@@ -468,8 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
                  ["hangwatchd incidents", "hangwatchd incidents --state-dir /var/lib/hangwatchd --json",
                   "hangwatchd incidents --store s3://hangwatchd-incidents/prod --job llama"],
                  [dirs, as_json])
-    i.add_argument("--store", metavar="s3://BUCKET/PREFIX", help="list job incidents across nodes from this store")
-    i.add_argument("--job", help="only this job's (with --store)")
+    i.add_argument("--store", metavar="s3://BUCKET/PREFIX",
+                   help="list job incidents across nodes from this shared store (default: this node's state dir)")
+    i.add_argument("--job", help="only this job's incidents, with --store (default: every job)")
 
     sh = _command(sub, "show", cmd_show, "the report of one incident",
                   "Print one incident: the verdict, each process's capture steps and stacks, the analysis across "
@@ -497,8 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "hangwatchd analyze --store s3://hangwatchd-incidents/prod --job llama --json"],
                   [as_json])
     an.add_argument("dir", metavar="DIR", nargs="?", help="an incident directory (also one put together by hand)")
-    an.add_argument("--store", metavar="s3://BUCKET/PREFIX", help="analyse a job across nodes from this store (with --job)")
-    an.add_argument("--job", help="the job whose newest incident to fetch from every node (with --store)")
+    an.add_argument("--store", metavar="s3://BUCKET/PREFIX",
+                   help="analyse a job across nodes from this shared store, with --job (default: none, read DIR)")
+    an.add_argument("--job", help="the job whose newest incident to fetch from every node, with --store (default: none)")
 
     ck = _command(sub, "check", cmd_check, "can this node do the job? ptrace, py-spy, nvdisasm, NVML, dirs, port, inotify",
                   "Check what the daemon needs on this node and say how to fix what is missing. "
