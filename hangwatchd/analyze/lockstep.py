@@ -10,8 +10,12 @@ Evidence: ``progress.json`` of each process, written by the progress step.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
+
+C = TypeVar("C")
 
 
 @dataclass(frozen=True)
@@ -41,3 +45,22 @@ def left_the_lockstep(pdirs: list[Path]) -> tuple[list[Progress], list[Progress]
     if not moving or not stuck:
         return [], []
     return moving, stuck
+
+
+def explain(pdirs: list[Path], ranks: Sequence[Any], culprit: Callable[..., C]) -> tuple[list[C], str]:
+    """The culprits (built with ``culprit(rank, pid, reason, location)``) and the summary, where the rule applies.
+
+    ``ranks`` are the verdicts of ``pdirs``, in the same order (each with rank, pid, node, location)."""
+    moving, stuck = left_the_lockstep(pdirs)
+    by_dir = dict(zip((p.name for p in pdirs), ranks))
+
+    def who(name: str) -> str:
+        v = by_dir[name]
+        return (f"rank {v.rank}" if v.rank is not None else f"pid {v.pid}") + (f" on {v.node}" if v.node else "")
+
+    found = [culprit(by_dir[p.dir].rank, by_dir[p.dir].pid, f"still making progress ({p.how}) while the others are hung",
+                     by_dir[p.dir].location) for p in moving]
+    where = "; ".join(f"{who(p.dir)} is at {by_dir[p.dir].location or 'an unknown place'}" for p in moving)
+    summary = (f"{where[0].upper()}{where[1:]}: still making progress while {', '.join(who(p.dir) for p in stuck)} "
+               f"{'is' if len(stuck) == 1 else 'are'} hung; it left the lockstep and the others wait for it.")
+    return found, summary

@@ -175,7 +175,7 @@ def analyze(incident: Path) -> Analysis:
         culprits = [Culprit(r, by_rank[r].pid if r in by_rank else None, c.mismatch or "", by_rank[r].location if r in by_rank else None)
                     for r in c.ranks_entered]
     elif lockstep.left_the_lockstep(process_dirs(incident))[0]:
-        culprits, summary = _lockstep(incident, ranks)
+        culprits, summary = lockstep.explain(process_dirs(incident), ranks, Culprit)
     else:
         odd = _odd_one_out(ranks)
         lost = [v for v in ranks if v.verdict in ("dead", "unknown")]
@@ -202,22 +202,6 @@ def analyze(incident: Path) -> Analysis:
     nodes = {(v.rank, v.pid): v.node for v in ranks}
     culprits = [replace(c, node=nodes.get((c.rank, c.pid))) for c in culprits]
     return Analysis(summary, tuple(culprits), tuple(ranks), tuple(collectives))
-
-
-def _lockstep(incident: Path, ranks: list[RankVerdict]) -> tuple[list[Culprit], str]:
-    moving, stuck = lockstep.left_the_lockstep(process_dirs(incident))
-    by_dir = dict(zip((p.name for p in process_dirs(incident)), ranks))
-
-    def who(name: str) -> str:
-        v = by_dir[name]
-        return (f"rank {v.rank}" if v.rank is not None else f"pid {v.pid}") + (f" on {v.node}" if v.node else "")
-
-    culprits = [Culprit(by_dir[p.dir].rank, by_dir[p.dir].pid, f"still making progress ({p.how}) while the others are hung",
-                        by_dir[p.dir].location) for p in moving]
-    where = "; ".join(f"{who(p.dir)} is at {by_dir[p.dir].location or 'an unknown place'}" for p in moving)
-    summary = (f"{where[0].upper()}{where[1:]}: still making progress while {', '.join(who(p.dir) for p in stuck)} "
-               f"{'is' if len(stuck) == 1 else 'are'} hung; it left the lockstep and the others wait for it.")
-    return culprits, summary
 
 
 def _odd_one_out(ranks: list[RankVerdict]) -> RankVerdict | None:
