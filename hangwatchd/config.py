@@ -150,7 +150,7 @@ def _one_of(*allowed: str) -> Callable[[Any], str]:
     return parse
 
 
-STEP_NAMES = ("proc", "progress", "pyspy", "nvml", "flight_recorder", "cuda_dump")
+STEP_NAMES = ("proc", "progress", "pyspy", "nvml", "nccl_ras", "flight_recorder", "cuda_dump")
 
 
 def _steps(v: Any) -> tuple[str, ...]:
@@ -232,6 +232,7 @@ KEYS: dict[str, Key] = {
     "stack_idle_pattern": Key("", _optional_regex, "frame pattern that means 'idle, waiting for work' (\"\" keeps the built-in one)"),
     "discover": Key(False, _bool, "also watch, by stack alone, every process that holds /dev/nvidia* open"),
     "nvml_timeout": Key(10.0, _seconds, "seconds the NVML probe may take before it is killed"),
+    "nccl_ras_timeout": Key(3.0, _seconds, "seconds to wait for the answer of the job's NCCL RAS service (it answers in ms)"),
     "flight_recorder_timeout": Key(20.0, _seconds, "seconds to wait for PyTorch's flight recorder dump"),
     "gpu_dump": Key("confirmed", _one_of("always", "confirmed", "never"),
                     "take a CUDA coredump of a hung process (it ends the process): always, never, or when "
@@ -279,6 +280,7 @@ class Config:
     stack_idle_pattern: str = KEYS["stack_idle_pattern"].default
     discover: bool = KEYS["discover"].default
     nvml_timeout: float = KEYS["nvml_timeout"].default
+    nccl_ras_timeout: float = KEYS["nccl_ras_timeout"].default
     flight_recorder_timeout: float = KEYS["flight_recorder_timeout"].default
     gpu_dump: str = KEYS["gpu_dump"].default
     gpu_dump_timeout: float = KEYS["gpu_dump_timeout"].default

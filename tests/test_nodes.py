@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -119,7 +120,7 @@ def test_the_rank_that_left_the_lockstep_is_named_with_its_node(tmp_path: Path, 
         table = hangwatchd("incidents", "--store", s3.url(), env=s3.env)
         assert job in table.stdout and "node-a,node-b" in table.stdout
         text = hangwatchd("analyze", "--store", s3.url(), "--job", job, env=s3.env).stdout
-        assert "nodes node-a, node-b" in text and "Culprit: rank 1 on node-b" in text
+        assert "nodes node-a, node-b" in text and re.search(r"Culprit: rank 1 \(pid \d+ on node node-b\)", text), text
 
 
 def test_one_job_hang_is_one_job_incident_however_many_nodes_notice(tmp_path: Path, s3: S3Server) -> None:

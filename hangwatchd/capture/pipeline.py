@@ -13,7 +13,7 @@ from ..metrics import Metrics
 from ..model import Incident, ProcessCapture, Registration, StepResult, Suspicion
 from ..analyze.verdict import analyze
 from ..store import Store
-from .base import Step, StepFailed
+from .base import Step, StepFailed, StepNotApplicable
 from .parallel import run_across
 
 log = structlog.get_logger("hangwatchd.capture")
@@ -55,6 +55,8 @@ def run_steps(
         try:
             files = step.run(target, outdir, min(timeout, left))
             result = StepResult(step.name, True, time.monotonic() - start, files=tuple(files))
+        except StepNotApplicable as exc:  # nothing to capture here (no GPU, no process group): not a failure
+            result = StepResult(step.name, True, time.monotonic() - start, str(exc), not_applicable=True)
         except StepFailed as exc:
             result = StepResult(step.name, False, time.monotonic() - start, str(exc))
         except OSError as exc:  # a full disk, a vanished directory: the step fails, the pipeline goes on
@@ -64,7 +66,7 @@ def run_steps(
             metrics.step_duration.labels(**metrics.labels(step=step.name)).observe(result.seconds)
             if not result.ok:
                 metrics.step_failures.labels(**metrics.labels(step=step.name)).inc()
-        log.info("capture_step", pid=target.process.pid, step=step.name, ok=result.ok,
+        log.info("capture_step", pid=target.process.pid, step=step.name, ok=result.ok, na=result.not_applicable,
                  seconds=round(result.seconds, 3), error=result.error, files=list(result.files))
     return ProcessCapture(target, tuple(results))
 
@@ -92,9 +94,14 @@ def capture_incident(
         return run_steps(ss, t, outdir, left, metrics, gate)
 
     captures = run_across(gentle + last, targets, lambda t: draft.path / str(t.process.pid), budget, one)
-    analysis = analyze(draft.path)
+    try:
+        analysis = analyze(draft.path)
+        verdict, analysis_dict = analysis.summary, analysis.to_dict()
+    except Exception as exc:  # noqa: BLE001 - a capture is stored even when its analysis fails
+        log.error("analysis_failed", incident=draft.id, error=f"{type(exc).__name__}: {exc}")
+        verdict, analysis_dict = f"the analysis failed ({type(exc).__name__}: {exc}); the evidence is kept", None
     incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason=suspicion.reason,
                         detail=suspicion.detail, job=job, processes=tuple(captures), signals=suspicion.signals,
-                        notify_status=notify_status, verdict=analysis.summary, node=node, job_incident=job_incident)
-    store.commit(draft, incident, f"{analysis.summary} ({suspicion.detail})", analysis.to_dict())
+                        notify_status=notify_status, verdict=verdict, node=node, job_incident=job_incident)
+    store.commit(draft, incident, f"{verdict} ({suspicion.detail})", analysis_dict)
     return draft.id
