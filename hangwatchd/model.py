@@ -35,6 +35,8 @@ class Registration:
     source: str = "run"
     registered_at: float = 0.0
     ras_addr: str | None = None  # the job's NCCL RAS service (NCCL_RAS_ADDR), as hangwatchd run gave it
+    role: str = "workload"  # "launcher": torchrun and the like, watched for its exit, never for beats
+    launcher: int | None = None  # a rank that registered itself: the pid of the launched process above it
 
 
 class State(str, enum.Enum):
@@ -88,5 +90,6 @@ class Incident:
     verdict: str | None = None
     signals: tuple[str, ...] = ()
     notify_status: str | None = None  # the workload's last sd_notify STATUS=
+    since: float | None = None  # wall-clock time of the hung process's last sign of progress
     node: str | None = None  # the node's name (config node_name), as in the shared store
     job_incident: str | None = None  # shared by every node's part of one job hang

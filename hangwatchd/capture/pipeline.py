@@ -9,6 +9,7 @@ from pathlib import Path
 
 import structlog
 
+from .. import exits
 from ..metrics import Metrics
 from ..model import Incident, ProcessCapture, Registration, StepResult, Suspicion
 from ..analyze.verdict import analyze
@@ -80,10 +81,14 @@ def capture_incident(
     metrics: Metrics | None = None,
     gate: Callable[[Path], str | None] | None = None,
     notify_status: str | None = None,
+    gone: Sequence[exits.Departed] = (),
     node: str | None = None,
     job_incident: str | None = None,
 ) -> str:
-    """Capture every target into one new incident and store it; return the incident's id."""
+    """Capture every target into one new incident and store it; return the incident's id.
+
+    ``gone``: job-mates that had exited, each written as ``PID/exit.json`` for the verdict.
+    """
     job = targets[0].job if targets else None
     draft = store.begin(suspicion.reason, job, [t.process.pid for t in targets])
     # Everything gentle on every rank first: a GPU dump ends its process, and a launcher
@@ -94,6 +99,7 @@ def capture_incident(
         return run_steps(ss, t, outdir, left, metrics, gate)
 
     captures = run_across(gentle + last, targets, lambda t: draft.path / str(t.process.pid), budget, one)
+    exits.write_into(draft.path, list(gone), targets[0] if targets else None, suspicion.since)
     try:
         analysis = analyze(draft.path)
         verdict, analysis_dict = analysis.summary, analysis.to_dict()
@@ -102,6 +108,7 @@ def capture_incident(
         verdict, analysis_dict = f"the analysis failed ({type(exc).__name__}: {exc}); the evidence is kept", None
     incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason=suspicion.reason,
                         detail=suspicion.detail, job=job, processes=tuple(captures), signals=suspicion.signals,
-                        notify_status=notify_status, verdict=verdict, node=node, job_incident=job_incident)
+                        notify_status=notify_status, verdict=verdict, since=suspicion.since, node=node,
+                        job_incident=job_incident)
     store.commit(draft, incident, f"{verdict} ({suspicion.detail})", analysis_dict)
     return draft.id

@@ -59,7 +59,7 @@ def main(out: Path) -> int:
             if res.returncode != 0:
                 return None
             got = json.loads(res.stdout)
-            return got if len(got["ranks"]) == 2 else None
+            return got if len([r for r in got["ranks"] if r.get("node")]) == 2 else None
 
         result = wait_for(both, 300, "both ranks in the store", every=1.0)
         (out / "analysis.json").write_text(json.dumps(result, indent=1))
