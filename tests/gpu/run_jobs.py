@@ -82,13 +82,21 @@ def scenario(name: str, out: Path, fake: bool) -> dict[str, Any]:
     try:
         for r in (0, 1):
             env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port), JOBS_FAKE_DIR=str(fake_dir), PYTHONPATH=str(ROOT))
+                       MASTER_PORT=str(port), JOBS_FAKE_DIR=str(fake_dir),
+                       PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
             log = open(out / f"rank{r}.log", "wb")
             logs.append(log)
             argv = [sys.executable, str(ROOT / "tests/gpu/jobs_rank.py"), "--scenario", name, "--steps", str(STEPS)]
             ranks.append(d.run(argv + (["--fake"] if fake else []), "--job", f"jobs-{name}", "--heartbeat-timeout",
                                str(HEARTBEAT_TIMEOUT), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        procs = wait_for(lambda: (lambda p: p if {x["rank"] for x in p} >= {0, 1} else None)(status(d)), 120,
+        def registered() -> Any:
+            dead = [r for r, p in enumerate(ranks) if p.poll() is not None]
+            if dead:  # a rank that died at start: say so now, not after the deadline
+                raise RuntimeError(f"rank {dead[0]} exited with {ranks[dead[0]].returncode} before registering: see rank{dead[0]}.log")
+            p = status(d)
+            return p if {x["rank"] for x in p} >= {0, 1} else None
+
+        procs = wait_for(registered, 120,
                          "both ranks registered", every=0.5)
         pid = {p["rank"]: p["pid"] for p in procs}
         result["pids"] = pid
