@@ -39,6 +39,7 @@ from .detect.gate import gpu_dump_veto
 from .detect.machine import StateMachine
 from .detect.sampler import Sampler
 from .detect.stack import BLOCKING, IDLE
+from .fleet.agent import Agent
 from .make_incident import make_incident, pages
 from .metrics import Metrics, create, serve
 from .model import State, Suspicion
@@ -51,6 +52,8 @@ from .watched import Watched, Watchlist
 
 log = structlog.get_logger("hangwatchd.daemon")
 
+CLOCK_SKEW = 30.0  # seconds two nodes' clocks may differ by, comparing one's request to the other's registrations
+
 
 class SetupError(Exception):
     """The daemon cannot start here: one line saying what and where."""
@@ -62,16 +65,20 @@ class _Capture:
     suspicion: Suspicion
     started: float
     future: concurrent.futures.Future[str | None]
+    job_incident: str | None = None
 
 
 @dataclass
 class Daemon:
     config: Config
-    metrics: Metrics = field(default_factory=create)
+    metrics: Metrics = field(default=None)  # type: ignore[assignment]  # made with the node's name below
 
     def __post_init__(self) -> None:
         cfg = self.config
+        self.metrics = self.metrics or create(node=cfg.node)
         self.store = Store(cfg.state_dir, pages=pages)
+        self.fleet = Agent(cfg.store, cfg.node, Path(cfg.state_dir), cfg.store_poll_interval, cfg.job_incident_window,
+                           cfg.store_spool_max, self._wake, self._count_sends) if cfg.store else None
         self.status = StatusFile(Path(cfg.runtime_dir))
         self.watched = Watchlist(self.metrics, on_change=self._write_status)
         self.limits = UserLimits(cfg.max_registrations_per_uid, cfg.pyspy_samples_per_uid)
@@ -83,7 +90,7 @@ class Daemon:
                                      cfg.learned_timeout_min, cfg.learned_timeout_max, int(cfg.learn_min_beats))
         self.machine = StateMachine(cfg, detector, self.watched, self.metrics,
                                     tuple(BLOCKING) + tuple(cfg.stack_blocking_patterns), cfg.stack_idle_pattern or IDLE,
-                                    on_hung=self._start_capture, on_tampered=self.registrations.tampered)
+                                    on_hung=self._on_hung, on_tampered=self.registrations.tampered)
         self.sampler = Sampler(cfg.pyspy_timeout, cfg.pyspy_samples_per_uid, self.limits, self._wake)
         self.steps = make_steps(cfg)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="capture")
@@ -117,6 +124,8 @@ class Daemon:
         sandbox.start()  # warm before the first dump arrives
         for incident_id in self.store.recover():
             log.warning("incident_recovered", incident=incident_id)
+        if self.fleet:
+            self.fleet.start()
         registry.prepare_dirs(Path(cfg.runtime_dir))
         cfg.dumps.mkdir(parents=True, exist_ok=True)
         if os.stat(cfg.dumps).st_uid == os.geteuid():
@@ -161,6 +170,8 @@ class Daemon:
             log.info("daemon_stopping", captures_in_flight=len(self.captures))
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.sampler.shutdown()
+            if self.fleet:
+                self.fleet.stop()
             for s, h in old.items():
                 signal.signal(s, h)
             self.status.remove()
@@ -193,6 +204,7 @@ class Daemon:
                     self.registrations.exited(key.data)
             now = time.monotonic()
             self._collect_captures()
+            self._serve_requests()
             for w, sample, native in self.sampler.ready(self.watched):
                 self.machine.judge_stack(w, sample, native, now)
             for w in list(self.watched.values()):
@@ -250,25 +262,59 @@ class Daemon:
 
     # -- capture (on worker threads) -------------------------------------
 
-    def _start_capture(self, group: list[Watched], suspicion: Suspicion) -> None:
-        """A confirmed hang: capture the group (the hung process and its job-mates) on a worker."""
+    def _on_hung(self, group: list[Watched], suspicion: Suspicion) -> None:
+        """A confirmed hang here (the hung process and its job-mates): capture them."""
+        job = group[0].registration.job
+        # Every other node watching a rank of this job captures it too, under one job incident id.
+        job_incident = self.fleet.declare(job, suspicion.reason, suspicion.detail) if self.fleet and job else None
+        self._start_capture(group, suspicion, job_incident)
+
+    def _start_capture(self, group: list[Watched], suspicion: Suspicion, job_incident: str | None) -> None:
+        """Capture the group on a worker, into one incident."""
         w = group[0]
         self.dumping.update(x.process.pid for x in group)
         gone = self.registrations.departures.of_job(w.registration.job, w.registration.registered_at)  # job-mates that exited: often the cause
         if gone:
             log.info("exited_job_mates", job=w.registration.job, pids=[d.registration.process.pid for d in gone])
-        future = self.pool.submit(self._capture, group, suspicion, gone)
+        future = self.pool.submit(self._capture, group, suspicion, gone, job_incident)
         future.add_done_callback(self._wake)
-        self.captures.append(_Capture(group, suspicion, time.monotonic(), future))
+        self.captures.append(_Capture(group, suspicion, time.monotonic(), future, job_incident))
 
-    def _capture(self, group: list[Watched], suspicion: Suspicion, gone: list[exits.Departed]) -> str | None:
+    def _count_sends(self, outcome: str, spooled: int) -> None:  # on the uploader's thread
+        self.metrics.store_sends.labels(**self.metrics.labels(outcome=outcome)).inc()
+        self.metrics.store_spooled.labels(**self.metrics.const).set(spooled)
+
+    def _serve_requests(self) -> None:
+        """Another node declared a job hung: capture this node's ranks of it now, whatever they look like here."""
+        if self.fleet is None:
+            return
+        self.fleet.jobs = frozenset(w.registration.job for w in self.watched.values() if w.registration.job)
+        for req in self.fleet.pending():
+            # A rank registered after the request belongs to a restarted job of the same name, not this hang
+            # (give or take the skew between two nodes' clocks).
+            group = [w for w in self.watched.values() if w.registration.job == req.job and w.role != "launcher"
+                     and w.state in (State.STARTING, State.HEALTHY, State.SUSPECT)
+                     and w.registration.registered_at <= req.time + CLOCK_SKEW]
+            if not group or not self.fleet.accept(req):
+                continue
+            log.warning("job_capture_requested", job=req.job, job_incident=req.job_incident, by=req.node,
+                        pids=[w.process.pid for w in group])
+            for x in group:
+                x.suspicion = None
+                self.watched.set_state(x, State.HUNG)
+            why = Suspicion("job-request", f"node {req.node} declared job {req.job} hung ({req.reason}: {req.detail})", req.time)
+            self._start_capture(group, why, req.job_incident)
+
+    def _capture(self, group: list[Watched], suspicion: Suspicion, gone: list[exits.Departed],
+                 job_incident: str | None = None) -> str | None:
         first = str(group[0].process.pid)
 
         def gate(outdir: Path) -> str | None:  # a job-mate's GPU dump needs its own evidence
             return gpu_dump_veto(self.config.gpu_dump, outdir, suspicion.signals if outdir.name == first else ())
 
         return make_incident(self.store, self.steps, [w.registration for w in group], suspicion,
-                             self.config.capture_timeout, self.metrics, gate, group[0].notify_status(), gone)
+                             self.config.capture_timeout, self.metrics, gate, group[0].notify_status(), gone,
+                             self.config.node, job_incident)
 
     def _collect_captures(self) -> None:
         for c in [c for c in self.captures if c.future.done()]:
@@ -285,6 +331,9 @@ class Daemon:
                 self.metrics.incident_stored(incident_id, c.suspicion.reason, c.watched[0].registration.job if c.watched else None, time.time())
                 log.warning("incident_stored", incident=incident_id, reason=c.suspicion.reason,
                             pids=[w.process.pid for w in c.watched], seconds=round(time.monotonic() - c.started, 3))
+                if self.fleet and incident_id:
+                    job = next((w.registration.job for w in c.watched if w.registration.job), None)
+                    self.fleet.stored(incident_id, self.store.dir / incident_id, job, c.job_incident)
             for w in c.watched:
                 self.dumping.discard(w.process.pid)
                 w.incident = incident_id

@@ -36,6 +36,8 @@ def make_incident(
     gate: Callable[[Path], str | None] | None = None,
     notify_status: str | None = None,
     gone: Sequence[exits.Departed] = (),
+    node: str | None = None,
+    job_incident: str | None = None,
 ) -> str:
     """Capture every target into one new incident and store it; return the incident's id.
 
@@ -53,7 +55,8 @@ def make_incident(
         verdict, analysis_dict = f"the analysis failed ({type(exc).__name__}: {exc}); the evidence is kept", None
     incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason=suspicion.reason,
                         detail=suspicion.detail, job=job, processes=tuple(captures), signals=suspicion.signals,
-                        notify_status=notify_status, verdict=verdict, since=suspicion.since)
+                        notify_status=notify_status, verdict=verdict, since=suspicion.since, node=node,
+                        job_incident=job_incident)
     store.commit(draft, incident, f"{verdict} ({suspicion.detail})", analysis_dict)
     return draft.id
 

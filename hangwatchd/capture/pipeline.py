@@ -11,6 +11,7 @@ import structlog
 from ..metrics import Metrics
 from ..model import ProcessCapture, Registration, StepResult
 from .base import Step, StepFailed, StepNotApplicable
+from .parallel import run_across
 
 log = structlog.get_logger("hangwatchd.capture")
 
@@ -80,7 +81,8 @@ def capture_all(
     # like torchrun then tears down the other ranks before they could be read.
     gentle = [(s, t) for s, t in steps if not getattr(s, "destructive", False)]
     last = [(s, t) for s, t in steps if getattr(s, "destructive", False)]
-    first_pass = [run_steps(gentle, t, outdir / str(t.process.pid), budget, metrics, gate) for t in targets]
-    return [ProcessCapture(pc.registration, pc.steps + run_steps(last, pc.registration, outdir / str(pc.registration.process.pid),
-                                                                 budget, metrics, gate).steps) if last else pc
-            for pc in first_pass]
+
+    def one(ss: Sequence[tuple[Step, float]], t: Registration, outdir_: Path, left: float) -> ProcessCapture:
+        return run_steps(ss, t, outdir_, left, metrics, gate)
+
+    return run_across(gentle + last, targets, lambda t: outdir / str(t.process.pid), budget, one)
