@@ -1,0 +1,206 @@
+"""The ``hangwatchd`` command line's grammar: every subcommand, its flags, its help.
+
+Kept apart from what the commands do (``cli``), so the help a user reads is
+in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
+
+Command = Callable[[argparse.Namespace], int]
+
+
+# -- the parser ------------------------------------------------------------
+#
+# Every subcommand is declared through ``_command``: a one-line summary (the
+# top-level list), a description and an example (its own --help). Defaults are
+# written into each flag's help from config.KEYS, so --help cannot drift from
+# the daemon.
+
+class _Parser(argparse.ArgumentParser):
+    """Bad usage is one line on stderr and exit status 2, like every other error here."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}; see '{self.prog} --help'\n")
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Wraps prose, keeps the example lines (indented) as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n".join(line if not line or line.startswith("  ") else
+                         textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent)
+                         for line in text.splitlines())
+
+
+def _default(key: str) -> str:
+    from .config import KEYS
+
+    value = KEYS[key].default
+    return '""' if value == "" else str(value)
+
+
+def _command(sub: Any, name: str, func: Any, summary: str, description: str, examples: Sequence[str],
+             parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
+    epilog = "examples:\n" + "\n".join(f"  {e}" for e in examples)
+    p = sub.add_parser(name, parents=list(parents), help=summary, description=description, epilog=epilog,
+                       formatter_class=_Formatter)
+    p.set_defaults(func=func)
+    return p
+
+
+def _duration(text: str) -> float:
+    """argparse type for a duration flag: 30, 2.5, "500ms", "10m"."""
+    from .config import Invalid, parse_duration
+
+    try:
+        return parse_duration(float(text) if _is_number(text) else text)
+    except Invalid as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {exc}") from None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
+    """The whole command line; ``commands`` maps each subcommand's name to the function that runs it."""
+    from . import __version__
+
+    p = _Parser(
+        prog="hangwatchd", formatter_class=_Formatter,
+        description="Watchdog for hung GPU jobs: notices a process that stopped making progress, captures its "
+                    "stacks and GPU state before anyone kills it, explains the hang, stores an incident and "
+                    "exports Prometheus metrics.",
+        epilog="examples:\n  hangwatchd daemon --config /etc/hangwatchd/hangwatchd.toml\n"
+               "  hangwatchd run --job train -- torchrun --nproc-per-node 8 train.py\n"
+               "  hangwatchd incidents\n\n'hangwatchd COMMAND --help' describes each command.")
+    p.add_argument("--version", action="version", version=f"hangwatchd {__version__}", help="print the version and exit")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Options several commands share, defined once.
+    dirs = argparse.ArgumentParser(add_help=False)
+    dirs.add_argument("--state-dir", help="incidents and their index (default: the running daemon's, "
+                                          f"else {_default('state_dir')})")
+    dirs.add_argument("--runtime-dir", help="the daemon's runtime dir, where it says what it watches "
+                                            f"(default: $HANGWATCHD_RUNTIME_DIR, else {_default('runtime_dir')})")
+    as_json = argparse.ArgumentParser(add_help=False)
+    as_json.add_argument("--json", action="store_true", help="print JSON instead of text")
+    config_file = argparse.ArgumentParser(add_help=False)
+    config_file.add_argument("--config", metavar="FILE", help="TOML config file, every key optional; see "
+                             "config/hangwatchd.toml (default: none, the built-in defaults)")
+
+    d = _command(sub, "daemon", commands["daemon"], "run the watchdog in the foreground (a systemd Type=notify service)",
+                 "Watch every registered (and, with discover = true, every GPU) process; declare a hang when its "
+                 "heartbeat or its stack stops; capture, explain and store an incident; serve /metrics. "
+                 "Flags override the config file. Runs until SIGTERM.",
+                 ["hangwatchd daemon --config /etc/hangwatchd/hangwatchd.toml",
+                  "hangwatchd daemon --state-dir /tmp/hw --runtime-dir /tmp/hw-run --log-format console"],
+                 [config_file])
+    d.add_argument("--state-dir", help=f"incidents and their index (default: {_default('state_dir')})")
+    d.add_argument("--runtime-dir", help="registrations, heartbeat segments, pipes; workloads find it through "
+                                         f"$HANGWATCHD_RUNTIME_DIR (default: {_default('runtime_dir')})")
+    d.add_argument("--dump-dir", help="where CUDA writes coredumps (default: STATE_DIR/dumps)")
+    d.add_argument("--metrics-address", metavar="HOST:PORT",
+                   help=f"where Prometheus scrapes /metrics; port 0 picks one, '' serves none (default: {_default('metrics_address')})")
+    d.add_argument("--heartbeat-timeout", type=_duration, metavar="DURATION",
+                   help="time without a beat before a process that declared no timeout is hung: seconds, or "
+                        f"with a unit (500ms, 10m) (default: {_default('heartbeat_timeout')} s)")
+    d.add_argument("--store", metavar="s3://BUCKET/PREFIX",
+                   help="shared store for job incidents across nodes; endpoint and credentials from the AWS_* "
+                        "variables or a role (default: none)")
+    d.add_argument("--node-name", metavar="NAME", help="this node's name in the store, records and metrics (default: the host name)")
+    d.add_argument("--log-format", choices=["json", "console"],
+                   help=f"json: one JSON object a line, for a log shipper; console: for a person (default: {_default('log_format')})")
+    d.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                   help=f"the least severe events logged (default: {_default('log_level')})")
+
+    r = _command(sub, "run", commands["run"], "run a workload watched: hangwatchd run [options] -- CMD ...",
+                 "Start CMD with the CUDA coredump and PyTorch flight-recorder variables set (they only work when "
+                 "set before CUDA starts) and register it with the daemon. CMD's exit status is this command's.",
+                 ["hangwatchd run --heartbeat-timeout 5m -- python train.py",
+                  "hangwatchd run --job llama --stack-timeout 10m -- torchrun --nproc-per-node 8 train.py"])
+    r.add_argument("--job", help="job id, to group ranks (default: $TORCHELASTIC_RUN_ID, else $MASTER_ADDR:$MASTER_PORT)")
+    r.add_argument("--rank", type=int, help="this process's rank (default: $RANK)")
+    r.add_argument("--heartbeat-timeout", type=_duration, metavar="DURATION",
+                   help="time without hangwatchd.beat() (or sd_notify WATCHDOG=1) before it is hung: seconds, or "
+                        "with a unit (500ms, 10m) (default: learned from its beats, else the daemon's heartbeat_timeout)")
+    r.add_argument("--stack-timeout", type=_duration, metavar="DURATION",
+                   help="time its Python stack may stay the same, for workloads that never beat "
+                        "(default: none, not watched by its stack unless the daemon's config says so)")
+    r.add_argument("--runtime-dir", help="the daemon's runtime dir (default: $HANGWATCHD_RUNTIME_DIR, "
+                                         f"else {_default('runtime_dir')})")
+    r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]", help="the workload and its arguments")
+
+    _command(sub, "status", commands["status"], "every watched process: job, rank, state, last beat, timeout",
+             "Ask the running daemon (through its runtime dir) what it watches: each process's job, rank, state, "
+             "last beat, timeout (and where it came from) and incident.",
+             ["hangwatchd status", "hangwatchd status --json | jq '.processes[] | select(.state != \"healthy\")'"],
+             [dirs, as_json])
+
+    i = _command(sub, "incidents", commands["incidents"], "stored incidents, newest first",
+                 "List the incidents in the state dir, newest first: id, time, reason, job, pids and a one-line summary. "
+                 "With --store, list the job incidents of a shared store across nodes.",
+                 ["hangwatchd incidents", "hangwatchd incidents --state-dir /var/lib/hangwatchd --json",
+                  "hangwatchd incidents --store s3://hangwatchd-incidents/prod --job llama"],
+                 [dirs, as_json])
+    i.add_argument("--store", metavar="s3://BUCKET/PREFIX",
+                   help="list job incidents across nodes from this shared store (default: this node's state dir)")
+    i.add_argument("--job", help="only this job's incidents, with --store (default: every job)")
+
+    sh = _command(sub, "show", commands["show"], "the report of one incident",
+                  "Print one incident: the verdict, each process's capture steps and stacks, the analysis across "
+                  "ranks. Each stored incident also holds this page as report.html.",
+                  ["hangwatchd show 20261129T192301Z-854e77", "hangwatchd show 20261129T19 --html report.html"],
+                  [dirs, as_json])
+    sh.add_argument("id", metavar="ID", help="incident id, as 'hangwatchd incidents' lists it (a unique prefix will do)")
+    sh.add_argument("--html", nargs="?", const="", metavar="FILE",
+                    help="write one self-contained HTML page and print its path (default FILE: ./hangwatchd-ID.html)")
+
+    c = _command(sub, "capture", commands["capture"], "capture a process's evidence now, into a new incident",
+                 "Run the capture steps on PID by hand, as the daemon does on a hang, and store an incident. "
+                 "Without --gpu-dump the process keeps running.",
+                 ["hangwatchd capture 4174", "hangwatchd capture --gpu-dump 4174"],
+                 [dirs, as_json, config_file])
+    c.add_argument("pid", type=int, metavar="PID", help="the process to capture (yours, or any as root)")
+    c.add_argument("--gpu-dump", action="store_true", help="also take a CUDA coredump (this ends the process)")
+
+    an = _command(sub, "analyze", commands["analyze"], "explain an incident directory: each rank's verdict, the rank that diverged",
+                  "Read an incident directory (one subdirectory per process: pyspy.json, flight-recorder.pkl, "
+                  "symbolized.json, ...) and say what each rank was doing and which one diverged. With --store and "
+                  "--job, fetch the job's newest incident from every node and explain it as one.",
+                  ["hangwatchd analyze /var/lib/hangwatchd/incidents/20261129T192301Z-854e77",
+                   "hangwatchd analyze ./by-hand --json",
+                   "hangwatchd analyze --store s3://hangwatchd-incidents/prod --job llama --json"],
+                  [as_json])
+    an.add_argument("dir", metavar="DIR", nargs="?", help="an incident directory (also one put together by hand)")
+    an.add_argument("--store", metavar="s3://BUCKET/PREFIX",
+                   help="analyse a job across nodes from this shared store, with --job (default: none, read DIR)")
+    an.add_argument("--job", help="the job whose newest incident to fetch from every node, with --store (default: none)")
+
+    ck = _command(sub, "check", commands["check"], "can this node do the job? ptrace, py-spy, nvdisasm, NVML, dirs, port, inotify",
+                  "Check what the daemon needs on this node and say how to fix what is missing. "
+                  "Exit status 1 when a required check fails.",
+                  ["hangwatchd check", "hangwatchd check --config /etc/hangwatchd/hangwatchd.toml --json"],
+                  [dirs, as_json, config_file])
+    ck.add_argument("--dump-dir", help="where CUDA writes coredumps (default: STATE_DIR/dumps)")
+    ck.add_argument("--metrics-address", metavar="HOST:PORT",
+                    help=f"the address to check is free (default: {_default('metrics_address')})")
+
+    s = _command(sub, "symbolize", commands["symbolize"], "explain a CUDA coredump: kernels, warps, exceptions, inline chains",
+                 "Read a CUDA coredump (.nvcudmp) in pure Python: every kernel, every warp's PC grouped, each "
+                 "exception with its source line and whole inline chain.",
+                 ["hangwatchd symbolize core_node7.4174.nvcudmp", "hangwatchd symbolize --json dump.nvcudmp.zst | jq .exceptions"],
+                 [as_json])
+    s.add_argument("dump", metavar="DUMP", help="the coredump (raw, or compressed .xz/.gz/.zst)")
+    s.add_argument("--cuda-gdb", action="store_true", help="also run cuda-gdb, where installed, and show its answer")
+    s.add_argument("--chains", choices=["line-table", "nvdisasm"], default="line-table",
+                   help="where inline chains come from: the cubins' line tables (fast) or nvdisasm -gi (default: line-table)")
+    return p

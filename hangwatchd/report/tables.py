@@ -1,0 +1,68 @@
+"""The CLI's tables: watched processes (``status``), incidents and job incidents (``incidents``).
+
+Columns are cut to a width with '…', so nobody reads '3' for '30'; ``--json``
+has every value whole.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .names import fold
+
+
+def cut(text: str, width: int) -> str:
+    """At most ``width`` characters; a cut one ends in '…' so nobody reads '3' for '30'."""
+    return text if len(text) <= width else text[: width - 1].rstrip() + "…"
+
+
+def table(rows: Sequence[tuple[str, ...]]) -> str:
+    """Rows (the first is the header) in columns as wide as their widest cell."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n" for r in rows)
+
+
+def _utc(when: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(when))
+
+
+def status(status: dict[str, Any]) -> str:
+    """``hangwatchd status``: the daemon, then one row per watched process."""
+    d = status["daemon"]
+    out = (f"hangwatchd {d.get('version')} pid {d.get('pid')}, metrics on {d.get('metrics_address') or 'none'}, "
+           f"state dir {d.get('state_dir')}\n")
+    rows = [("PID", "JOB", "RANK", "STATE", "LAST BEAT", "TIMEOUT", "INCIDENT", "COMMAND")]
+    for p in status["processes"]:
+        age = p.get("last_beat_age")
+        rows.append((
+            str(p["pid"]), cut(p.get("job") or "-", 32),
+            "launcher" if p.get("role") == "launcher" else str(p["rank"]) if p.get("rank") is not None else "-", p["state"],
+            f"{age:.1f}s ago" if age is not None else "never",
+            f"{p['timeout']:.3g}s ({p.get('timeout_source', 'config')})", p.get("incident") or "-",
+            cut(" ".join(p.get("cmdline") or []), 60),
+        ))
+    out += table(rows)
+    if len(rows) == 1:
+        out += "(no process is watched)\n"
+    return out
+
+
+def incidents(items: Sequence[dict[str, Any]]) -> str:
+    """``hangwatchd incidents``: one row per stored incident, newest first."""
+    rows = [("ID", "TIME (UTC)", "REASON", "JOB", "PIDS", "SUMMARY")]
+    for i in items:
+        rows.append((i["id"] + ("" if i["complete"] else " (incomplete)"),
+                     _utc(i["time"]), i["reason"], cut(i["job"] or "-", 32),
+                     cut(",".join(map(str, i["processes"])), 24), cut(fold(i["summary"] or ""), 100)))
+    return table(rows)
+
+
+def job_incidents(items: Sequence[dict[str, Any]]) -> str:
+    """``hangwatchd incidents --store``: one row per job incident in the shared store."""
+    rows = [("JOB INCIDENT", "TIME (UTC)", "JOB", "NODES", "RANKS", "REASON")]
+    for i in items:
+        rows.append((i["job_incident"], _utc(i["time"]), i["job"],
+                     ",".join(i["nodes"]), ",".join(map(str, i["ranks"])) or "-", i["reason"] or "-"))
+    return table(rows)
