@@ -24,7 +24,7 @@ import hangwatchd
 # the launcher; then the daemon and the rooms it hands work to; and the command line on top.
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("ground", ("model", "config", "metrics", "heartbeat", "cudacore", "cudacore.*", "untrusted", "procfs",
-                "subproc", "samples", "patterns", "notify", "log", "runtime", "incident_access", "user_limits",
+                "subproc", "samples", "patterns", "notify", "log", "runtime", "incident_access", "user_limits", "jsonfile",
                 "fleet.url")),
     ("register", ("hangwatchd", "registry", "client", "exits")),
     ("watch", ("watched", "ranks")),

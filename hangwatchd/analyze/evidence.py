@@ -8,16 +8,13 @@ line saying which file and why, and the verdict says what it rested on.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..jsonfile import Unreadable, read_json
 from . import flight, ras
 from .stacks import read_threads
-
-MAX_JSON = 64 << 20
-
 
 @dataclass(frozen=True)
 class Evidence:
@@ -36,20 +33,11 @@ def read_json_object(path: Path, problems: list[str]) -> dict[str, Any] | None:
     """A JSON object from ``path``; None (and a line in ``problems`` unless it is absent) otherwise."""
     label = f"{path.parent.name}/{path.name}"
     try:
-        with path.open("rb") as f:
-            raw = f.read(MAX_JSON + 1)
+        data = read_json(path)
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        problems.append(f"{label}: cannot be read ({exc.strerror or exc})")
-        return None
-    if len(raw) > MAX_JSON:
-        problems.append(f"{label}: larger than {MAX_JSON >> 20} MB, not read")
-        return None
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        problems.append(f"{label}: not JSON ({str(exc)[:120]})")
+    except Unreadable as exc:
+        problems.append(f"{label}: {exc}")
         return None
     if not isinstance(data, dict):
         problems.append(f"{label}: not a JSON object")

@@ -12,14 +12,12 @@ on this node, and puts a rank that exited before its mates stopped first.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..jsonfile import read_json_or_none
 from . import flight
 from .stacks import is_user_frame
 from .verdict import Analysis, Culprit, RankVerdict
@@ -45,19 +43,7 @@ class Exited:
 
 def _read_json(path: Path, cap: int = MAX_EXIT_FILE) -> Any:
     """A small regular file's JSON, never following a link or blocking; None when it is not one."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > cap:
-            return None
-        return json.loads(os.read(fd, cap + 1))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    finally:
-        os.close(fd)
+    return read_json_or_none(path, cap, nofollow=True)
 
 
 def _int(v: Any) -> int | None:

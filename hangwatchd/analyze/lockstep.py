@@ -9,11 +9,12 @@ Evidence: ``progress.json`` of each process, written by the progress step.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+
+from ..jsonfile import read_json_or_none
 
 C = TypeVar("C")
 
@@ -26,10 +27,7 @@ class Progress:
 
 
 def read(pdir: Path) -> Progress | None:
-    try:
-        data = json.loads((pdir / "progress.json").read_text())
-    except (OSError, ValueError):
-        return None
+    data = read_json_or_none(pdir / "progress.json")
     if not isinstance(data, dict) or not isinstance(data.get("progressing"), bool):
         return None
     how = f"it beat {data.get('beats')} times while captured" if data.get("beating") else "its stack moved while captured"

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from .. import patterns
+from ..jsonfile import Unreadable, read_json
 
 # Where library code lives; a frame elsewhere is the user's own code.
 _LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ", "/hangwatchd/client.py")
@@ -31,20 +31,12 @@ def read_threads(process_dir: Path) -> tuple[list[dict[str, Any]] | None, tuple[
     for name in ("pyspy-native.json", "pyspy.json"):
         path = process_dir / name
         try:
-            with path.open("rb") as f:
-                raw = f.read(MAX_STACK_BYTES + 1)
+            data = read_json(path, MAX_STACK_BYTES)
         except FileNotFoundError:
             continue
-        except OSError as exc:
-            problems.append(f"{path.parent.name}/{name}: cannot be read ({exc.strerror or exc})")
-            continue
-        if len(raw) > MAX_STACK_BYTES:
-            problems.append(f"{path.parent.name}/{name}: larger than {MAX_STACK_BYTES >> 20} MB, not read")
-            continue
-        try:
-            data = json.loads(raw)
-        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-            problems.append(f"{path.parent.name}/{name}: not py-spy's JSON ({str(exc)[:120]})")
+        except Unreadable as exc:
+            why = f"not py-spy's JSON ({exc.detail})" if exc.kind == "not_json" else str(exc)
+            problems.append(f"{path.parent.name}/{name}: {why}")
             continue
         if not isinstance(data, list):
             problems.append(f"{path.parent.name}/{name}: not a list of threads")

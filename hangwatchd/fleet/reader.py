@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..jsonfile import read_json_or_none
 from . import layout, s3
 from .url import StoreURL
 
@@ -118,10 +119,7 @@ def fetch(url: StoreURL, inc: JobIncident, into: Path, client: Any = None) -> Pa
 
 def _stamp_node(path: Path, node: str) -> None:
     """A node's proc.json names its node already; one put together by hand may not."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return
+    data = read_json_or_none(path)
     if isinstance(data, dict) and not data.get("node"):
         data["node"] = node
         tmp = path.with_name(".proc.json.tmp")

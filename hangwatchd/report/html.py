@@ -6,12 +6,12 @@ It renders what ``report.incident.load`` read and the analysis it was given; it 
 from __future__ import annotations
 
 import html
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 from ..analyze.stacks import is_user_frame
+from ..jsonfile import read_json_or_none
 
 CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:72em;color:#1b1b1b;padding:0 1em}
@@ -101,10 +101,7 @@ def render(data: dict[str, Any], incident_dir: Path) -> str:
             parts.append(f"<p class=meta>Thread {_e(thread.get('os_thread_id') or thread.get('thread_id'))} "
                          f"{_e(thread.get('thread_name') or '')}</p>" + _frames_pre(thread.get("frames") or []))
         sym_path = incident_dir / str(proc.get("dir") or proc.get("pid")) / "symbolized.json"
-        try:
-            sym = json.loads(sym_path.read_text())
-        except (OSError, json.JSONDecodeError):
-            sym = None
+        sym = read_json_or_none(sym_path)
         if sym:
             parts.append("<h3>GPU</h3>" + _gpu(sym))
     parts.append("<p class=meta>Frames run innermost first; highlighted lines are your code. Made by hangwatchd.</p></body></html>")

@@ -7,24 +7,17 @@ report renders a verdict, it never computes one.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
+from ..jsonfile import read_json_or_none
 from ..analyze.stacks import is_user_frame, load_threads
 from .names import fold
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError):  # a process's files may be anything: unreadable is None
-        return None
-
-
 def load(incident_dir: Path, analysis: dict[str, Any]) -> dict[str, Any]:
     """incident.json with each process's captured files attached (stacks, proc facts) and ``analysis``."""
-    data = _read_json(incident_dir / "incident.json")
+    data = read_json_or_none(incident_dir / "incident.json")
     if not isinstance(data, dict):
         data = {"id": incident_dir.name, "complete": False, "note": "incident.json is missing or damaged"}
     processes = data.get("processes") or []
@@ -33,7 +26,7 @@ def load(incident_dir: Path, analysis: dict[str, Any]) -> dict[str, Any]:
                      if p.is_dir() and p.name.isdigit()]
     for proc in processes:
         pdir = incident_dir / str(proc.get("dir") or proc.get("pid"))
-        facts = _read_json(pdir / "proc.json")
+        facts = read_json_or_none(pdir / "proc.json")
         proc["proc"] = facts if isinstance(facts, dict) else None
         proc["stacks"] = load_threads(pdir)
         proc["stacks_native"] = (pdir / "pyspy-native.json").exists()
