@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 from hangwatchd import config, registry  # noqa: E402
 from hangwatchd.capture import make_steps, run_steps  # noqa: E402
 from hangwatchd.fleet.testing import S3Server  # noqa: E402
-from hangwatchd.testing import Daemon, wait_for  # noqa: E402
+from hangwatchd.testing import Daemon, stop, wait_for  # noqa: E402
 from hangwatchd import log  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -39,18 +39,6 @@ def _ranks(d: Daemon, job: str, timeout: float) -> list[subprocess.Popen[bytes]]
     argv = [sys.executable, "-m", "hangwatchd.testing", "gpu-workload", "--cuda", "none", "--fr", "answer", "--beats", "20"]
     return [d.run(argv, "--job", job, "--rank", str(r), "--heartbeat-timeout", str(timeout),
                   env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(RANKS)), stdout=subprocess.DEVNULL) for r in range(RANKS)]
-
-
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def _workload_pids(d: Daemon) -> list[int]:
@@ -76,7 +64,7 @@ def main() -> None:
                 ranks = manifest["ranks"]
                 fr_files = sum(1 for f in manifest["files"] if f["path"].endswith("flight-recorder.pkl"))
             finally:
-                _stop(procs)
+                stop(*procs)
         # One after another: the same steps on eight fresh ranks, in this process.
         with Daemon(base / "serial", config={**CONFIG, "heartbeat_timeout": 3600.0}) as d:
             procs = _ranks(d, "bench-serial", 3600.0)
@@ -93,7 +81,7 @@ def main() -> None:
                     run_steps(steps, reg, base / "serial-out" / str(pid), cfg.capture_timeout)
                 serial = time.monotonic() - start
             finally:
-                _stop(procs)
+                stop(*procs)
     report("job_capture", [
         Figure(f"{RANKS} ranks of one job on one node (CPU stand-ins, flight recorders over real FIFOs), hang declared "
                "to the job incident in the store", f"{together:.2f} s ({len(ranks)} ranks, {fr_files} flight-recorder dumps)",

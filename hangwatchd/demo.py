@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 from . import runtime
 from .cli import main as cli
 from .store import Store
+from .testing import stop, wait_for
 
 TIMEOUT_S = 3
 
@@ -26,16 +26,6 @@ TIMEOUT_S = 3
 def demo_dir() -> Path:
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return Path(base) / "hangwatchd-demo"
-
-
-def wait_for(what: str, check, seconds: float):  # type: ignore[no-untyped-def]
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise SystemExit(f"demo: {what} did not happen within {seconds:g} s")
 
 
 def main() -> int:
@@ -52,7 +42,7 @@ def main() -> int:
             stderr=daemon_log)
         workload = None
         try:
-            info = wait_for("the daemon's start", lambda: runtime.daemon_info(run_dir), 20)
+            info = wait_for(lambda: runtime.daemon_info(run_dir), 20, "the daemon's start", every=0.1)
             print(f"demo: daemon pid {daemon.pid} ready, metrics on http://{info['metrics_address']}/metrics")
             workload = subprocess.Popen(
                 [py, "-m", "hangwatchd", "run", "--runtime-dir", str(run_dir), "--job", "demo",
@@ -60,7 +50,7 @@ def main() -> int:
             started = time.monotonic()
             print(f"demo: workload beats every 0.1 s for 3 s, then waits forever (timeout {TIMEOUT_S} s)")
             store = Store(state)
-            incidents = wait_for("an incident", store.list, 40)
+            incidents = wait_for(store.list, 40, "an incident", every=0.1)
             print(f"demo: incident stored {time.monotonic() - started:.1f} s after the workload started\n")
             cli(["status", "--runtime-dir", str(run_dir)])
             print()
@@ -70,14 +60,12 @@ def main() -> int:
             print("\n/metrics: " + "\n/metrics: ".join(hangs))
             print(f"\ndemo: the daemon's log is {base / 'daemon.log'}; incidents stay in {state}")
             return 0
+        except TimeoutError as exc:
+            raise SystemExit(f"demo: {exc}") from None
         finally:
             for proc in (workload, daemon):
-                if proc is not None and proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-                    try:
-                        proc.wait(10)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
+                if proc is not None:
+                    stop(proc)
 
 
 if __name__ == "__main__":

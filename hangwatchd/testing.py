@@ -37,6 +37,26 @@ def wait_for(check: Callable[[], T], seconds: float, what: str = "condition", ev
         time.sleep(every)
 
 
+def stop(*procs: subprocess.Popen[Any], sig: int = signal.SIGTERM, group: bool = False, grace: float = 10.0) -> None:
+    """Stop processes a test started, and wait for each: ``sig`` first (to its whole process group
+    with ``group``, for a process started with ``start_new_session``), SIGKILL after ``grace`` seconds."""
+    def send(p: subprocess.Popen[Any], s: int) -> None:
+        try:
+            os.killpg(p.pid, s) if group else p.send_signal(s)
+        except (ProcessLookupError, PermissionError):
+            pass  # gone already (or its group is)
+
+    for p in procs:
+        if p.poll() is None:
+            send(p, sig)
+    for p in procs:
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            send(p, signal.SIGKILL)
+            p.wait()
+
+
 def hangwatchd_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "hangwatchd", *args]
 
@@ -105,13 +125,7 @@ class Daemon:
         return out
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc, sig=sig, grace=20)
         self._log.close()
         return self.proc.returncode
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hangwatchd.testing import Daemon, hangwatchd_argv, wait_for, workload_argv
+from hangwatchd.testing import Daemon, stop, hangwatchd_argv, wait_for, workload_argv
 
 from .conftest import hangwatchd
 
@@ -25,15 +25,6 @@ def daemon(tmp_path: Path):  # type: ignore[no-untyped-def]
     yield d
     d.stop()
 
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_a_workload_that_stops_beating_becomes_one_incident_with_its_stack(daemon: Daemon) -> None:

@@ -4,22 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from hangwatchd.testing import Daemon, wait_for, workload_argv
+from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
 
 from .conftest import hangwatchd
 
-
-def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    for p in procs:
-        p.wait()
 
 
 def test_py_spy_missing_is_recorded_and_the_rest_is_captured(tmp_path: Path) -> None:
@@ -31,7 +25,7 @@ def test_py_spy_missing_is_recorded_and_the_rest_is_captured(tmp_path: Path) -> 
             assert steps["proc"]["ok"] and not steps["pyspy"]["ok"]
             assert "py-spy is not installed; pip install py-spy" in steps["pyspy"]["error"]
         finally:
-            stop_all([work])
+            stop(work, sig=signal.SIGKILL)
 
 
 def test_no_ptrace_permission_names_what_is_missing(tmp_path: Path) -> None:
@@ -80,4 +74,4 @@ def test_sixty_four_watched_and_eight_hanging_at_once(tmp_path: Path) -> None:
             assert d.metric("hangwatchd_watched_processes", state="healthy") == 56.0
             assert d.proc.poll() is None
         finally:
-            stop_all(healthy + hanging)
+            stop(*healthy, *hanging, sig=signal.SIGKILL)

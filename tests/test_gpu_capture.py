@@ -21,7 +21,7 @@ import pytest
 import zstandard
 
 from hangwatchd.store import Store
-from hangwatchd.testing import Daemon, wait_for
+from hangwatchd.testing import Daemon, stop, wait_for
 
 from .conftest import FIXTURES, hangwatchd
 
@@ -34,14 +34,6 @@ def steps_of(inc: dict) -> dict[str, dict]:
     data = json.loads((Path(inc["dir"]) / "incident.json").read_text())
     return {s["step"]: s for s in data["processes"][0]["steps"]}
 
-
-def stop(p: subprocess.Popen[bytes]) -> None:
-    if p.poll() is None:
-        p.terminate()
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 def test_a_hung_process_goes_through_every_step_and_its_gpu_dump_is_explained(tmp_path: Path) -> None:

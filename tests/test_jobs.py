@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hangwatchd.testing import Daemon, wait_for, workload_argv
+from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
 
 from .conftest import hangwatchd
 
@@ -54,14 +54,6 @@ def status(d: Daemon) -> list[dict[str, Any]]:
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)["processes"]
 
-
-def kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """The launcher, its ranks and everything below them: they share the group we started."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(10)
 
 
 def analysis(inc: dict[str, Any]) -> dict[str, Any]:
@@ -103,7 +95,7 @@ def test_every_rank_below_a_launcher_is_watched_and_the_hung_one_is_captured_wit
             assert after[launcher["pid"]]["state"] == "healthy"
             assert after[ranks[1]["pid"]]["state"] in ("captured", "healthy")
         finally:
-            kill_group(run)
+            stop(run, sig=signal.SIGKILL, group=True)
 
 
 def _job_rank(d: Daemon, rank: int, argv: list[str]) -> subprocess.Popen[bytes]:
@@ -156,7 +148,7 @@ def test_a_rank_that_left_is_the_first_culprit_and_leads_the_summary(tmp_path: P
             assert json.loads(again.stdout)["summary"] == a["summary"]
         finally:
             for p in (r0, r1):
-                kill_group(p)
+                stop(p, sig=signal.SIGKILL, group=True)
 
 
 def test_a_workload_that_never_beats_is_not_hung_after_the_startup_grace(tmp_path: Path) -> None:
@@ -181,8 +173,8 @@ def test_a_workload_that_never_beats_is_not_hung_after_the_startup_grace(tmp_pat
                               and e.get("event") in ("stack_sample_failed", "stack_frozen_idle")], 20, "its stack sampled")
             assert [i["job"] for i in d.store().list()] == ["batch"]
         finally:
-            kill_group(quiet)
-            kill_group(declared)
+            stop(quiet, sig=signal.SIGKILL, group=True)
+            stop(declared, sig=signal.SIGKILL, group=True)
 
 
 def test_analyze_a_hand_made_directory_with_an_exited_rank_and_one_missing(tmp_path: Path) -> None:
@@ -222,7 +214,7 @@ def test_a_launcher_known_by_name_is_never_hung_for_its_own_beats(tmp_path: Path
             assert d.store().list() == []
             assert status(d)[0]["state"] == "healthy"
         finally:
-            kill_group(run)
+            stop(run, sig=signal.SIGKILL, group=True)
 
 
 def test_an_exit_record_is_believed_only_as_a_small_regular_file_of_its_process(tmp_path: Path) -> None:
@@ -312,7 +304,7 @@ def test_a_rank_that_ran_out_of_data_below_a_launcher_leads_the_verdict(tmp_path
             assert a["culprits"][0]["rank"] == 1
             assert re.match(r"Rank 1 exited at \d\d:\d\d:\d\d\b.*?, [0-9.]+ s before rank 0 stopped", a["summary"]), a["summary"]
         finally:
-            kill_group(run)
+            stop(run, sig=signal.SIGKILL, group=True)
 
 
 def test_the_collective_an_exited_rank_never_joined_comes_from_the_survivors_flight_recorder(tmp_path: Path) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hangwatchd.fleet.testing import S3Server
-from hangwatchd.testing import Daemon, wait_for
+from hangwatchd.testing import Daemon, stop, wait_for
 
 from .conftest import hangwatchd
 
@@ -63,17 +62,6 @@ def rank(d: Daemon, job: str, r: int, how: str, timeout: float) -> subprocess.Po
     return d.run([sys.executable, "-c", RANKS, how], "--job", job, "--rank", str(r), "--heartbeat-timeout", str(timeout),
                  stdout=subprocess.PIPE, env=dict(os.environ, WORLD_SIZE="2"))
 
-
-def stop(*procs: subprocess.Popen[bytes]) -> None:
-    """The launcher passes SIGTERM on to its workload and waits for it."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def analyze_store(s3: S3Server, job: str) -> dict | None:

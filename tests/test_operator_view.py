@@ -6,20 +6,16 @@ from __future__ import annotations
 import json
 import lzma
 import re
+import signal
 import socket
-import subprocess
 from pathlib import Path
 
-from hangwatchd.testing import Daemon, wait_for, workload_argv
+from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
 
 from .conftest import FIXTURES, hangwatchd
 
 LONG_ARG = "epoch-" + "x" * 70 + "-30"
 
-
-def _stop(p: subprocess.Popen[bytes]) -> None:
-    p.kill()
-    p.wait()
 
 
 def test_a_hang_gets_a_page_an_id_in_the_metrics_and_honest_columns(tmp_path: Path) -> None:
@@ -49,7 +45,7 @@ def test_a_hang_gets_a_page_an_id_in_the_metrics_and_honest_columns(tmp_path: Pa
             stored = [e for e in d.logs() if e.get("event") == "incident_stored"]
             assert [e["incident"] for e in stored] == [inc["id"]]
         finally:
-            _stop(work)
+            stop(work, sig=signal.SIGKILL)
 
 
 def test_a_templated_kernel_name_is_shortened_in_text_and_whole_in_json(tmp_path: Path) -> None:

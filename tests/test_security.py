@@ -31,7 +31,7 @@ import pytest
 import zstandard
 
 from hangwatchd import heartbeat, untrusted
-from hangwatchd.testing import Daemon, wait_for, workload_argv
+from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
 from hangwatchd.user_limits import UserLimits
 
 from .conftest import FIXTURES
@@ -170,10 +170,7 @@ class Attacker:
         return p
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        stop(*self.procs, sig=signal.SIGKILL, group=True)
 
 
 @pytest.fixture
@@ -214,13 +211,7 @@ class RootHang:
         return inc
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop(self.proc, group=True)
 
 
 def all_bytes(root: Path) -> Iterator[tuple[Path, bytes]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -11,17 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from hangwatchd.testing import Daemon, wait_for
+from hangwatchd.testing import Daemon, stop, wait_for
 
 from .conftest import hangwatchd
 
 FAST = {"stack_interval": 0.5, "stack_window": 3.0, "pyspy_native": False, "gpu_dump": "never"}
 
-
-def stop(p: subprocess.Popen[bytes]) -> None:
-    if p.poll() is None:
-        p.kill()
-        p.wait()
 
 
 def python(code: str, **kw: object) -> subprocess.Popen[bytes]:
@@ -56,7 +52,7 @@ def test_discovery_finds_a_gpu_process_that_never_imports_hangwatchd_and_catches
             st = json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)
             assert [p["source"] for p in st["processes"]] == ["discovered"]
         finally:
-            stop(work)
+            stop(work, sig=signal.SIGKILL)
 
 
 def test_healthy_and_idle_processes_raise_nothing_under_sampling(tmp_path: Path, fake_gpu: Path) -> None:
@@ -76,7 +72,7 @@ def test_healthy_and_idle_processes_raise_nothing_under_sampling(tmp_path: Path,
             assert any(e.get("event") == "stack_frozen_idle" for e in d.logs())  # the idle one was seen, and let be
         finally:
             for p in procs:
-                stop(p)
+                stop(p, sig=signal.SIGKILL)
 
 
 def test_a_declared_stack_timeout_catches_a_process_that_merely_stopped_moving(tmp_path: Path) -> None:
@@ -87,7 +83,7 @@ def test_a_declared_stack_timeout_catches_a_process_that_merely_stopped_moving(t
             (inc,) = wait_for(d.store().list, 30, "a stack incident")
             assert inc["reason"] == "stack" and "declared --stack-timeout" in inc["summary"]
         finally:
-            stop(work)
+            stop(work, sig=signal.SIGKILL)
 
 
 def test_a_learned_timeout_catches_a_fast_loop_within_seconds(tmp_path: Path) -> None:
@@ -109,7 +105,7 @@ def test_a_learned_timeout_catches_a_fast_loop_within_seconds(tmp_path: Path) ->
             (p,) = st["processes"]
             assert p["timeout_source"] == "learned" and p["timeout"] == 5.0
         finally:
-            stop(work)
+            stop(work, sig=signal.SIGKILL)
 
 
 def test_a_phase_without_beats_whose_stack_moves_is_not_a_hang(tmp_path: Path) -> None:
@@ -130,7 +126,7 @@ def test_a_phase_without_beats_whose_stack_moves_is_not_a_hang(tmp_path: Path) -
             (p,) = st["processes"]
             assert p["state"] == "healthy" and p["timeout"] > 5.0  # the pause was learned
         finally:
-            stop(work)
+            stop(work, sig=signal.SIGKILL)
 
 
 def test_sd_notify_watchdog_counts_as_a_beat_and_status_is_kept(tmp_path: Path) -> None:
@@ -155,4 +151,4 @@ def test_sd_notify_watchdog_counts_as_a_beat_and_status_is_kept(tmp_path: Path) 
             assert data["notify_status"] == "serving step 29"
             assert d.proc.poll() is None
         finally:
-            stop(work)
+            stop(work, sig=signal.SIGKILL)

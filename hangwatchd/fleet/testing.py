@@ -7,14 +7,13 @@ back empty (the bucket is made again), which a node must cope with anyway.
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from typing import Any
+
+from ..testing import stop, wait_for
 
 
 def free_port() -> int:
@@ -45,26 +44,27 @@ class S3Server:
     def start(self) -> S3Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        end = time.monotonic() + 30
-        while True:
+        proc = self.proc
+
+        def answers() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"moto server on port {self.port} did not start (it exited)")
             try:
                 urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=1).close()
-                break
             except OSError:
-                if self.proc.poll() is not None or time.monotonic() > end:
-                    raise RuntimeError(f"moto server on port {self.port} did not start") from None
-                time.sleep(0.1)
+                return False
+            return True
+
+        try:
+            wait_for(answers, 30, f"moto server on port {self.port}", every=0.1)
+        except TimeoutError:
+            raise RuntimeError(f"moto server on port {self.port} did not start") from None
         self.client().create_bucket(Bucket=self.bucket)
         return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        if self.proc is not None:
+            stop(self.proc, group=True)
         self.proc = None
 
     def client(self) -> Any:

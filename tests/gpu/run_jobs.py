@@ -34,7 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd.testing import Daemon, hangwatchd_argv, wait_for  # noqa: E402
+from hangwatchd.testing import Daemon, hangwatchd_argv, stop, wait_for  # noqa: E402
 
 STEPS = 25
 HEARTBEAT_TIMEOUT = 10
@@ -57,15 +57,6 @@ def status(d: Daemon) -> list[dict[str, Any]]:
     return json.loads(res.stdout)["processes"] if res.returncode == 0 else []
 
 
-def kill_group(p: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        p.wait(10)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def scenario(name: str, out: Path, fake: bool) -> dict[str, Any]:
@@ -143,7 +134,7 @@ def scenario(name: str, out: Path, fake: bool) -> dict[str, Any]:
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:
         for p in ranks:
-            kill_group(p)
+            stop(p, sig=signal.SIGKILL, group=True)
         for log in logs:
             log.close()
         d.stop()

@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd.testing import Daemon, hangwatchd_argv, wait_for  # noqa: E402
+from hangwatchd.testing import Daemon, hangwatchd_argv, stop, wait_for  # noqa: E402
 
 FIX = ROOT / "tests" / "fixtures" / "gpu"
 
@@ -57,10 +58,6 @@ def new_incident(d: Daemon, seen: set[str], seconds: float) -> dict:
     return inc
 
 
-def kill(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        p.kill()
-        p.wait()
 
 
 def main(out: Path) -> int:
@@ -92,7 +89,7 @@ def main(out: Path) -> int:
             results["triton_hang"]["workload_exit"] = work.wait(30)
         except subprocess.TimeoutExpired:
             results["triton_hang"]["workload_exit"] = "still running: killed"
-            kill(work)
+            stop(work, sig=signal.SIGKILL)
 
         # 2. cpp_ima and 4. cpp_hang need the C++ program
         binary = base / "inlined"
@@ -142,7 +139,7 @@ def main(out: Path) -> int:
             "kernels": [(k["name"], k["sms"]) for k in sym.get("kernels", [])],
             "pcs": [[(f["function"], f["line"]) for f in p["frames"]] for p in sym.get("pcs", [])],
         }
-        kill(hang)
+        stop(hang, sig=signal.SIGKILL)
     except Exception as exc:  # record how far it got; the summary says what failed
         results["error"] = f"{type(exc).__name__}: {exc}"
     finally:
