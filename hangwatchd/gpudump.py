@@ -50,10 +50,11 @@ class Stored:
     note: str | None  # what went wrong, if anything, in one line
 
 
-def store(dump: Path, outdir: Path, remove_source: bool = True) -> Stored:
+def store(dump: Path, outdir: Path, remove_source: bool = True, keep_dump: bool = True) -> Stored:
     """Symbolise ``dump`` into outdir/symbolized.json and keep it as outdir/coredump.nvcudmp.zst.
 
-    A full disk drops the compressed dump but keeps the symbolised report, and says so.
+    A full disk drops the compressed dump but keeps the symbolised report, and says so;
+    ``keep_dump=False`` (the report goes to the spool: no room) leaves the dump where it is.
     """
     files: list[str] = []
     notes: list[str] = []
@@ -65,6 +66,9 @@ def store(dump: Path, outdir: Path, remove_source: bool = True) -> Stored:
     except CoreDumpError as exc:
         notes.append(str(exc))
     target = outdir / "coredump.nvcudmp.zst"
+    if not keep_dump:
+        notes.append(f"the state dir is full: the dump was not copied, it stays as {dump}; the report is kept")
+        return Stored(tuple(files), result, "; ".join(notes))
     try:
         with open(dump, "rb") as src, open(target, "wb") as dst:
             zstandard.ZstdCompressor(level=3, threads=-1).copy_stream(src, dst)

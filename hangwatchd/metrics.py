@@ -41,6 +41,9 @@ class Metrics:
     registration_errors: Counter
     incidents: Counter
     gpu_exceptions: Counter
+    store_write_failures: Counter
+    incidents_pending: Gauge
+    loop_errors: Counter
     info: Info
     const: dict[str, str]
 
@@ -80,10 +83,20 @@ def create(registry: CollectorRegistry | None = None) -> Metrics:
         incidents=Counter("hangwatchd_incidents_total", "Incidents stored, by reason.", labels("reason"), registry=reg),
         gpu_exceptions=Counter("hangwatchd_gpu_exceptions_total", "GPU exceptions reported by the CUDA driver, by type.",
                                labels("type"), registry=reg),
+        store_write_failures=Counter("hangwatchd_store_write_failures_total",
+                                     "Incidents the state dir could not take (full disk): kept in the spool instead.",
+                                     names, registry=reg),
+        incidents_pending=Gauge("hangwatchd_incidents_pending", "Incident reports in the spool waiting for room in the state dir.",
+                                names, registry=reg),
+        loop_errors=Counter("hangwatchd_loop_errors_total",
+                            "Errors the daemon's loop caught while handling one registration, process or dump.",
+                            labels("where"), registry=reg),
         info=Info("hangwatchd_build", "Version of hangwatchd.", registry=reg),
         const=const,
     )
     for metric in (m.hangs, m.incidents):
         metric.labels(**m.labels(reason="heartbeat"))  # present at 0 from the start, so increase() works
     m.loop_duration.labels(**const)
+    m.store_write_failures.labels(**const)
+    m.incidents_pending.labels(**const)
     return m

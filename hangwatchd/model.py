@@ -65,6 +65,7 @@ class StepResult:
     error: str | None = None
     files: tuple[str, ...] = ()
     skipped: bool = False
+    not_applicable: bool = False  # nothing to capture here; ``error`` says why (shown as n/a)
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,18 @@ class StepFailed(Exception):
     """The step could not do its job; the message says why, for the incident and the log."""
 
 
+class StepNotApplicable(StepFailed):
+    """Nothing for this step to capture here (no GPU or NVML, no NCCL process group, not started by
+    ``hangwatchd run``): the incident says ``n/a`` and why, and no failure is counted."""
+
+
 class Step(Protocol):
     name: str  # a step may also set ``destructive = True``: it runs last, and only when policy allows
 
     def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
         """Capture into ``outdir`` within ``timeout`` seconds; return the files written.
 
-        Raise StepFailed with one clear line when it cannot."""
+        Raise StepFailed with one clear line when it cannot, StepNotApplicable when it does not apply."""
         ...
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .. import procfs
 from ..model import Registration
-from .base import StepFailed, poke_held_fifo
+from .base import StepFailed, StepNotApplicable, poke_held_fifo
 from .waitfile import Watch, owned_regular_file
 
 KEYS = frozenset({"TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "RANK"})
@@ -30,13 +30,15 @@ class FlightRecorderStep:
         env = procfs.environ(pid, KEYS)
         prefix, temp = env.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE"), env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
         if not prefix or not temp:
-            raise StepFailed("the process has no TORCH_NCCL_DEBUG_INFO_PIPE_FILE/TEMP_FILE (start it with hangwatchd run)")
+            raise StepNotApplicable("the process has no TORCH_NCCL_DEBUG_INFO_PIPE_FILE/TEMP_FILE: "
+                                    "not started by hangwatchd run")
         rank = env.get("RANK", str(target.rank) if target.rank is not None else "0")
         pipe_name = os.path.basename(prefix) + rank + ".pipe"
         owner = procfs.uid(pid)
         fifo = next(((fd, path, st) for fd, path, st in procfs.held_fifos(pid) if os.path.basename(path) == pipe_name), None)
         if fifo is None:
-            raise StepFailed(f"pid {pid} holds no flight-recorder pipe {pipe_name} (no NCCL process group yet, or PyTorch < 2.3)")
+            raise StepNotApplicable(f"pid {pid} holds no flight-recorder pipe {pipe_name}: no NCCL process group "
+                                    "(or PyTorch < 2.3)")
         dump = Path(temp + rank)
         if not dump.is_absolute():
             dump = Path(os.readlink(f"/proc/{pid}/cwd")) / dump

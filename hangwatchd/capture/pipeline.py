@@ -12,8 +12,9 @@ import structlog
 from ..metrics import Metrics
 from ..model import Incident, ProcessCapture, Registration, StepResult, Suspicion
 from ..analyze.verdict import analyze
-from ..store import Store
-from .base import Step, StepFailed
+from ..spool import Spool, has_room
+from ..store import Draft, Store, StoreWriteError, incident_to_json
+from .base import Step, StepFailed, StepNotApplicable
 
 log = structlog.get_logger("hangwatchd.capture")
 
@@ -54,6 +55,8 @@ def run_steps(
         try:
             files = step.run(target, outdir, min(timeout, left))
             result = StepResult(step.name, True, time.monotonic() - start, files=tuple(files))
+        except StepNotApplicable as exc:  # nothing to capture here (no GPU, no process group): not a failure
+            result = StepResult(step.name, True, time.monotonic() - start, str(exc), not_applicable=True)
         except StepFailed as exc:
             result = StepResult(step.name, False, time.monotonic() - start, str(exc))
         except OSError as exc:  # a full disk, a vanished directory: the step fails, the pipeline goes on
@@ -63,7 +66,7 @@ def run_steps(
             metrics.step_duration.labels(**metrics.labels(step=step.name)).observe(result.seconds)
             if not result.ok:
                 metrics.step_failures.labels(**metrics.labels(step=step.name)).inc()
-        log.info("capture_step", pid=target.process.pid, step=step.name, ok=result.ok,
+        log.info("capture_step", pid=target.process.pid, step=step.name, ok=result.ok, na=result.not_applicable,
                  seconds=round(result.seconds, 3), error=result.error, files=list(result.files))
     return ProcessCapture(target, tuple(results))
 
@@ -77,10 +80,18 @@ def capture_incident(
     metrics: Metrics | None = None,
     gate: Callable[[Path], str | None] | None = None,
     notify_status: str | None = None,
+    spool: Spool | None = None,
 ) -> str:
-    """Capture every target into one new incident and store it; return the incident's id."""
+    """Capture every target into one new incident and store it; return the incident's id.
+
+    With a ``spool``, a state dir without room costs the GPU dump, never the
+    report: the report is kept in the spool until the state dir takes it."""
     job = targets[0].job if targets else None
-    draft = store.begin(suspicion.reason, job, [t.process.pid for t in targets])
+    pids = [t.process.pid for t in targets]
+    draft = _begin(store, spool, suspicion.reason, job, pids, metrics)
+    if draft.spooled:
+        why = "the state dir has no room: the report is kept, a GPU dump would be lost (it ends the process)"
+        gate = lambda _outdir: why  # noqa: E731
     # Everything gentle on every rank first: a GPU dump ends its process, and a launcher
     # like torchrun then tears down the other ranks before they could be read.
     gentle = [(s, t) for s, t in steps if not getattr(s, "destructive", False)]
@@ -89,9 +100,57 @@ def capture_incident(
     captures = [ProcessCapture(pc.registration, pc.steps + run_steps(last, pc.registration, draft.path / str(pc.registration.process.pid),
                                                                       budget, metrics, gate).steps) if last else pc
                 for pc in first_pass]
-    analysis = analyze(draft.path)
+    try:
+        analysis = analyze(draft.path)
+        verdict, analysis_dict = analysis.summary, analysis.to_dict()
+    except Exception as exc:  # noqa: BLE001 - a capture is stored even when its analysis fails
+        log.error("analysis_failed", incident=draft.id, error=f"{type(exc).__name__}: {exc}")
+        verdict, analysis_dict = f"the analysis failed ({type(exc).__name__}: {exc}); the evidence is kept", None
     incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason=suspicion.reason,
                         detail=suspicion.detail, job=job, processes=tuple(captures), signals=suspicion.signals,
-                        notify_status=notify_status, verdict=analysis.summary)
-    store.commit(draft, incident, f"{analysis.summary} ({suspicion.detail})", analysis.to_dict())
+                        notify_status=notify_status, verdict=verdict)
+    finish(store, spool, draft, incident, f"{verdict} ({suspicion.detail})", analysis_dict, metrics)
     return draft.id
+
+
+def _begin(store: Store, spool: Spool | None, reason: str, job: str | None, pids: list[int],
+           metrics: Metrics | None) -> Draft:
+    if spool is not None and not has_room(store.root):
+        _count_store_failure(metrics, f"less than the room floor free in {store.root}")
+        return spool.begin(reason, job, pids)
+    try:
+        return store.begin(reason, job, pids)
+    except StoreWriteError as exc:
+        if spool is None:
+            raise
+        _count_store_failure(metrics, str(exc))
+        return spool.begin(reason, job, pids)
+
+
+def finish(store: Store, spool: Spool | None, draft: Draft, incident: Incident, summary: str,
+           analysis: dict | None = None, metrics: Metrics | None = None) -> None:  # type: ignore[type-arg]
+    """Commit a draft to the store, or seal it in the spool when the store cannot take it."""
+    if not draft.spooled:
+        try:
+            store.commit(draft, incident, summary, analysis)
+            return
+        except StoreWriteError as exc:
+            if spool is None:
+                raise
+            _count_store_failure(metrics, str(exc))
+            spooled = spool.take_over(draft)
+            store.abandon(draft)  # frees the room the draft held
+            draft = spooled
+    assert spool is not None
+    data = incident_to_json(incident)
+    if analysis is not None:
+        data["analysis"] = analysis
+    spool.keep(draft, data, summary)
+    log.error("incident_spooled", incident=draft.id, spool=str(spool.dir),
+              why="the state dir has no room; stored once it has")
+
+
+def _count_store_failure(metrics: Metrics | None, why: str) -> None:
+    log.error("store_write_failed", error=why)
+    if metrics is not None:
+        metrics.store_write_failures.labels(**metrics.labels()).inc()

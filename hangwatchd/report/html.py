@@ -90,7 +90,8 @@ def render(data: dict[str, Any], incident_dir: Path) -> str:
         steps = proc.get("steps") or []
         if steps:
             parts.append(_table(["step", "outcome", "seconds", "note"], [
-                [_e(s["step"]), '<span class="skip">skipped</span>' if s.get("skipped") else
+                [_e(s["step"]), '<span class="skip">n/a</span>' if s.get("not_applicable") else
+                 '<span class="skip">skipped</span>' if s.get("skipped") else
                  ('<span class="ok">ok</span>' if s["ok"] else '<span class="bad">failed</span>'),
                  f"{s['seconds']:.2f}", _e(s.get("error"))] for s in steps]))
         for thread in proc.get("stacks") or []:

@@ -89,7 +89,7 @@ def render_text(data: dict[str, Any]) -> str:
         if steps:
             out.append("  capture:")
             for s in steps:
-                outcome = "skipped" if s.get("skipped") else "ok" if s["ok"] else "FAILED"
+                outcome = "n/a" if s.get("not_applicable") else "skipped" if s.get("skipped") else "ok" if s["ok"] else "FAILED"
                 why = f" - {s['error']}" if s.get("error") else ""
                 out.append(f"    {s['step']:<16} {outcome:<8} {s['seconds']:6.2f} s{why}")
         stacks = proc.get("stacks")
