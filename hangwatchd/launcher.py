@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import gpudump, heartbeat, procfs, registry, runtime
+from . import gpudump, heartbeat, pdeathsig, procfs, registry, runtime
 from .client import BEAT_FILE_ENV
 from .cudacore import driverlog
 from .config import RUNTIME_DIR_ENV, Config
@@ -84,12 +84,16 @@ def run(launch: Launch) -> int:
     except OSError:
         beat_file = None  # no runtime dir we can write: run unwatched
 
-    def claim_segment() -> None:  # in the child, before exec: the segment is the child's own
+    launcher_pid = os.getpid()
+
+    def prepare_child() -> None:  # in the child, before exec
+        # The workload dies with us, even when we are SIGKILLed: nobody would watch it otherwise.
+        pdeathsig.die_with_parent(launcher_pid)
         if beat_file is not None:
-            heartbeat.set_owner(str(beat_file), os.getpid())
+            heartbeat.set_owner(str(beat_file), os.getpid())  # the segment is the child's own
 
     try:
-        child = subprocess.Popen(list(launch.command), env=env, preexec_fn=claim_segment, stderr=subprocess.PIPE)
+        child = subprocess.Popen(list(launch.command), env=env, preexec_fn=prepare_child, stderr=subprocess.PIPE)
     except FileNotFoundError:
         _cleanup(beat_file, None, launch.runtime_dir)
         raise LaunchError(f"{launch.command[0]}: command not found") from None

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+from urllib.request import pathname2url
 
 from .model import Incident
 
@@ -116,11 +117,15 @@ class Store:
             raise StoreError(f"state dir {self.root} is not writable; pass --state-dir with a writable directory")
 
     @contextmanager
-    def _db(self) -> Iterator[sqlite3.Connection]:
-        db = sqlite3.connect(self.index, timeout=10, isolation_level=None)
+    def _db(self, readonly: bool = False) -> Iterator[sqlite3.Connection]:
+        if readonly:  # a reader writes nothing, so it still reads a state dir that is full
+            db = sqlite3.connect(f"file:{pathname2url(str(self.index))}?mode=ro", timeout=10, isolation_level=None, uri=True)
+        else:
+            db = sqlite3.connect(self.index, timeout=10, isolation_level=None)
         try:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
+            if not readonly:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")
             yield db
         finally:
             db.close()
@@ -309,7 +314,7 @@ class Store:
         if not self.index.exists():
             return []
         try:
-            with self._db() as db:
+            with self._db(readonly=True) as db:
                 rows = db.execute(
                     "SELECT id, time, host, reason, job, status, processes, summary FROM incidents "
                     "WHERE status != 'capturing' ORDER BY time DESC, id DESC LIMIT ?", (limit,)).fetchall()
