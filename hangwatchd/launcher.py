@@ -81,7 +81,9 @@ def run(launch: Launch) -> int:
         env["NOTIFY_SOCKET"] = str(notify.address)
         if launch.heartbeat_timeout and "WATCHDOG_USEC" not in env:
             env["WATCHDOG_USEC"] = str(int(launch.heartbeat_timeout * 1e6))
-    except OSError:
+    except OSError as exc:
+        print(f"hangwatchd: cannot prepare the beat segment or notify socket under {launch.runtime_dir} "
+              f"({exc.strerror or exc}); the workload runs unwatched", file=sys.stderr)
         beat_file = None  # no runtime dir we can write: run unwatched
 
     launcher_pid = os.getpid()
