@@ -8,7 +8,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY hangwatchd ./hangwatchd
-RUN pip install ".[nvdisasm]" && rm -rf /src
+RUN pip install ".[nvdisasm]" nvidia-ml-py && rm -rf /src
 
 COPY config/hangwatchd.toml /etc/hangwatchd/hangwatchd.toml
 EXPOSE 9842
