@@ -13,6 +13,7 @@ from typing import Any
 
 from .config import ConfigError, client_runtime_dir
 from .cudacore.errors import CoreDumpError
+from .store import StoreError
 
 
 class UsageError(Exception):
@@ -363,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CoreDumpError, UsageError, ConfigError) as exc:
         print(f"hangwatchd: {exc}", file=sys.stderr)
         return 2
-    except Failure as exc:
+    except (Failure, StoreError) as exc:
         print(f"hangwatchd: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -119,9 +119,14 @@ class Daemon:
         cfg = self.config
         Path(cfg.runtime_dir).mkdir(parents=True, exist_ok=True)
         self.lock.acquire()  # first: a second daemon must not touch the first one's store or files
-        self.store.open()
-        for incident_id in self.store.recover():
-            log.warning("incident_recovered", incident=incident_id)
+        full = self.store.open()
+        if full:
+            log.error("store_write_failed", error=full)
+        try:
+            for incident_id in self.store.recover():
+                log.warning("incident_recovered", incident=incident_id)
+        except StoreWriteError as exc:
+            log.error("recover_deferred", error=str(exc))
         self.ingested |= self.store.ingested()
         self.spool.clear_partials()
         registry.prepare_dirs(Path(cfg.runtime_dir))

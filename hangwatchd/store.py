@@ -105,16 +105,30 @@ class Store:
         self.dir = self.root / "incidents"
         self.index = self.root / "index.sqlite"
 
-    def open(self) -> None:
-        """Create the layout (or check it is usable) and the index."""
+    def open(self) -> str | None:
+        """Create the layout (or check it is usable) and the index.
+
+        A state dir that is only full (its index there and readable) is usable: what
+        cannot be written waits in the spool. Returns a warning to log then, else None."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             with self._db() as db:
                 db.executescript(SCHEMA)
         except (OSError, sqlite3.Error) as exc:
+            if self._readable() and os.access(self.dir, os.W_OK):
+                return f"state dir {self.root} cannot be written now ({exc}); reports wait in the spool until it can"
             raise StoreError(f"state dir {self.root} is not usable ({exc}); pass --state-dir with a writable directory") from None
         if not os.access(self.dir, os.W_OK):
             raise StoreError(f"state dir {self.root} is not writable; pass --state-dir with a writable directory")
+        return None
+
+    def _readable(self) -> bool:
+        """An index is there (its header says SQLite): a state dir that fails only for want of room."""
+        try:
+            with open(self.index, "rb") as f:
+                return f.read(16) == b"SQLite format 3\0"
+        except OSError:
+            return False
 
     @contextmanager
     def _db(self, readonly: bool = False) -> Iterator[sqlite3.Connection]:
@@ -235,7 +249,15 @@ class Store:
             os.close(fd)
 
     def recover(self) -> list[str]:
-        """Finish or mark incomplete what a crash left half-done; return the ids touched."""
+        """Finish or mark incomplete what a crash left half-done; return the ids touched.
+
+        StoreWriteError when the state dir cannot be written (full): the rest waits for the next start."""
+        try:
+            return self._recover()
+        except (OSError, sqlite3.Error) as exc:
+            raise _write_failure(self.root, exc) from exc
+
+    def _recover(self) -> list[str]:
         touched = []
         with self._db() as db:
             rows = db.execute("SELECT id FROM incidents WHERE status='capturing'").fetchall()

@@ -164,3 +164,31 @@ def test_a_full_state_dir_keeps_the_report_and_stores_it_when_space_returns(tmp_
             d.stop()
     finally:
         subprocess.run(["umount", "-l", str(state)])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs for the state dir needs root (CI runs as root)")
+def test_the_daemon_starts_on_a_full_state_dir_and_every_command_answers_in_one_line(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(state)], check=True)
+    try:
+        Daemon(tmp_path / "d", "--state-dir", str(state)).stop()  # an index exists, as on any node
+        Store(state).open()  # the last connection checkpoints the WAL away: opening it again needs room
+        assert not (state / "index.sqlite-wal").exists()
+        filler = fill(state)
+        with Daemon(tmp_path / "d", "--state-dir", str(state)) as d:  # a restart while full: up, not exit 2
+            victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            try:
+                for argv in (["incidents"], ["incidents", "--json"], ["show", "nosuchid"],
+                             ["capture", str(victim.pid)]):
+                    res = hangwatchd(*argv, "--state-dir", str(state), "--runtime-dir", str(d.runtime_dir))
+                    out = (res.stdout + res.stderr).strip().splitlines()
+                    assert "Traceback" not in res.stderr and len(out) == 1, (argv, res.stdout, res.stderr)
+                    assert res.returncode in (0, 1, 2), (argv, res.returncode)
+            finally:
+                victim.kill()
+                victim.wait()
+            filler.unlink()
+            assert d.proc.poll() is None
+    finally:
+        subprocess.run(["umount", "-l", str(state)])
