@@ -14,6 +14,9 @@ import timeit
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _figures import Figure, report  # noqa: E402
 
 N = 200_000
 
@@ -62,11 +65,13 @@ def main() -> None:
         sender.sendto(b"STOP", path)
         os.waitpid(reader, 0)
 
-    print(f"hangwatchd.beat():               {beat_s * 1e9:7.0f} ns")
-    print(f"beat() in an unwatched process:  {idle_s * 1e9:7.0f} ns")
-    print(f"AF_UNIX datagram (sd_notify):    {dgram_s * 1e9:7.0f} ns")
-    print(f"ratio: a beat is {dgram_s / beat_s:.1f}x cheaper than the datagram")
-
+    ratio = dgram_s / beat_s
+    report("beat", [
+        Figure("one hangwatchd.beat()", f"{beat_s * 1e9:.0f} ns", f"AF_UNIX datagram (sd_notify): {dgram_s * 1e9:.0f} ns",
+               "at most 300 ns", beat_s <= 300e-9),
+        Figure("beat / datagram", f"{ratio:.1f}x cheaper", "the datagram", "at least 10x", ratio >= 10),
+        Figure("beat() in a process nobody watches", f"{idle_s * 1e9:.0f} ns", "-", "", None),
+    ])
 
 if __name__ == "__main__":
     main()

@@ -20,6 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hangwatchd.testing import Daemon, wait_for  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _figures import Figure, report  # noqa: E402
+
 TIMEOUT = 3.0
 TRIALS = 20
 AT_ONCE = 5
@@ -57,12 +60,13 @@ def main() -> None:
             for p in procs:
                 p.terminate()
                 p.wait()
-    for name, xs in (("declared hung", declared), ("incident stored", stored)):
-        print(f"{name:>16}: median {statistics.median(xs):.2f} s, max {max(xs):.2f} s after the last beat "
-              f"(timeout {TIMEOUT:g} s; max/timeout = {max(xs) / TIMEOUT:.2f})")
-    ok = max(declared) <= TIMEOUT + 1 and max(stored) <= TIMEOUT + 3
-    print(f"{TRIALS} trials, {AT_ONCE} at a time: " + ("within targets" if ok else "MISSED the targets"))
-
+    base = f"the timeout, {TIMEOUT:g} s"
+    report("detect", [
+        Figure("last beat to declared hung", f"median {statistics.median(declared):.2f} s, max {max(declared):.2f} s", base,
+               f"max within {TIMEOUT + 1:g} s", max(declared) <= TIMEOUT + 1),
+        Figure("last beat to incident stored with stacks", f"median {statistics.median(stored):.2f} s, max {max(stored):.2f} s",
+               base, f"max within {TIMEOUT + 3:g} s", max(stored) <= TIMEOUT + 3),
+    ], note=f"{TRIALS} workloads, {AT_ONCE} at a time, under a real daemon")
 
 if __name__ == "__main__":
     main()

@@ -7,7 +7,7 @@
    (target: under 1%).
 3. Eight processes hanging at once: all captured and stored (target: within 10 s).
 4. Time from a process's last change of stack to its `stack` incident (declared
-   --stack-timeout 10 s, default sampling interval).
+   --stack-timeout 10 s, default sampling interval; target: within timeout + interval + 1 s).
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hangwatchd.testing import Daemon, wait_for, workload_argv  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _figures import Figure, report  # noqa: E402
 
 WINDOW = 30.0
 BUSY = """
@@ -49,7 +52,7 @@ def cpu_and_rss(pid: int, seconds: float) -> tuple[float, float]:
     return (sum(p.cpu_times()[:2]) - t0) / seconds * 100, p.memory_info().rss / 2**20
 
 
-def daemon_load(tmp: Path) -> None:
+def daemon_load(tmp: Path) -> Figure:
     with Daemon(tmp / "load", config={"pyspy_native": False}) as d:
         idle_cpu, idle_rss = cpu_and_rss(d.proc.pid, WINDOW / 3)
         env = dict(os.environ, HANGWATCHD_RUNTIME_DIR=str(d.runtime_dir))
@@ -63,11 +66,11 @@ def daemon_load(tmp: Path) -> None:
             for p in procs:
                 p.kill()
                 p.wait()
-    print(f"1. daemon, 64 processes at 10 Hz: {cpu:.2f}% of one core, {rss:.0f} MB RSS "
-          f"(watching none: {idle_cpu:.2f}%, {idle_rss:.0f} MB; target < 2%, < 80 MB)")
+    return Figure("the daemon watching 64 processes beating at 10 Hz", f"{cpu:.2f}% of one core, {rss:.0f} MB RSS",
+                  f"watching none: {idle_cpu:.2f}%, {idle_rss:.0f} MB", "< 2%, < 80 MB", cpu < 2 and rss < 80)
 
 
-def sampling_slowdown(tmp: Path) -> None:
+def sampling_slowdown(tmp: Path) -> Figure:
     """One busy process; windows of 10 s alternate between sampled (as the daemon does, at its
     default rate) and not. The same process in both: only the sampling differs."""
     from hangwatchd.config import Config
@@ -96,11 +99,12 @@ def sampling_slowdown(tmp: Path) -> None:
         proc.kill()
         proc.wait()
     on, off = statistics.median(rates[True]), statistics.median(rates[False])
-    print(f"2. 32-thread workload sampled every {interval:g} s: {on:.0f} units/s, unsampled windows {off:.0f} units/s: "
-          f"slowdown {100 * (off - on) / off:+.2f}% (target < 1%; 6 windows of 10 s each way, alternating)")
+    slowdown = 100 * (off - on) / off
+    return Figure(f"a busy 32-thread Python workload sampled every {interval:g} s (6 windows of 10 s each way)",
+                  f"{on:.0f} units/s: {slowdown:+.2f}% slowdown", f"its unsampled windows: {off:.0f} units/s", "< 1%", slowdown < 1)
 
 
-def eight_at_once(tmp: Path) -> None:
+def eight_at_once(tmp: Path) -> Figure:
     with Daemon(tmp / "eight", config={"pyspy_native": False, "gpu_dump": "never"}) as d:
         procs = [d.run(workload_argv(beats=20, interval=0.05), "--heartbeat-timeout", "3", stdout=subprocess.PIPE)
                  for _ in range(8)]
@@ -115,11 +119,12 @@ def eight_at_once(tmp: Path) -> None:
             for p in procs:
                 p.kill()
                 p.wait()
-    print(f"3. eight hanging at once: all 8 stored {time.time() - last:.1f} s after the last beat "
-          f"(timeout 3 s; slowest capture {done:.2f} s; target: within 10 s)")
+    took = time.time() - last
+    return Figure("eight processes hanging at once (timeout 3 s)", f"all 8 stored {took:.1f} s after the last beat "
+                  f"(slowest capture {done:.2f} s)", "the timeout, 3 s", "within 10 s", took <= 10)
 
 
-def stack_latency(tmp: Path) -> None:
+def stack_latency(tmp: Path) -> Figure:
     code = ("import time, threading\nfor i in range(40): time.sleep(0.05 + i * 0.0001)\n"
             "print(time.time(), flush=True)\nlock = threading.Lock(); lock.acquire(); lock.acquire()\n")
     with Daemon(tmp / "stack", config={"pyspy_native": False, "gpu_dump": "never"}) as d:
@@ -131,17 +136,15 @@ def stack_latency(tmp: Path) -> None:
         finally:
             p.kill()
             p.wait()
-    print(f"4. last stack change to `stack` incident: {inc['time'] - changed:.1f} s "
-          f"(declared --stack-timeout 10 s, one sample every 5 s: at most timeout + interval + capture)")
+    took = inc["time"] - changed
+    return Figure("last change of stack to `stack` incident (--stack-timeout 10)", f"{took:.1f} s",
+                  "the declared 10 s + one 5 s sampling interval", "within 16 s", took <= 16)
 
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
-        daemon_load(tmp)
-        sampling_slowdown(tmp)
-        eight_at_once(tmp)
-        stack_latency(tmp)
+        report("stress", [daemon_load(tmp), sampling_slowdown(tmp), eight_at_once(tmp), stack_latency(tmp)])
 
 
 if __name__ == "__main__":

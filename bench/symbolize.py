@@ -2,7 +2,7 @@
 against cuda-gdb on the same dump in the same run where cuda-gdb is installed.
 
     python bench/symbolize.py            # every fixture
-Prints one row per dump: our seconds and MB, cuda-gdb's seconds, and the ratio.
+One figure per dump: our seconds and MB against the targets (2 s, 200 MB), cuda-gdb's seconds as the baseline.
 """
 
 from __future__ import annotations
@@ -20,8 +20,12 @@ sys.path.insert(0, str(ROOT))
 
 from hangwatchd.cudacore.cudagdb import cuda_gdb_argv, find_cuda_gdb  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from _figures import Figure, report  # noqa: E402
+
 FIXTURES = ROOT / "tests" / "fixtures" / "gpu"
 RUNS = 3
+TARGET_S, TARGET_MB = 2.0, 200.0
 
 
 def timed(argv: list[str]) -> tuple[float, float]:
@@ -40,19 +44,17 @@ def timed(argv: list[str]) -> tuple[float, float]:
 
 def main() -> None:
     gdb = find_cuda_gdb()
-    print(f"{'dump':<12} {'MB':>6} {'ours s':>7} {'ours MB':>8} {'cuda-gdb s':>10} {'ratio':>6}")
+    figures = []
     with tempfile.TemporaryDirectory() as tmp:
         for xz in sorted(FIXTURES.glob("*/coredump.nvcudmp.xz")):
             raw = Path(tmp) / f"{xz.parent.name}.nvcudmp"
             raw.write_bytes(lzma.decompress(xz.read_bytes()))
             ours, mem = timed([sys.executable, "-m", "hangwatchd", "symbolize", "--json", str(raw)])
             theirs = timed(cuda_gdb_argv(gdb, str(raw)))[0] if gdb else None
-            ratio = f"{theirs / ours:5.2f}x" if theirs else "n/a"
-            print(f"{xz.parent.name:<12} {raw.stat().st_size / 1e6:6.1f} {ours:7.2f} {mem:8.0f} "
-                  f"{(f'{theirs:10.2f}' if theirs else '       n/a')} {ratio:>6}")
-    if not gdb:
-        print("cuda-gdb is not installed here: the ratio (cuda-gdb time / ours, higher is better for us) needs a GPU machine.")
-
+            baseline = f"cuda-gdb {theirs:.2f} s ({theirs / ours:.2f}x ours)" if theirs else "cuda-gdb not installed here"
+            figures.append(Figure(f"{xz.parent.name} ({raw.stat().st_size / 1e6:.1f} MB)", f"{ours:.2f} s, {mem:.0f} MB peak RSS",
+                                  baseline, f"within {TARGET_S:g} s and {TARGET_MB:g} MB", ours <= TARGET_S and mem <= TARGET_MB))
+    report("symbolize", figures, note="best of 3, the child's peak RSS (the mapped dump's pages count)")
 
 if __name__ == "__main__":
     main()

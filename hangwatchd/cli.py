@@ -6,13 +6,15 @@ import argparse
 import dataclasses
 import json
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from .config import ConfigError, client_runtime_dir
 from .cudacore.errors import CoreDumpError
+from .metrics import AddressError
 from .store import StoreError
 
 
@@ -99,6 +101,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
     from . import config, log, registry
     from .capture import capture_incident, make_steps
     from .model import Suspicion
+    from .report import html
     from .store import Store, StoreError
 
     cfg = config.load(args.config, {"state_dir": args.state_dir, "runtime_dir": args.runtime_dir})
@@ -106,7 +109,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
     target = registry.from_proc(args.pid)
     if target is None:
         raise UsageError(f"capture: no process {args.pid}")
-    store = Store(cfg.state_dir)
+    store = Store(cfg.state_dir, pages=html.pages)
     try:
         store.open()
     except StoreError as exc:
@@ -202,15 +205,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     for p in status["processes"]:
         age = p.get("last_beat_age")
         rows.append((
-            str(p["pid"]), p.get("job") or "-", str(p["rank"]) if p.get("rank") is not None else "-", p["state"],
+            str(p["pid"]), _cut(p.get("job") or "-", 32), str(p["rank"]) if p.get("rank") is not None else "-", p["state"],
             f"{age:.1f}s ago" if age is not None else "never",
             f"{p['timeout']:.3g}s ({p.get('timeout_source', 'config')})", p.get("incident") or "-",
-            " ".join(p.get("cmdline") or [])[:60],
+            _cut(" ".join(p.get("cmdline") or []), 60),
         ))
     _table(rows)
     if len(rows) == 1:
         print("(no process is watched)")
     return 0
+
+
+def _cut(text: str, width: int) -> str:
+    """At most ``width`` characters; a cut one ends in '…' so nobody reads '3' for '30'."""
+    return text if len(text) <= width else text[: width - 1].rstrip() + "…"
 
 
 def _table(rows: list[tuple[str, ...]]) -> None:
@@ -247,6 +255,8 @@ def _pending(args: argparse.Namespace) -> Any:
 
 
 def cmd_incidents(args: argparse.Namespace) -> int:
+    from .report.names import fold
+
     store = _store(args)
     items = _list(store)
     waiting = _pending(args).pending()
@@ -266,8 +276,8 @@ def cmd_incidents(args: argparse.Namespace) -> int:
     rows = [("ID", "TIME (UTC)", "REASON", "JOB", "PIDS", "SUMMARY")]
     for i in items:
         rows.append((i["id"] + ("" if i["complete"] else " (incomplete)"),
-                     time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(i["time"])), i["reason"], i["job"] or "-",
-                     ",".join(map(str, i["processes"])), (i["summary"] or "")[:80]))
+                     time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(i["time"])), i["reason"], _cut(i["job"] or "-", 32),
+                     _cut(",".join(map(str, i["processes"])), 24), _cut(fold(i["summary"] or ""), 100)))
     _table(rows)
     return 0
 
@@ -285,74 +295,179 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 # -- the parser ------------------------------------------------------------
+#
+# Every subcommand is declared through ``_command``: a one-line summary (the
+# top-level list), a description and an example (its own --help). Defaults are
+# written into each flag's help from config.KEYS, so --help cannot drift from
+# the daemon.
+
+class _Parser(argparse.ArgumentParser):
+    """Bad usage is one line on stderr and exit status 2, like every other error here."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}; see '{self.prog} --help'\n")
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Wraps prose, keeps the example lines (indented) as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n".join(line if not line or line.startswith("  ") else
+                         textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent)
+                         for line in text.splitlines())
+
+
+def _default(key: str) -> str:
+    from .config import KEYS
+
+    value = KEYS[key].default
+    return '""' if value == "" else str(value)
+
+
+def _command(sub: Any, name: str, func: Any, summary: str, description: str, examples: Sequence[str],
+             parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
+    epilog = "examples:\n" + "\n".join(f"  {e}" for e in examples)
+    p = sub.add_parser(name, parents=list(parents), help=summary, description=description, epilog=epilog,
+                       formatter_class=_Formatter)
+    p.set_defaults(func=func)
+    return p
+
+
+def _duration(text: str) -> float:
+    """argparse type for a duration flag: 30, 2.5, "500ms", "10m"."""
+    from .config import Invalid, parse_duration
+
+    try:
+        return parse_duration(float(text) if _is_number(text) else text)
+    except Invalid as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {exc}") from None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hangwatchd", description="Watchdog for hung GPU jobs.")
-    sub = p.add_subparsers(dest="command", required=True)
+    from . import __version__
+
+    p = _Parser(
+        prog="hangwatchd", formatter_class=_Formatter,
+        description="Watchdog for hung GPU jobs: notices a process that stopped making progress, captures its "
+                    "stacks and GPU state before anyone kills it, explains the hang, stores an incident and "
+                    "exports Prometheus metrics.",
+        epilog="examples:\n  hangwatchd daemon --config /etc/hangwatchd/hangwatchd.toml\n"
+               "  hangwatchd run --job train -- torchrun --nproc-per-node 8 train.py\n"
+               "  hangwatchd incidents\n\n'hangwatchd COMMAND --help' describes each command.")
+    p.add_argument("--version", action="version", version=f"hangwatchd {__version__}", help="print the version and exit")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # Options several commands share, defined once.
     dirs = argparse.ArgumentParser(add_help=False)
-    dirs.add_argument("--state-dir", help="incidents and their index (default: the running daemon's, else /var/lib/hangwatchd)")
-    dirs.add_argument("--runtime-dir", help="the daemon's runtime dir (default $HANGWATCHD_RUNTIME_DIR or /run/hangwatchd)")
+    dirs.add_argument("--state-dir", help="incidents and their index (default: the running daemon's, "
+                                          f"else {_default('state_dir')})")
+    dirs.add_argument("--runtime-dir", help="the daemon's runtime dir, where it says what it watches "
+                                            f"(default: $HANGWATCHD_RUNTIME_DIR, else {_default('runtime_dir')})")
     as_json = argparse.ArgumentParser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="print JSON instead of text")
+    config_file = argparse.ArgumentParser(add_help=False)
+    config_file.add_argument("--config", metavar="FILE", help="TOML config file, every key optional; see "
+                             "config/hangwatchd.toml (default: none, the built-in defaults)")
 
-    d = sub.add_parser("daemon", help="run the watchdog in the foreground (a systemd Type=notify service)")
-    d.add_argument("--config", help="TOML config file (see config/hangwatchd.toml)")
-    d.add_argument("--state-dir", help="incidents and their index (default /var/lib/hangwatchd)")
-    d.add_argument("--runtime-dir", help="registrations, heartbeat segments, pipes (default /run/hangwatchd)")
-    d.add_argument("--dump-dir", help="where CUDA writes coredumps (default STATE_DIR/dumps)")
-    d.add_argument("--metrics-address", help="HOST:PORT for Prometheus /metrics; '' for none (default 0.0.0.0:9842)")
-    d.add_argument("--heartbeat-timeout", type=float, help="seconds without a beat before a process is hung")
-    d.add_argument("--log-format", choices=["json", "console"])
-    d.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    d.set_defaults(func=cmd_daemon)
+    d = _command(sub, "daemon", cmd_daemon, "run the watchdog in the foreground (a systemd Type=notify service)",
+                 "Watch every registered (and, with discover = true, every GPU) process; declare a hang when its "
+                 "heartbeat or its stack stops; capture, explain and store an incident; serve /metrics. "
+                 "Flags override the config file. Runs until SIGTERM.",
+                 ["hangwatchd daemon --config /etc/hangwatchd/hangwatchd.toml",
+                  "hangwatchd daemon --state-dir /tmp/hw --runtime-dir /tmp/hw-run --log-format console"],
+                 [config_file])
+    d.add_argument("--state-dir", help=f"incidents and their index (default: {_default('state_dir')})")
+    d.add_argument("--runtime-dir", help="registrations, heartbeat segments, pipes; workloads find it through "
+                                         f"$HANGWATCHD_RUNTIME_DIR (default: {_default('runtime_dir')})")
+    d.add_argument("--dump-dir", help="where CUDA writes coredumps (default: STATE_DIR/dumps)")
+    d.add_argument("--metrics-address", metavar="HOST:PORT",
+                   help=f"where Prometheus scrapes /metrics; port 0 picks one, '' serves none (default: {_default('metrics_address')})")
+    d.add_argument("--heartbeat-timeout", type=_duration, metavar="DURATION",
+                   help="time without a beat before a process that declared no timeout is hung: seconds, or "
+                        f"with a unit (500ms, 10m) (default: {_default('heartbeat_timeout')} s)")
+    d.add_argument("--log-format", choices=["json", "console"],
+                   help=f"json: one JSON object a line, for a log shipper; console: for a person (default: {_default('log_format')})")
+    d.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                   help=f"the least severe events logged (default: {_default('log_level')})")
 
-    r = sub.add_parser("run", help="run a workload watched: hangwatchd run [options] -- CMD ...")
-    r.add_argument("--job", help="job id (default: $TORCHELASTIC_RUN_ID, or $MASTER_ADDR:$MASTER_PORT)")
-    r.add_argument("--rank", type=int, help="rank (default: $RANK)")
-    r.add_argument("--heartbeat-timeout", type=float, help="seconds without hangwatchd.beat() (or sd_notify WATCHDOG=1) "
-                   "before it is hung (default: learned from its beats)")
-    r.add_argument("--stack-timeout", type=float, help="seconds its Python stack may stay the same: it must keep moving")
-    r.add_argument("--runtime-dir", help="the daemon's runtime dir (default $HANGWATCHD_RUNTIME_DIR or /run/hangwatchd)")
-    r.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
-    r.set_defaults(func=cmd_run)
+    r = _command(sub, "run", cmd_run, "run a workload watched: hangwatchd run [options] -- CMD ...",
+                 "Start CMD with the CUDA coredump and PyTorch flight-recorder variables set (they only work when "
+                 "set before CUDA starts) and register it with the daemon. CMD's exit status is this command's.",
+                 ["hangwatchd run --heartbeat-timeout 5m -- python train.py",
+                  "hangwatchd run --job llama --stack-timeout 10m -- torchrun --nproc-per-node 8 train.py"])
+    r.add_argument("--job", help="job id, to group ranks (default: $TORCHELASTIC_RUN_ID, else $MASTER_ADDR:$MASTER_PORT)")
+    r.add_argument("--rank", type=int, help="this process's rank (default: $RANK)")
+    r.add_argument("--heartbeat-timeout", type=_duration, metavar="DURATION",
+                   help="time without hangwatchd.beat() (or sd_notify WATCHDOG=1) before it is hung: seconds, or "
+                        "with a unit (500ms, 10m) (default: learned from its beats, else the daemon's heartbeat_timeout)")
+    r.add_argument("--stack-timeout", type=_duration, metavar="DURATION",
+                   help="time its Python stack may stay the same, for workloads that never beat "
+                        "(default: none, not watched by its stack unless the daemon's config says so)")
+    r.add_argument("--runtime-dir", help="the daemon's runtime dir (default: $HANGWATCHD_RUNTIME_DIR, "
+                                         f"else {_default('runtime_dir')})")
+    r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]", help="the workload and its arguments")
 
-    st = sub.add_parser("status", parents=[dirs, as_json], help="every watched process: job, rank, state, last beat, timeout")
-    st.set_defaults(func=cmd_status)
+    _command(sub, "status", cmd_status, "every watched process: job, rank, state, last beat, timeout",
+             "Ask the running daemon (through its runtime dir) what it watches: each process's job, rank, state, "
+             "last beat, timeout (and where it came from) and incident.",
+             ["hangwatchd status", "hangwatchd status --json | jq '.processes[] | select(.state != \"healthy\")'"],
+             [dirs, as_json])
 
-    i = sub.add_parser("incidents", parents=[dirs, as_json], help="stored incidents, newest first")
-    i.set_defaults(func=cmd_incidents)
+    _command(sub, "incidents", cmd_incidents, "stored incidents, newest first",
+             "List the incidents in the state dir, newest first: id, time, reason, job, pids and a one-line summary.",
+             ["hangwatchd incidents", "hangwatchd incidents --state-dir /var/lib/hangwatchd --json"],
+             [dirs, as_json])
 
-    sh = sub.add_parser("show", parents=[dirs, as_json], help="the report of one incident")
-    sh.add_argument("id", help="incident id (a unique prefix will do)")
+    sh = _command(sub, "show", cmd_show, "the report of one incident",
+                  "Print one incident: the verdict, each process's capture steps and stacks, the analysis across "
+                  "ranks. Each stored incident also holds this page as report.html.",
+                  ["hangwatchd show 20261129T192301Z-854e77", "hangwatchd show 20261129T19 --html report.html"],
+                  [dirs, as_json])
+    sh.add_argument("id", metavar="ID", help="incident id, as 'hangwatchd incidents' lists it (a unique prefix will do)")
     sh.add_argument("--html", nargs="?", const="", metavar="FILE",
-                    help="write one self-contained HTML page (default ./hangwatchd-ID.html) and print its path")
-    sh.set_defaults(func=cmd_show)
+                    help="write one self-contained HTML page and print its path (default FILE: ./hangwatchd-ID.html)")
 
-    c = sub.add_parser("capture", parents=[dirs, as_json], help="capture a process's evidence now, into a new incident")
-    c.add_argument("pid", type=int)
+    c = _command(sub, "capture", cmd_capture, "capture a process's evidence now, into a new incident",
+                 "Run the capture steps on PID by hand, as the daemon does on a hang, and store an incident. "
+                 "Without --gpu-dump the process keeps running.",
+                 ["hangwatchd capture 4174", "hangwatchd capture --gpu-dump 4174"],
+                 [dirs, as_json, config_file])
+    c.add_argument("pid", type=int, metavar="PID", help="the process to capture (yours, or any as root)")
     c.add_argument("--gpu-dump", action="store_true", help="also take a CUDA coredump (this ends the process)")
-    c.add_argument("--config")
-    c.set_defaults(func=cmd_capture)
 
-    an = sub.add_parser("analyze", parents=[as_json],
-                        help="explain an incident directory: each rank's verdict, the rank that diverged")
-    an.add_argument("dir", help="an incident directory (also one put together by hand)")
-    an.set_defaults(func=cmd_analyze)
+    an = _command(sub, "analyze", cmd_analyze, "explain an incident directory: each rank's verdict, the rank that diverged",
+                  "Read an incident directory (one subdirectory per process: pyspy.json, flight-recorder.pkl, "
+                  "symbolized.json, ...) and say what each rank was doing and which one diverged.",
+                  ["hangwatchd analyze /var/lib/hangwatchd/incidents/20261129T192301Z-854e77",
+                   "hangwatchd analyze ./by-hand --json"],
+                  [as_json])
+    an.add_argument("dir", metavar="DIR", help="an incident directory (also one put together by hand)")
 
-    ck = sub.add_parser("check", parents=[dirs, as_json],
-                        help="can this node do the job? ptrace, py-spy, nvdisasm, NVML, dirs, port, inotify")
-    ck.add_argument("--config")
-    ck.add_argument("--dump-dir")
-    ck.add_argument("--metrics-address")
-    ck.set_defaults(func=cmd_check)
+    ck = _command(sub, "check", cmd_check, "can this node do the job? ptrace, py-spy, nvdisasm, NVML, dirs, port, inotify",
+                  "Check what the daemon needs on this node and say how to fix what is missing. "
+                  "Exit status 1 when a required check fails.",
+                  ["hangwatchd check", "hangwatchd check --config /etc/hangwatchd/hangwatchd.toml --json"],
+                  [dirs, as_json, config_file])
+    ck.add_argument("--dump-dir", help="where CUDA writes coredumps (default: STATE_DIR/dumps)")
+    ck.add_argument("--metrics-address", metavar="HOST:PORT",
+                    help=f"the address to check is free (default: {_default('metrics_address')})")
 
-    s = sub.add_parser("symbolize", parents=[as_json], help="explain a CUDA coredump: kernels, warps, exceptions, inline chains")
-    s.add_argument("dump", help="the coredump (raw, or compressed .xz/.gz/.zst)")
+    s = _command(sub, "symbolize", cmd_symbolize, "explain a CUDA coredump: kernels, warps, exceptions, inline chains",
+                 "Read a CUDA coredump (.nvcudmp) in pure Python: every kernel, every warp's PC grouped, each "
+                 "exception with its source line and whole inline chain.",
+                 ["hangwatchd symbolize core_node7.4174.nvcudmp", "hangwatchd symbolize --json dump.nvcudmp.zst | jq .exceptions"],
+                 [as_json])
+    s.add_argument("dump", metavar="DUMP", help="the coredump (raw, or compressed .xz/.gz/.zst)")
     s.add_argument("--cuda-gdb", action="store_true", help="also run cuda-gdb, where installed, and show its answer")
     s.add_argument("--chains", choices=["line-table", "nvdisasm"], default="line-table",
-                   help="where inline chains come from: the cubins' line tables (default, fast) or nvdisasm -gi")
-    s.set_defaults(func=cmd_symbolize)
+                   help="where inline chains come from: the cubins' line tables (fast) or nvdisasm -gi (default: line-table)")
     return p
 
 
@@ -361,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except (CoreDumpError, UsageError, ConfigError) as exc:
+    except (CoreDumpError, UsageError, ConfigError, AddressError) as exc:
         print(f"hangwatchd: {exc}", file=sys.stderr)
         return 2
     except (Failure, StoreError) as exc:

@@ -7,7 +7,9 @@ that documents it; ``config/hangwatchd.toml`` is tested against this table.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -22,78 +24,168 @@ class ConfigError(Exception):
     """A setting is wrong: the message names the key, the value and what is allowed."""
 
 
+class Invalid(ValueError):
+    """A value a key does not allow; the message says what it allows."""
+
+
 @dataclass(frozen=True)
 class Key:
     default: Any
-    check: Callable[[Any], str | None]  # returns what is allowed when the value is not
+    parse: Callable[[Any], Any]  # the value as the daemon uses it; raises Invalid(what is allowed)
     doc: str
 
-
-def _positive(v: Any) -> str | None:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-    return None if ok else "a number of seconds greater than 0"
-
-
-def _path(v: Any) -> str | None:
-    return None if isinstance(v, str) and v and "\0" not in v else "a non-empty path"
-
-
-def _optional_path(v: Any) -> str | None:
-    return None if isinstance(v, str) and "\0" not in v else "a path, or \"\" for the default"
-
-
-def _address(v: Any) -> str | None:
-    if v == "":
+    def check(self, value: Any) -> str | None:
+        """What is allowed, when ``value`` is not; None when it is."""
+        try:
+            self.parse(value)
+        except Invalid as exc:
+            return str(exc)
         return None
+
+
+def _number(v: Any) -> float | None:
+    """A finite int or float (not a bool), else None: inf and nan are never a setting."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return v
+
+
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+# systemd's convention: K, M, G, T count in 1024s like KiB..TiB; KB, MB, GB, TB in 1000s.
+_SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
+               "t": 2**40, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_QUANTITY = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
+
+
+def _quantity(v: Any, units: Mapping[str, float], default_unit: str) -> float | None:
+    """A plain number (in ``default_unit``) or a string like "10m" / "50GiB"; None when neither."""
+    n = _number(v)
+    if n is not None:
+        return float(n)
+    if not isinstance(v, str):
+        return None
+    m = _QUANTITY.fullmatch(v)
+    if not m:
+        return None
+    unit = m.group(2).lower() or default_unit
+    if unit not in units:
+        return None
+    value = float(m.group(1)) * units[unit]
+    return value if math.isfinite(value) else None
+
+
+def parse_duration(v: Any, per: float = 1.0, what: str = "seconds") -> float:
+    """Seconds (or days, with ``per=86400``) from 30, 2.5, "500ms", "10m", "1.5h", "7d"."""
+    secs = _quantity(v, {k: u / per for k, u in _DURATION_UNITS.items()} | {"": 1.0}, "")
+    if secs is None or secs <= 0:
+        raise Invalid(f"a number of {what} greater than 0, or a duration with a unit "
+                      "(\"500ms\", \"30s\", \"10m\", \"2h\", \"7d\")")
+    return secs
+
+
+def parse_size(v: Any) -> int:
+    """Bytes from 1073741824, "50GiB", "10G" (1024-based, as systemd), "500MB" (1000-based)."""
+    n = _quantity(v, _SIZE_UNITS, "")
+    if n is None or n < 1:
+        raise Invalid("a size in bytes greater than 0, or with a unit (\"500MiB\", \"50GiB\", \"10G\", \"2TB\")")
+    return int(n)
+
+
+def _seconds(v: Any) -> float:
+    return parse_duration(v)
+
+
+def _days(v: Any) -> float:
+    return parse_duration(v, per=86400.0, what="days")
+
+
+def _factor(v: Any) -> float:
+    n = _number(v)
+    if n is None or n <= 0:
+        raise Invalid("a number greater than 0")
+    return float(n)
+
+
+def _count(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise Invalid("a whole number greater than 0")
+    return v
+
+
+def _path(v: Any) -> str:
+    if isinstance(v, str) and v and "\0" not in v:
+        return v
+    raise Invalid("a non-empty path")
+
+
+def _optional_path(v: Any) -> str:
+    if isinstance(v, str) and "\0" not in v:
+        return v
+    raise Invalid("a path, or \"\" for the default")
+
+
+def _address(v: Any) -> str:
+    if v == "":
+        return v
     if isinstance(v, str) and ":" in v:
         host, _, port = v.rpartition(":")
-        if port.isdigit() and 0 <= int(port) < 65536:
-            return None
-    return "HOST:PORT (port 0 picks a free one), or \"\" to serve no metrics"
+        if port.isdigit() and 0 <= int(port) < 65536 and not any(c.isspace() or c in "/\0" for c in host):
+            return v
+    raise Invalid("HOST:PORT (port 0 picks a free one), or \"\" to serve no metrics")
 
 
-def _one_of(*allowed: str) -> Callable[[Any], str | None]:
-    def check(v: Any) -> str | None:
-        return None if v in allowed else "one of " + ", ".join(allowed)
-    return check
+def _one_of(*allowed: str) -> Callable[[Any], str]:
+    def parse(v: Any) -> str:
+        if v in allowed:
+            return str(v)
+        raise Invalid("one of " + ", ".join(allowed))
+    return parse
 
 
 STEP_NAMES = ("proc", "pyspy", "nvml", "flight_recorder", "cuda_dump")
 
 
-def _steps(v: Any) -> str | None:
-    from_known = STEP_NAMES
-    if isinstance(v, list) and v and all(s in from_known for s in v) and len(set(v)) == len(v):
-        return None
-    return "a list of capture steps without repeats, from: " + ", ".join(from_known)
+def _steps(v: Any) -> tuple[str, ...]:
+    if isinstance(v, list) and v and all(s in STEP_NAMES for s in v) and len(set(v)) == len(v):
+        return tuple(v)
+    raise Invalid("a list of capture steps without repeats, from: " + ", ".join(STEP_NAMES))
 
 
-def _bool(v: Any) -> str | None:
-    return None if isinstance(v, bool) else "true or false"
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    raise Invalid("true or false")
 
 
-def _optional_regex(v: Any) -> str | None:
-    return None if v == "" else _regex(v)
+def _optional_regex(v: Any) -> str:
+    return "" if v == "" else _regex(v)
 
 
-def _regex(v: Any) -> str | None:
-    import re
-
+def _regex(v: Any) -> str:
     try:
         re.compile(v)
     except (re.error, TypeError):
-        return "a regular expression"
-    return None
+        raise Invalid("a regular expression") from None
+    return str(v)
 
 
-def _regex_list(v: Any) -> str | None:
-    ok = isinstance(v, list) and all(isinstance(x, str) and _regex(x) is None for x in v)
-    return None if ok else "a list of regular expressions"
+def _regex_list(v: Any) -> tuple[str, ...]:
+    try:
+        if isinstance(v, list) and all(isinstance(x, str) for x in v):
+            return tuple(_regex(x) for x in v)
+    except Invalid:
+        pass
+    raise Invalid("a list of regular expressions")
 
 
-def _timeouts_by_command(v: Any) -> str | None:
-    ok = isinstance(v, dict) and all(_regex(k) is None and _positive(t) is None for k, t in v.items())
-    return None if ok else "a table of command-line regular expression = seconds greater than 0"
+def _timeouts_by_command(v: Any) -> dict[str, float]:
+    allowed = "a table of command-line regular expression = seconds greater than 0 (or a duration like \"10m\")"
+    if not isinstance(v, dict):
+        raise Invalid(allowed)
+    try:
+        return {_regex(k): parse_duration(t) for k, t in v.items()}
+    except Invalid:
+        raise Invalid(allowed) from None
 
 
 KEYS: dict[str, Key] = {
@@ -101,33 +193,33 @@ KEYS: dict[str, Key] = {
     "runtime_dir": Key(DEFAULT_RUNTIME_DIR, _path, "registrations, heartbeat segments, pipes; clients find it through $HANGWATCHD_RUNTIME_DIR"),
     "dump_dir": Key("", _optional_path, "where CUDA writes coredumps; \"\" means STATE_DIR/dumps"),
     "metrics_address": Key("0.0.0.0:9842", _address, "where Prometheus scrapes /metrics; \"\" serves none"),
-    "heartbeat_timeout": Key(120.0, _positive, "seconds without a beat before a process is hung, when it registered none of its own"),
-    "startup_grace": Key(600.0, _positive, "seconds a registered process may take to send its first beat"),
-    "rescan_interval": Key(30.0, _positive, "seconds between full rescans of the registrations (inotify is the fast path)"),
+    "heartbeat_timeout": Key(120.0, _seconds, "seconds without a beat before a process is hung, when it registered none of its own"),
+    "startup_grace": Key(600.0, _seconds, "seconds a registered process may take to send its first beat"),
+    "rescan_interval": Key(30.0, _seconds, "seconds between full rescans of the registrations (inotify is the fast path)"),
     "capture_steps": Key(list(STEP_NAMES), _steps, "capture steps to run on a hung process, in order (cuda_dump is always last)"),
-    "capture_timeout": Key(60.0, _positive, "seconds the whole capture of one process may take"),
-    "pyspy_timeout": Key(10.0, _positive, "seconds one py-spy dump may take before it is killed"),
+    "capture_timeout": Key(60.0, _seconds, "seconds the whole capture of one process may take"),
+    "pyspy_timeout": Key(10.0, _seconds, "seconds one py-spy dump may take before it is killed"),
     "pyspy_native": Key(True, _bool, "also take native (C/C++/CUDA) frames with py-spy --native"),
     "learn_timeouts": Key(True, _bool, "learn a process's heartbeat timeout from its beats when it declared none"),
-    "learned_timeout_factor": Key(10.0, _positive, "a learned timeout is this many times the longest recent beat interval"),
-    "learned_timeout_min": Key(5.0, _positive, "the shortest learned timeout, in seconds"),
-    "learned_timeout_max": Key(1800.0, _positive, "the longest learned timeout, in seconds"),
-    "learn_min_beats": Key(20, _positive, "beat intervals seen before a timeout is learned"),
-    "stack_interval": Key(5.0, _positive, "seconds between py-spy samples of a process watched by its stack"),
-    "stack_window": Key(120.0, _positive, "seconds a stack must hold to count as frozen, where the process declared no stack timeout"),
+    "learned_timeout_factor": Key(10.0, _factor, "a learned timeout is this many times the longest recent beat interval"),
+    "learned_timeout_min": Key(5.0, _seconds, "the shortest learned timeout, in seconds"),
+    "learned_timeout_max": Key(1800.0, _seconds, "the longest learned timeout, in seconds"),
+    "learn_min_beats": Key(20, _count, "beat intervals seen before a timeout is learned"),
+    "stack_interval": Key(5.0, _seconds, "seconds between py-spy samples of a process watched by its stack"),
+    "stack_window": Key(120.0, _seconds, "seconds a stack must hold to count as frozen, where the process declared no stack timeout"),
     "stack_timeouts": Key({}, _timeouts_by_command, "stack timeouts by command line: { \"regex\" = seconds }, like hangwatchd run --stack-timeout"),
     "stack_blocking_patterns": Key([], _regex_list, "extra frame patterns that mean 'blocked, waiting for something that should come'"),
     "stack_idle_pattern": Key("", _optional_regex, "frame pattern that means 'idle, waiting for work' (\"\" keeps the built-in one)"),
     "discover": Key(False, _bool, "also watch, by stack alone, every process that holds /dev/nvidia* open"),
-    "nvml_timeout": Key(10.0, _positive, "seconds the NVML probe may take before it is killed"),
-    "flight_recorder_timeout": Key(20.0, _positive, "seconds to wait for PyTorch's flight recorder dump"),
+    "nvml_timeout": Key(10.0, _seconds, "seconds the NVML probe may take before it is killed"),
+    "flight_recorder_timeout": Key(20.0, _seconds, "seconds to wait for PyTorch's flight recorder dump"),
     "gpu_dump": Key("confirmed", _one_of("always", "confirmed", "never"),
                     "take a CUDA coredump of a hung process (it ends the process): always, never, or when "
                     "confirmed (its native stack waits on the GPU or a collective, or you asked)"),
-    "gpu_dump_timeout": Key(120.0, _positive, "seconds to wait for the driver to finish writing a CUDA coredump"),
-    "max_state_bytes": Key(50 * 2**30, _positive, "the state dir's size bound: oldest dumps go first, then oldest incidents"),
-    "dump_max_age_days": Key(7.0, _positive, "raw GPU dumps older than this are deleted (their reports are kept)"),
-    "incident_max_age_days": Key(90.0, _positive, "incidents older than this are deleted, report and index entry too"),
+    "gpu_dump_timeout": Key(120.0, _seconds, "seconds to wait for the driver to finish writing a CUDA coredump"),
+    "max_state_bytes": Key(50 * 2**30, parse_size, "the state dir's size bound (\"50GiB\", \"500MB\" or bytes): oldest dumps go first, then oldest incidents"),
+    "dump_max_age_days": Key(7.0, _days, "raw GPU dumps older than this are deleted (their reports are kept)"),
+    "incident_max_age_days": Key(90.0, _days, "incidents older than this are deleted, report and index entry too"),
     "log_format": Key("json", _one_of("json", "console"), "json: one JSON object a line; console: for a person"),
     "log_level": Key("info", _one_of("debug", "info", "warning", "error"), "the least severe events logged"),
 }
@@ -161,7 +253,7 @@ class Config:
     flight_recorder_timeout: float = KEYS["flight_recorder_timeout"].default
     gpu_dump: str = KEYS["gpu_dump"].default
     gpu_dump_timeout: float = KEYS["gpu_dump_timeout"].default
-    max_state_bytes: float = KEYS["max_state_bytes"].default
+    max_state_bytes: int = KEYS["max_state_bytes"].default
     dump_max_age_days: float = KEYS["dump_max_age_days"].default
     incident_max_age_days: float = KEYS["incident_max_age_days"].default
     log_format: str = KEYS["log_format"].default
@@ -189,11 +281,18 @@ def _validate(values: Mapping[str, Any], where: str) -> dict[str, Any]:
     for key, value in values.items():
         if key not in KEYS:
             raise ConfigError(f"{where}: unknown key '{key}'; known keys: {', '.join(KEYS)}")
-        allowed = KEYS[key].check(value)
-        if allowed:
-            raise ConfigError(f"{where}: key '{key}' = {value!r} is not allowed; expected {allowed}")
-        out[key] = tuple(value) if isinstance(value, list) else value
+        try:
+            out[key] = KEYS[key].parse(value)
+        except Invalid as exc:
+            raise ConfigError(f"{where}: key '{key}' = {value!r} is not allowed; expected {exc}") from None
     return out
+
+
+def _check_together(cfg: Config, where: str) -> None:
+    """Rules between keys, after the file and the flags are merged."""
+    if cfg.learned_timeout_min > cfg.learned_timeout_max:
+        raise ConfigError(f"{where}: learned_timeout_min = {cfg.learned_timeout_min:g} s is more than "
+                          f"learned_timeout_max = {cfg.learned_timeout_max:g} s; make the minimum at most the maximum")
 
 
 def load(path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
@@ -212,7 +311,9 @@ def load(path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any
         values.update(_validate(raw, f"config {p}"))
     if overrides:
         values.update(_validate({k: v for k, v in overrides.items() if v is not None}, "command line"))
-    return dataclasses.replace(Config(), **values)
+    cfg = dataclasses.replace(Config(), **values)
+    _check_together(cfg, f"config {path}" if path is not None else "command line")
+    return cfg
 
 
 def client_runtime_dir() -> Path:

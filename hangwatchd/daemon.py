@@ -25,7 +25,6 @@ from typing import Any
 import structlog
 from inotify_simple import INotify
 from inotify_simple import flags as inflags
-from prometheus_client import start_http_server
 
 from . import __version__, gpudump, procfs, registry
 from .capture.pipeline import finish as finish_incident
@@ -39,10 +38,11 @@ from .capture import capture_incident, make_steps
 from .config import Config
 from .detect import HeartbeatDetector
 from .detect.stack import BLOCKING, IDLE, classify, take_sample
-from .metrics import Metrics, create
+from .metrics import Metrics, create, serve
 from .model import Incident, ProcessCapture, ProcessId, Registration, State, StepResult, Suspicion
 from .notify import notify, watchdog_interval
 from .registry import RegistrationError, Watched
+from .report import html
 from .samples import Sample
 from .store import Store, StoreWriteError
 
@@ -73,7 +73,7 @@ class Daemon:
     watched: dict[registry.ProcessId, Watched] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.store = Store(self.config.state_dir)
+        self.store = Store(self.config.state_dir, pages=html.pages)
         cfg = self.config
         self.detector = HeartbeatDetector(cfg.startup_grace, cfg.learn_timeouts, cfg.learned_timeout_factor,
                                           cfg.learned_timeout_min, cfg.learned_timeout_max, int(cfg.learn_min_beats))
@@ -143,9 +143,7 @@ class Daemon:
         self.selector.register(self.inotify.fileno(), selectors.EVENT_READ, "inotify")
         self.selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         if cfg.metrics_address:
-            host, _, port = cfg.metrics_address.rpartition(":")
-            server, _thread = start_http_server(int(port), addr=host or "0.0.0.0", registry=self.metrics.registry)
-            self.metrics_address = f"{host or '0.0.0.0'}:{server.server_port}"
+            self.metrics_address = serve(self.metrics.registry, cfg.metrics_address)
         self.metrics.info.info({"version": __version__})
         me = procfs.identify(os.getpid())
         self._write_json(Path(cfg.runtime_dir) / DAEMON_FILE, {
@@ -649,6 +647,7 @@ class Daemon:
                 incident_id = None
             else:
                 self.metrics.incidents.labels(**self.metrics.labels(reason=c.suspicion.reason)).inc()
+                self.metrics.incident_stored(incident_id, c.suspicion.reason, c.watched[0].registration.job if c.watched else None, time.time())
                 pending = self.spool.find(incident_id) is not None if incident_id else False
                 log.warning("incident_pending" if pending else "incident_stored", incident=incident_id,
                             reason=c.suspicion.reason, pids=[w.process.pid for w in c.watched],

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
 STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 LOOP_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5)
+LAST_INCIDENT_SERIES = 64
 
 
 def constant_labels() -> dict[str, str]:
@@ -45,11 +46,30 @@ class Metrics:
     incidents_pending: Gauge
     loop_errors: Counter
     info: Info
+    last_incident: Gauge
     const: dict[str, str]
+    # (reason, job) -> the incident id its series carries now: one series each, the latest.
+    _last: dict[tuple[str, str], str] = field(default_factory=dict)
 
     def labels(self, **labels: str) -> dict[str, str]:
         """The constant labels plus these, for ``metric.labels(**m.labels(step="pyspy"))``."""
         return {**self.const, **labels}
+
+    def incident_stored(self, incident: str, reason: str, job: str | None, when: float) -> None:
+        """Point the latest-incident series of (reason, job) at this incident, so an alert can name it.
+
+        One series per (reason, job), the oldest dropped past LAST_INCIDENT_SERIES: the id is a
+        label, and a label that grows without bound would grow the scrape without bound."""
+        key = (reason, job or "")
+        old = self._last.pop(key, None)
+        if old is not None:
+            self.last_incident.remove(*self.const.values(), old, *key)
+        while len(self._last) >= LAST_INCIDENT_SERIES:
+            (stale_reason, stale_job), stale_id = next(iter(self._last.items()))
+            del self._last[(stale_reason, stale_job)]
+            self.last_incident.remove(*self.const.values(), stale_id, stale_reason, stale_job)
+        self._last[key] = incident
+        self.last_incident.labels(**self.labels(incident=incident, reason=reason, job=job or "")).set(when)
 
 
 def create(registry: CollectorRegistry | None = None) -> Metrics:
@@ -92,6 +112,9 @@ def create(registry: CollectorRegistry | None = None) -> Metrics:
                             "Errors the daemon's loop caught while handling one registration, process or dump.",
                             labels("where"), registry=reg),
         info=Info("hangwatchd_build", "Version of hangwatchd.", registry=reg),
+        last_incident=Gauge("hangwatchd_last_incident_timestamp_seconds",
+                            "Unix time of the latest incident stored for a reason and job; its id is the incident label.",
+                            labels("incident", "reason", "job"), registry=reg),
         const=const,
     )
     for metric in (m.hangs, m.incidents):
@@ -100,3 +123,19 @@ def create(registry: CollectorRegistry | None = None) -> Metrics:
     m.store_write_failures.labels(**const)
     m.incidents_pending.labels(**const)
     return m
+
+
+class AddressError(Exception):
+    """The metrics address cannot be served: the message names it and what to do."""
+
+
+def serve(registry: CollectorRegistry, address: str) -> str:
+    """Serve /metrics on HOST:PORT in a thread; return the address bound (port 0 picks one)."""
+    host, _, port = address.rpartition(":")
+    try:
+        server, _thread = start_http_server(int(port), addr=host or "0.0.0.0", registry=registry)
+    except OSError as exc:  # socket.gaierror too: a host name that does not resolve
+        why = "is in use" if exc.errno == 98 else f"cannot be served ({exc.strerror or exc})"
+        raise AddressError(f"metrics address {address} {why}; pass --metrics-address HOST:PORT "
+                           "(or metrics_address in the config) with a local address, or \"\" for none") from None
+    return f"{host or '0.0.0.0'}:{server.server_port}"

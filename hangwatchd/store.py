@@ -16,14 +16,23 @@ import shutil
 import socket
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 from urllib.request import pathname2url
 
+import structlog
+
 from .model import Incident
+
+log = structlog.get_logger("hangwatchd.store")
+
+# Renders the pages stored beside incident.json (``report.html``), given the
+# incident's directory. Handed in by whoever opens the store: reports are a
+# later stage than the store, which must not import them.
+Pages = Callable[[Path], Mapping[str, str]]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS incidents (
@@ -100,8 +109,9 @@ def incident_to_json(incident: Incident) -> dict[str, Any]:
 
 
 class Store:
-    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, state_dir: str | os.PathLike[str], pages: Pages | None = None) -> None:
         self.root = Path(state_dir)
+        self.pages = pages
         self.dir = self.root / "incidents"
         self.index = self.root / "index.sqlite"
 
@@ -172,6 +182,7 @@ class Store:
             data["analysis"] = analysis
         try:
             write_incident_json(draft.path, data)
+            self._write_pages(draft.path)
             final = self.dir / draft.id
             draft.path.replace(final)
             self._fsync_dir(self.dir)
@@ -203,6 +214,7 @@ class Store:
         try:
             shutil.rmtree(partial, ignore_errors=True)
             shutil.copytree(src, partial, symlinks=True)
+            self._write_pages(partial)
             partial.replace(final)
             self._fsync_dir(self.dir)
             with self._db() as db:
@@ -240,6 +252,20 @@ class Store:
         with self._db() as db:
             db.execute("INSERT OR IGNORE INTO ingested (name, time) VALUES (?, ?)", (name, time.time()))
 
+    def _write_pages(self, path: Path) -> None:
+        """The pages a person opens (report.html), inside the draft so they arrive with it.
+
+        A page that cannot be made costs the page, never the incident."""
+        if self.pages is None:
+            return
+        try:
+            for name, text in self.pages(path).items():
+                tmp = path / f".{name}.tmp"
+                tmp.write_text(text)
+                tmp.replace(path / name)
+        except Exception as exc:  # noqa: BLE001 - a renderer's bug must not lose the evidence
+            log.error("incident_page_failed", dir=str(path), error=f"{type(exc).__name__}: {exc}")
+
     @staticmethod
     def _fsync_dir(path: Path) -> None:
         fd = os.open(path, os.O_RDONLY)
@@ -266,6 +292,8 @@ class Store:
             final = self.dir / incident_id
             status = "incomplete"
             if (partial / "incident.json").exists():
+                if not (partial / "report.html").exists():
+                    self._write_pages(partial)
                 partial.replace(final)
                 status = "complete"
             elif partial.exists():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..cudacore.symbolize import Frame, Symbolized
+from .names import Folder
 
 
 def _lanes(lanes: Iterable[int]) -> str:
@@ -25,18 +26,19 @@ def _dim(d: Iterable[int]) -> str:
     return "(" + ",".join(str(x) for x in d) + ")"
 
 
-def _frames(frames: tuple[Frame, ...], indent: str = "    ") -> list[str]:
+def _frames(frames: tuple[Frame, ...], names: Folder, indent: str = "    ") -> list[str]:
     if not frames:
         return [f"{indent}(no function of the dump's cubins holds this PC)"]
     out = []
     for i, f in enumerate(frames):
         where = f"{f.file}:{f.line}" if f.file else "no line information"
         kind = "" if i == len(frames) - 1 else "  [inlined]"
-        out.append(f"{indent}{f.function or '??'} ({where}){kind}")
+        out.append(f"{indent}{names.name(f.function) or '??'} ({where}){kind}")
     return out
 
 
 def render(s: Symbolized) -> str:
+    names = Folder()  # a templated kernel's name can run past 1,000 characters: shown whole once, at the end
     lines = [f"CUDA coredump {s.path} ({s.size / 1e6:.1f} MB" + (f", driver {s.driver})" if s.driver else ")")]
     for d in s.devices:
         lines.append(f"  device {d['index']}: {d['name']} ({d['sm_type']}, {d['num_sms']} SMs)")
@@ -47,25 +49,26 @@ def render(s: Symbolized) -> str:
         if e.block_idx is not None:
             lines.append(f"  block {_dim(e.block_idx)}, thread {_dim(e.thread_idx or ())}")
         pc_kind = "error PC" if e.error_pc_valid else "PC (the driver gave no error PC)"
-        lines.append(f"  at {pc_kind} {e.pc:#x} in {e.kernel or 'an unknown kernel'}")
-        lines += _frames(e.frames)
+        lines.append(f"  at {pc_kind} {e.pc:#x} in {names.name(e.kernel) or 'an unknown kernel'}")
+        lines += _frames(e.frames, names)
     if not s.kernels:
         lines += ["", "No kernel was running on any device when the dump was taken."]
     for k in s.kernels:
-        lines += ["", f"Kernel {k.name}", f"  device {k.device}, grid {_dim(k.grid_dim)}, block {_dim(k.block_dim)}, {k.status}, "
+        lines += ["", f"Kernel {names.name(k.name)}", f"  device {k.device}, grid {_dim(k.grid_dim)}, block {_dim(k.block_dim)}, {k.status}, "
                   f"SMs {','.join(map(str, k.sms)) or 'none'}"]
         mine = [p for p in s.pcs if p.device == k.device and p.kernel == k.name]
         for p in mine:
             blocks = " ".join(_dim(b) for b in p.blocks[:8]) + (" ..." if len(p.blocks) > 8 else "")
             lines.append(f"  {p.warps} warp{'s' if p.warps != 1 else ''}, {p.lanes} lanes at PC {p.pc:#x} "
                          f"(SMs {','.join(map(str, p.sms))}; blocks {blocks})")
-            lines += _frames(p.frames)
+            lines += _frames(p.frames, names)
     orphans = [p for p in s.pcs if p.kernel is None]
     for p in orphans:
         lines += ["", f"{p.warps} warps on device {p.device} at PC {p.pc:#x}, of no grid in the dump"]
-        lines += _frames(p.frames)
+        lines += _frames(p.frames, names)
     if s.notes:
         lines += ["", "Notes:"] + [f"  - {n}" for n in s.notes]
     if s.cuda_gdb is not None:
         lines += ["", "cuda-gdb says:"] + ["  " + ln for ln in s.cuda_gdb.splitlines()]
+    lines += names.in_full()
     return "\n".join(lines) + "\n"

@@ -106,3 +106,10 @@ def render(data: dict[str, Any], incident_dir: Path) -> str:
             parts.append("<h3>GPU</h3>" + _gpu(sym))
     parts.append("<p class=meta>Frames run innermost first; highlighted lines are your code. Made by hangwatchd.</p></body></html>")
     return "".join(parts)
+
+
+def pages(incident_dir: Path) -> dict[str, str]:
+    """The page stored beside each incident.json (``Store(pages=...)``)."""
+    from . import incident
+
+    return {"report.html": render(incident.load(incident_dir), incident_dir)}

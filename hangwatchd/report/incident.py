@@ -12,6 +12,7 @@ from typing import Any
 
 from ..analyze.stacks import is_user_frame, load_threads
 from ..analyze.verdict import analyze
+from .names import fold
 
 def _read_json(path: Path) -> Any:
     try:
@@ -48,6 +49,14 @@ def _frame_line(frame: dict[str, Any]) -> str:
     return f"{name} ({frame.get('filename')}:{frame.get('line')})"
 
 
+def _folded(lines: list[str]) -> str:
+    """Lines joined, long C++ names folded; say where the whole names are when any was."""
+    out = [fold(ln) for ln in lines]
+    if out != lines:
+        out += ["", "(long C++ names are shortened to <…> and (…); --json has them whole)"]
+    return "\n".join(out) + "\n"
+
+
 def render_analysis(a: dict[str, Any]) -> str:
     out = [a["summary"], ""]
     for c in a.get("culprits", []):
@@ -64,7 +73,7 @@ def render_analysis(a: dict[str, Any]) -> str:
             out.append(f"  pg {c['pg']} #{c['seq']} {c['name']}: entered by {list(c['ranks_entered'])}"
                        + (f", never by {list(c['ranks_missing'])}" if c["ranks_missing"] else "")
                        + (f"; {c['mismatch']}" if c.get("mismatch") else ""))
-    return "\n".join(out) + "\n"
+    return _folded(out)
 
 
 def render_text(data: dict[str, Any]) -> str:
@@ -104,6 +113,6 @@ def render_text(data: dict[str, Any]) -> str:
                 mark = ">" if is_user_frame(frame) else " "
                 out.append(f"  {mark} {_frame_line(frame)}")
     if analysis:
-        out += ["", "Analysis:"] + ["  " + ln for ln in render_analysis(analysis).splitlines()[2:] if ln]
+        out += ["", "Analysis:"] + ["  " + ln for ln in render_analysis(analysis).splitlines()[2:] if ln and not ln.startswith("(long C++")]
     out += ["", "Frames run innermost first; '>' marks your code."]
-    return "\n".join(out) + "\n"
+    return _folded(out)
