@@ -52,6 +52,7 @@ STATUS_EVERY = 2.0
 RETENTION_EVERY = 600.0
 SPOOL_RETRY_EVERY = 5.0  # how soon a report kept in the spool is tried again once the state dir has room
 ERROR_BACKOFF = 5.0  # a process whose handling raised is looked at again after this, not at once
+DUMP_QUIET_S = 2.0  # a scanned dump changed this recently may still be written: its CLOSE_WRITE, or a later scan, takes it
 
 
 class SetupError(Exception):
@@ -93,6 +94,7 @@ class Daemon:
         self.spool = Spool(Path(self.config.runtime_dir) / SPOOL_DIR)
         self.lock = InstanceLock(Path(self.config.runtime_dir))
         self.rescan_due = False  # the inotify queue overflowed: events were lost
+        self.next_dump_scan = float("inf")  # a scan found dumps still being written: look again then
         self.stopping = False
         self.metrics_address = ""
         self._wake_r, self._wake_w = socket.socketpair()
@@ -200,7 +202,7 @@ class Daemon:
         next_spool = now + SPOOL_RETRY_EVERY
         while not self.stopping:
             now = time.monotonic()
-            timers = [next_rescan, next_status, next_retention, next_spool]
+            timers = [next_rescan, next_status, next_retention, next_spool, self.next_dump_scan]
             timers += [min(w.next_check, w.next_sample) for w in self.watched.values()]
             if ping_every:
                 timers.append(next_ping)
@@ -224,6 +226,9 @@ class Daemon:
                     w.next_check = now + ERROR_BACKOFF
                 if w.next_sample <= now and not w.sampling and not self._guarded("sample", self._sample, w, now, pid=w.process.pid):
                     w.next_sample = now + ERROR_BACKOFF
+            if now >= self.next_dump_scan:
+                self.next_dump_scan = float("inf")
+                self._guarded("scan_dumps", self._scan_dumps)
             if now >= next_rescan or self.rescan_due:
                 if self.rescan_due:
                     self._guarded("scan_dumps", self._scan_dumps)
@@ -715,9 +720,18 @@ class Daemon:
         except OSError as exc:
             log.error("dump_scan_failed", dir=str(self.config.dumps), error=str(exc))
             return
+        now = time.time()
         for name in names:
-            if not name.startswith(".") and name not in self.ingested:
-                self._guarded("dump", self._dump_appeared, name)
+            if name.startswith(".") or name in self.ingested:
+                continue
+            try:
+                quiet = now - (self.config.dumps / name).lstat().st_mtime >= DUMP_QUIET_S
+            except OSError:
+                continue
+            if not quiet:  # perhaps still being written: never ingest half a dump
+                self.next_dump_scan = min(self.next_dump_scan, time.monotonic() + DUMP_QUIET_S)
+                continue
+            self._guarded("dump", self._dump_appeared, name)
 
     def _flush_spool(self) -> None:
         """Reports kept while the state dir had no room: stored and indexed once it has."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -82,8 +83,9 @@ def run(launch: Launch) -> int:
         if launch.heartbeat_timeout and "WATCHDOG_USEC" not in env:
             env["WATCHDOG_USEC"] = str(int(launch.heartbeat_timeout * 1e6))
     except OSError as exc:
-        print(f"hangwatchd: cannot prepare the beat segment or notify socket under {launch.runtime_dir} "
-              f"({exc.strerror or exc}); the workload runs unwatched", file=sys.stderr)
+        if info is not None:  # with no daemon, the line above said it already
+            print(f"hangwatchd: cannot prepare the beat segment or notify socket under {launch.runtime_dir} "
+                  f"({exc.strerror or exc}); the workload runs unwatched", file=sys.stderr)
         beat_file = None  # no runtime dir we can write: run unwatched
 
     launcher_pid = os.getpid()
@@ -101,6 +103,9 @@ def run(launch: Launch) -> int:
         raise LaunchError(f"{launch.command[0]}: command not found") from None
     except PermissionError:
         _cleanup(beat_file, None, launch.runtime_dir)
+        # execvp reports EACCES when some PATH entry is unreadable, even if the command is nowhere.
+        if "/" not in launch.command[0] and shutil.which(launch.command[0], mode=os.F_OK, path=env.get("PATH")) is None:
+            raise LaunchError(f"{launch.command[0]}: command not found") from None
         raise LaunchError(f"{launch.command[0]}: permission denied") from None
     tee = StderrTee(child, launch.runtime_dir / "driver-logs" / f"{child.pid}.log")
     tee.start()
