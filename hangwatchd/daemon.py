@@ -26,7 +26,7 @@ import structlog
 from inotify_simple import INotify
 from inotify_simple import flags as inflags
 
-from . import __version__, gpudump, procfs, registry
+from . import __version__, dumpscan, gpudump, procfs, registry
 from .capture.pipeline import finish as finish_incident
 from .detect import rearm
 from .instance_lock import AlreadyRunning, InstanceLock
@@ -52,7 +52,6 @@ STATUS_EVERY = 2.0
 RETENTION_EVERY = 600.0
 SPOOL_RETRY_EVERY = 5.0  # how soon a report kept in the spool is tried again once the state dir has room
 ERROR_BACKOFF = 5.0  # a process whose handling raised is looked at again after this, not at once
-DUMP_QUIET_S = 2.0  # a scanned dump changed this recently may still be written: its CLOSE_WRITE, or a later scan, takes it
 
 
 class SetupError(Exception):
@@ -716,21 +715,13 @@ class Daemon:
     def _scan_dumps(self) -> None:
         """Dumps that appeared while nobody watched (the daemon down, an inotify overflow)."""
         try:
-            names = sorted(p.name for p in self.config.dumps.iterdir())
+            found = dumpscan.scan(self.config.dumps, self.ingested)
         except OSError as exc:
             log.error("dump_scan_failed", dir=str(self.config.dumps), error=str(exc))
             return
-        now = time.time()
-        for name in names:
-            if name.startswith(".") or name in self.ingested:
-                continue
-            try:
-                quiet = now - (self.config.dumps / name).lstat().st_mtime >= DUMP_QUIET_S
-            except OSError:
-                continue
-            if not quiet:  # perhaps still being written: never ingest half a dump
-                self.next_dump_scan = min(self.next_dump_scan, time.monotonic() + DUMP_QUIET_S)
-                continue
+        if found.busy:  # perhaps still being written: never ingest half a dump
+            self.next_dump_scan = min(self.next_dump_scan, time.monotonic() + dumpscan.QUIET_S)
+        for name in found.ready:
             self._guarded("dump", self._dump_appeared, name)
 
     def _flush_spool(self) -> None:
