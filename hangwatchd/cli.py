@@ -128,12 +128,15 @@ def cmd_capture(args: argparse.Namespace) -> int:
 # -- analyze ---------------------------------------------------------------
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from .analyze.verdict import analyze
+    from .analyze.verdict import analyze, process_dirs
     from .report.incident import render_analysis
 
     path = Path(args.dir)
     if not path.is_dir():
         raise UsageError(f"analyze: {path} is not a directory; give an incident directory (one subdirectory per process)")
+    if not (path / "incident.json").exists() and not process_dirs(path):
+        raise UsageError(f"analyze: {path} is no incident: it has no incident.json and no process subdirectory "
+                         "with proc.json, pyspy.json, symbolized.json, ...; give an incident directory")
     result = analyze(path)
     if args.json:
         _print_json(result.to_dict())

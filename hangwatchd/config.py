@@ -112,6 +112,13 @@ def _count(v: Any) -> int:
     return v
 
 
+def _megabytes(v: Any) -> int:
+    # At least what an interpreter with the symboliser loaded needs to start.
+    if isinstance(v, bool) or not isinstance(v, int) or v < 256:
+        raise Invalid("a whole number of MB, at least 256")
+    return v
+
+
 def _path(v: Any) -> str:
     if isinstance(v, str) and v and "\0" not in v:
         return v
@@ -142,7 +149,7 @@ def _one_of(*allowed: str) -> Callable[[Any], str]:
     return parse
 
 
-STEP_NAMES = ("proc", "pyspy", "nvml", "flight_recorder", "cuda_dump")
+STEP_NAMES = ("proc", "pyspy", "nvml", "nccl_ras", "flight_recorder", "cuda_dump")
 
 
 def _steps(v: Any) -> tuple[str, ...]:
@@ -212,11 +219,15 @@ KEYS: dict[str, Key] = {
     "stack_idle_pattern": Key("", _optional_regex, "frame pattern that means 'idle, waiting for work' (\"\" keeps the built-in one)"),
     "discover": Key(False, _bool, "also watch, by stack alone, every process that holds /dev/nvidia* open"),
     "nvml_timeout": Key(10.0, _seconds, "seconds the NVML probe may take before it is killed"),
+    "nccl_ras_timeout": Key(3.0, _seconds, "seconds to wait for the answer of the job's NCCL RAS service (it answers in ms)"),
     "flight_recorder_timeout": Key(20.0, _seconds, "seconds to wait for PyTorch's flight recorder dump"),
     "gpu_dump": Key("confirmed", _one_of("always", "confirmed", "never"),
                     "take a CUDA coredump of a hung process (it ends the process): always, never, or when "
                     "confirmed (its native stack waits on the GPU or a collective, or you asked)"),
     "gpu_dump_timeout": Key(120.0, _seconds, "seconds to wait for the driver to finish writing a CUDA coredump"),
+    "symbolize_cpu_seconds": Key(30.0, _seconds, "CPU seconds the child that symbolises one GPU dump may use before it is killed"),
+    "symbolize_memory_mb": Key(4096, _megabytes, "address space, in MB, of the child that symbolises one GPU dump (the dump is mapped into it)"),
+    "symbolize_timeout": Key(60.0, _seconds, "seconds the child that symbolises one GPU dump may take before it is killed"),
     "max_state_bytes": Key(50 * 2**30, parse_size, "the state dir's size bound (\"50GiB\", \"500MB\" or bytes): oldest dumps go first, then oldest incidents"),
     "dump_max_age_days": Key(7.0, _days, "raw GPU dumps older than this are deleted (their reports are kept)"),
     "incident_max_age_days": Key(90.0, _days, "incidents older than this are deleted, report and index entry too"),
@@ -250,9 +261,13 @@ class Config:
     stack_idle_pattern: str = KEYS["stack_idle_pattern"].default
     discover: bool = KEYS["discover"].default
     nvml_timeout: float = KEYS["nvml_timeout"].default
+    nccl_ras_timeout: float = KEYS["nccl_ras_timeout"].default
     flight_recorder_timeout: float = KEYS["flight_recorder_timeout"].default
     gpu_dump: str = KEYS["gpu_dump"].default
     gpu_dump_timeout: float = KEYS["gpu_dump_timeout"].default
+    symbolize_cpu_seconds: float = KEYS["symbolize_cpu_seconds"].default
+    symbolize_memory_mb: int = KEYS["symbolize_memory_mb"].default
+    symbolize_timeout: float = KEYS["symbolize_timeout"].default
     max_state_bytes: int = KEYS["max_state_bytes"].default
     dump_max_age_days: float = KEYS["dump_max_age_days"].default
     incident_max_age_days: float = KEYS["incident_max_age_days"].default

@@ -32,7 +32,7 @@ from .detect import rearm
 from .instance_lock import AlreadyRunning, InstanceLock
 from .spool import SPOOL_DIR, Spool
 from .analyze.stacks import gpu_wait
-from .cudacore import driverlog
+from .cudacore import driverlog, sandbox
 from .runtime import DAEMON_FILE, STATUS_FILE, write_json
 from .capture import capture_incident, make_steps
 from .config import Config
@@ -123,6 +123,8 @@ class Daemon:
         full = self.store.open()
         if full:
             log.error("store_write_failed", error=full)
+        sandbox.configure(sandbox.Limits(cfg.symbolize_cpu_seconds, int(cfg.symbolize_memory_mb), cfg.symbolize_timeout))
+        sandbox.start()  # warm before the first dump arrives
         try:
             for incident_id in self.store.recover():
                 log.warning("incident_recovered", incident=incident_id)

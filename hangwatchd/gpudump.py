@@ -18,7 +18,8 @@ from pathlib import Path
 import zstandard
 
 from .cudacore.errors import CoreDumpError
-from .cudacore.symbolize import Symbolized, symbolize
+from .cudacore import sandbox
+from .cudacore.symbolize import Symbolized
 
 # hangwatchd run sets CUDA_COREDUMP_FILE to DUMP_DIR/core_%h.%p.%t.nvcudmp
 NAME_PATTERN = "core_%h.%p.%t.nvcudmp"
@@ -60,7 +61,7 @@ def store(dump: Path, outdir: Path, remove_source: bool = True, keep_dump: bool 
     notes: list[str] = []
     result: Symbolized | None = None
     try:
-        result = symbolize(dump, strict=False)
+        result = sandbox.symbolize(dump)  # in a limited child: the dump is untrusted
         (outdir / "symbolized.json").write_text(json.dumps(result.to_dict(), indent=1))
         files.append("symbolized.json")
     except CoreDumpError as exc:

@@ -51,17 +51,38 @@ def workload_env(base: Mapping[str, str], runtime_dir: Path, dump_dir: Path, tag
         "CUDA_COREDUMP_GENERATION_FLAGS": COREDUMP_FLAGS,
         "CUDA_COREDUMP_PIPE": str(runtime_dir / "pipes" / "cuda_pipe.%p"),
         "CUDA_COREDUMP_FILE": str(dump_dir / gpudump.NAME_PATTERN),
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         # PyTorch appends the rank (and ".pipe" to the pipe) to these prefixes.
         "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(runtime_dir / "pipes" / f"nccl_trace_{tag}_"),
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(dump_dir / f"nccl_trace_{tag}_"),
         RUNTIME_DIR_ENV: str(runtime_dir),
     }
     env = dict(base)
     for key, value in ours.items():
         env.setdefault(key, value)
+    # PyTorch 2.11 reads TORCH_FR_* and warns on the old names, older ones read only the old
+    # names: set both, and where the user set one of a pair, the other follows the user's.
+    for old, new, value in (("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE", "2000"),
+                            ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE", str(dump_dir / f"nccl_trace_{tag}_"))):
+        chosen = base.get(new) or base.get(old) or value
+        env.setdefault(old, chosen)
+        env.setdefault(new, chosen)
+    if not env.get("NCCL_RAS_ADDR"):
+        # Every NCCL process serves RAS on one port, by default 28028; only one job on a node
+        # can hold it, so each launched workload gets a free port of its own.
+        port = free_local_port()
+        if port:
+            env["NCCL_RAS_ADDR"] = f"127.0.0.1:{port}"
     return env
+
+
+def free_local_port() -> int | None:
+    """A TCP port on localhost nobody holds now (NCCL binds it moments later), or None."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    except OSError:
+        return None
 
 
 def run(launch: Launch) -> int:
@@ -123,7 +144,7 @@ def run(launch: Launch) -> int:
             **registry.ranks_from_env(env, launch.rank),
             heartbeat_timeout=launch.heartbeat_timeout, stack_timeout=launch.stack_timeout,
             beat_file=str(beat_file), status_file=str(notify.status_file) if notify else None,
-            cmdline=tuple(launch.command), source="run", registered_at=time.time(),
+            cmdline=tuple(launch.command), source="run", registered_at=time.time(), ras_addr=env.get("NCCL_RAS_ADDR"),
         )
         try:
             registry.write(launch.runtime_dir / "registrations", reg)

@@ -34,6 +34,7 @@ class Registration:
     cmdline: tuple[str, ...] = ()
     source: str = "run"
     registered_at: float = 0.0
+    ras_addr: str | None = None  # the job's NCCL RAS service (NCCL_RAS_ADDR), as hangwatchd run gave it
 
 
 class State(str, enum.Enum):

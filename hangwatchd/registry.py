@@ -182,8 +182,14 @@ def load(path: Path, beats_dir: Path) -> Registration:
         process=process, uid=owner if owner is not None else st.st_uid, job=job, rank=rank,
         local_rank=local_rank, world_size=world, heartbeat_timeout=float(timeout) if timeout else None,
         stack_timeout=float(stack_timeout) if stack_timeout else None, beat_file=beat_file, status_file=status_file, cmdline=tuple(str(c) for c in cmd)[:64], source=source,
-        registered_at=float(registered_at),
+        registered_at=float(registered_at), ras_addr=_ras_addr(data),
     )
+
+
+def _ras_addr(data: dict[str, Any]) -> str | None:
+    """The job's NCCL RAS address as registered; a malformed one is dropped (the environment still says)."""
+    value = data.get("ras_addr")
+    return value if isinstance(value, str) and 0 < len(value) <= 300 and ":" in value else None
 
 
 def _check_beat_file(path: Path, beat_file: str, beats_dir: Path, owner: int | None, may_be_missing: bool = False) -> None:

@@ -186,7 +186,8 @@ def _gpu_workload(args: argparse.Namespace) -> int:
                 time.sleep(0.05)  # the writer closed; wait for the next
                 continue
             if fd == fr_fd and args.fr == "answer":
-                out = os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] + rank
+                # as PyTorch 2.11 does: the new name first, the old one before it
+                out = (os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]) + rank
                 with open(out, "wb") as f:
                     pickle.dump({"version": "2.4", "pg_status": {}, "entries": [{"record_id": 0, "profiling_name": "nccl:all_gather"}]}, f)
             if fd == cuda_fd and args.cuda in ("dump", "half"):

@@ -10,6 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from hangwatchd.analyze.verdict import analyze
 from hangwatchd.cudacore.symbolize import symbolize
 from hangwatchd.testing import Daemon, wait_for
@@ -66,7 +71,8 @@ def test_a_diverged_two_rank_job_names_the_rank_that_never_entered_the_collectiv
     assert culprit["rank"] == 1 and "evaluate_on_rank_1" in culprit["location"] and ":7)" in culprit["location"]
     assert {c["seq"]: (c["ranks_entered"], c["ranks_missing"]) for c in out["collectives"]}[3] == ([0], [1])
     verdicts = {r["rank"]: r["verdict"] for r in out["ranks"]}
-    assert verdicts == {0: "in-collective", 1: "idle-python"}
+    # rank 1 sits in threading.Event.wait: one catalogue tells the detector and the verdict it waits on an event
+    assert verdicts == {0: "in-collective", 1: "lock-wait"}
     shown = hangwatchd("show", inc["id"], "--state-dir", str(d.state_dir)).stdout
     assert shown.splitlines()[0] == out["summary"]  # show leads with it
 
@@ -190,3 +196,181 @@ def test_the_real_size_mismatch_from_an_h200_is_flagged(tmp_path: Path) -> None:
     assert out["summary"] == ("Ranks disagree on _all_gather_base #21 (process group 0): "
                               "different sizes: rank 0 [[1024]], rank 1 [[2048]].")
     assert {c["rank"] for c in out["culprits"]} == {0, 1}
+
+
+def stream_incident(tmp_path: Path, process_gpus: list[int], utilisation: int | None, dump: bool = True) -> Path:
+    """The real hung triton job's native stack (host in cuStreamSynchronize) with the real dump and NVML facts."""
+    pdir = tmp_path / "1110"
+    pdir.mkdir(parents=True)
+    (pdir / "proc.json").write_text(json.dumps({"pid": 1110}))
+    shutil.copy(FIXTURES / "triton_hang" / "pyspy-native.json", pdir)
+    if dump:  # the dump's only kernel runs on GPU 0
+        (pdir / "symbolized.json").write_text(json.dumps(symbolize(FIXTURES / "triton_hang" / "coredump.nvcudmp.xz").to_dict()))
+    devices = [{"index": i, "utilization_percent": utilisation if i in process_gpus else 100} for i in (0, 1)]
+    (pdir / "nvml.json").write_text(json.dumps({"devices": devices, "process_gpus": process_gpus}))
+    return pdir
+
+
+def test_a_host_blocked_in_the_driver_while_its_gpu_runs_nothing_is_a_stream_deadlock(tmp_path: Path) -> None:
+    stream_incident(tmp_path, [1], 0)  # the process's GPU is 1: the dump shows nothing running there
+    out = json.loads(hangwatchd("analyze", str(tmp_path), "--json").stdout)
+    (v,) = out["ranks"]
+    assert v["verdict"] == "stream-deadlock"
+    assert "host blocked in cuStreamSynchronize while the GPU dump shows no kernel running on GPU 1" in v["detail"]
+    assert "cudaStreamWaitValue" in v["detail"] and "graph" in v["detail"]
+    assert v["location"] == "main (/srv/gpuapp/conditional_hang.py:34)"
+    assert out["summary"].startswith("pid 1110: host blocked in cuStreamSynchronize") and "rank None" not in out["summary"]
+    text = hangwatchd("analyze", str(tmp_path)).stdout
+    assert "  pid 1110: stream-deadlock" in text and "rank None" not in text
+
+
+def test_nvml_at_zero_percent_without_a_dump_is_a_stream_deadlock_too(tmp_path: Path) -> None:
+    stream_incident(tmp_path, [0], 0, dump=False)
+    (v,) = analyze(tmp_path).ranks
+    assert v.verdict == "stream-deadlock" and "NVML reads 0 % on GPU 0" in v.detail
+
+
+def test_the_spinning_kernel_and_unknown_utilisation_keep_their_verdicts(tmp_path: Path) -> None:
+    stream_incident(tmp_path / "a", [0], 100)  # the real case: its kernel spins on GPU 0
+    (v,) = analyze(tmp_path / "a").ranks
+    assert v.verdict == "gpu-kernel-spinning" and "conditional_hang_kernel" in v.detail and "GPU 100% busy" in v.detail
+    stream_incident(tmp_path / "b", [0], None, dump=False)  # NVML could not say: no claim either way
+    (v,) = analyze(tmp_path / "b").ranks
+    assert v.verdict == "waiting-on-gpu" and "cuStreamSynchronize" in v.detail
+
+
+def test_analyze_on_a_directory_that_is_no_incident_exits_2_with_one_line(tmp_path: Path) -> None:
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "cat.jpg").write_bytes(b"\xff\xd8")
+    res = hangwatchd("analyze", str(tmp_path))
+    assert res.returncode == 2 and res.stdout == ""
+    assert len(res.stderr.strip().splitlines()) == 1 and "is no incident" in res.stderr
+
+
+BAD_FILES = {
+    "pyspy-native.json": [b"\xff\xfe", b"[1, 2, {\"frames\": 7}]", b"{\"frames\": []}", b"[{\"frames\": [{\"name\": 5, \"line\": \"x\"}]}]"],
+    "flight-recorder.pkl": [pickle.dumps({"pg_status": {"0": {"last_enqueued_collective": "x"}}, "entries": [{"frames": [{"line": "7a"}]}]}),
+                            pickle.dumps({"pg_status": [1, 2], "entries": 5}), b"\x80\x05garbage"],
+    "nvml.json": [json.dumps({"devices": [{"index": 0, "utilization_percent": None}], "process_gpus": [0]}).encode(), b"[]"],
+    "symbolized.json": [b"{\"exceptions\": [{}], \"kernels\": 3}", b"{\"kernels\": [{\"name\": \"k\", \"device\": 0}], \"pcs\": [7]}"],
+    "proc.json": [b"{\"rank\": \"zero\", \"pid\": [1]}", b"null"],
+}
+
+
+def test_each_unreadable_piece_of_evidence_is_a_line_and_the_verdict_says_what_it_rests_on(tmp_path: Path) -> None:
+    for i, (name, variants) in enumerate(BAD_FILES.items()):
+        for j, content in enumerate(variants):
+            pdir = tmp_path / f"{i}{j}"
+            pdir.mkdir()
+            (pdir / name).write_bytes(content)
+            if name != "pyspy-native.json":
+                shutil.copy(FIXTURES / "triton_hang" / "pyspy-native.json", pdir)
+    res = hangwatchd("analyze", str(tmp_path), "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    unreadable = "\n".join(out["unreadable"])
+    assert "00/pyspy-native.json: not py-spy's JSON" in unreadable
+    assert "02/pyspy-native.json: not a list of threads" in unreadable
+    assert "12/flight-recorder.pkl: not a flight-recorder trace" in unreadable
+    assert "41/proc.json: not a JSON object" in unreadable
+    assert any(r.startswith("pid 10: native stacks") and "flight recorder" in r for r in out["rests_on"])
+    text = hangwatchd("analyze", str(tmp_path)).stdout
+    assert "Could not be read:" in text and "The verdict rests on:" in text
+
+
+def test_a_capture_is_stored_even_when_its_analysis_fails(tmp_path: Path, monkeypatch) -> None:
+    from hangwatchd.capture import pipeline
+    from hangwatchd.capture.proc import ProcStep
+    from hangwatchd.model import Suspicion
+    from hangwatchd.registry import from_proc
+    from hangwatchd.store import Store
+
+    def broken(_path: Path):  # type: ignore[no-untyped-def]
+        raise KeyError("a bug in the analysis")
+
+    monkeypatch.setattr(pipeline, "analyze", broken)
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        reg = from_proc(p.pid)
+        assert reg is not None
+        store = Store(tmp_path / "state")
+        store.open()
+        incident_id = pipeline.capture_incident(store, [(ProcStep(), 5.0)], [reg], Suspicion("heartbeat", "test", 0.0), 30.0)
+    finally:
+        p.kill()
+        p.wait()
+    (inc,) = store.list()
+    assert inc["id"] == incident_id and "analysis failed (KeyError" in inc["summary"]
+    assert (Path(inc["dir"]) / str(p.pid) / "proc.json").exists()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.sampled_from(sorted(BAD_FILES) + ["pyspy.json", "nccl-ras.json", "nccl-ras.txt", "incident.json"]),
+                       st.one_of(st.binary(max_size=300), st.recursive(
+                           st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+                           lambda c: st.lists(c, max_size=4) | st.dictionaries(st.sampled_from(
+                               ["rank", "pid", "frames", "name", "line", "devices", "process_gpus", "index",
+                                "utilization_percent", "kernels", "pcs", "exceptions", "device", "file", "communicators",
+                                "pg_status", "entries", "processes", "steps"]), c, max_size=4), max_leaves=20).map(
+                           lambda v: json.dumps(v).encode())), min_size=1, max_size=5))
+def test_the_incident_dir_readers_never_raise(tmp_path_factory, files: dict[str, bytes]) -> None:
+    root = tmp_path_factory.mktemp("fuzz")
+    pdir = root / "77"
+    pdir.mkdir()
+    for name, content in files.items():
+        (root if name == "incident.json" else pdir).joinpath(name).write_bytes(content)
+    import time
+
+    start = time.monotonic()
+    out = analyze(root)
+    assert time.monotonic() - start < 5
+    assert out.summary and len(out.ranks) == (1 if set(files) - {"incident.json"} else 0)
+    from hangwatchd.report import incident as report
+
+    assert report.render_analysis(out.to_dict()).startswith(out.summary)
+    if "incident.json" not in files:  # the daemon writes that one; the process's files come from the workload
+        assert report.render_text(report.load(root)).startswith(out.summary)  # hangwatchd show reads them too
+
+
+CATALOGUE_CASES = [
+    # (native frames of the main thread, the verdict, what the gate and the detector see)
+    (["cuStreamSynchronize", "Tensor.item", "train_step"], "waiting-on-gpu", "cuStreamSynchronize"),
+    (["ncclAllReduce", "c10d::ProcessGroupNCCL::allreduce", "all_reduce", "train_step"], "in-collective", "ncclAllReduce"),
+    (["pthread_mutex_lock", "Lock.acquire", "train_step"], "lock-wait", None),
+    (["epoll_wait", "select", "EpollSelector.select", "_run_once", "serve"], "idle-python", None),
+]
+
+
+@pytest.mark.parametrize("frames,verdict,gate", CATALOGUE_CASES, ids=[c[1] for c in CATALOGUE_CASES])
+def test_the_detector_the_gpu_dump_gate_and_the_verdict_read_one_catalogue(tmp_path: Path, frames: list[str],
+                                                                             verdict: str, gate: str | None) -> None:
+    from hangwatchd.analyze.stacks import gpu_wait
+    from hangwatchd.detect.stack import BLOCKING, IDLE, classify
+
+    main = [{"name": n, "filename": "/srv/job/train.py" if n in ("train_step", "serve") else "lib.so",
+             "short_filename": "libcuda.so.1" if n.startswith("cu") else "x.so", "line": 1} for n in frames]
+    # every NCCL process also has its proxy thread and PyTorch's watchdog sitting in NCCL: never the verdict
+    proxy = [{"name": "ncclProxyService", "short_filename": "libnccl.so.2", "line": 0},
+             {"name": "c10d::ProcessGroupNCCL::ncclCommWatchdog", "short_filename": "libtorch_cuda.so", "line": 0}]
+    pdir = tmp_path / "5"
+    pdir.mkdir()
+    (pdir / "pyspy-native.json").write_text(json.dumps([{"thread_name": "MainThread", "frames": main},
+                                                         {"thread_name": "nccl", "frames": proxy}]))
+    (v,) = analyze(tmp_path).ranks
+    assert v.verdict == verdict, v
+    names = frames + [f["name"] for f in proxy]
+    blocked, idle = classify(names, BLOCKING, IDLE)
+    assert (blocked is not None) == (verdict != "idle-python") and idle == (verdict == "idle-python")
+    if gate:
+        assert gpu_wait(pdir) == gate and blocked == gate
+    else:
+        assert gpu_wait(pdir) is None  # NCCL's own threads in libnccl do not count
+
+
+def test_a_launch_blocked_behind_a_stream_that_never_moves_names_cu_launch_kernel(tmp_path: Path) -> None:
+    pdir = stream_incident(tmp_path, [1], 0)
+    stack = (pdir / "pyspy-native.json").read_text()  # the real stack, its wait made a launch behind a full queue
+    (pdir / "pyspy-native.json").write_text(stack.replace('"cuStreamSynchronize"', '"cuLaunchKernel"')
+                                            .replace('"cudaStreamSynchronize"', '"cudaLaunchKernel"'))
+    (v,) = analyze(tmp_path).ranks
+    assert v.verdict == "stream-deadlock" and v.detail.startswith("host blocked in cuLaunchKernel while")

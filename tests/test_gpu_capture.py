@@ -50,8 +50,11 @@ def test_a_hung_process_goes_through_every_step_and_its_gpu_dump_is_explained(tm
     try:
         (inc,) = wait_for(d.store().list, 30, "an incident")
         steps = steps_of(inc)
-        assert list(steps) == ["proc", "pyspy", "nvml", "flight_recorder", "cuda_dump"]
+        assert list(steps) == ["proc", "pyspy", "nvml", "nccl_ras", "flight_recorder", "cuda_dump"]
         assert steps["flight_recorder"]["ok"], steps["flight_recorder"]
+        # no NCCL here: nothing listens on the RAS port hangwatchd run gave it, so n/a, and at once
+        assert steps["nccl_ras"]["not_applicable"] and steps["nccl_ras"]["seconds"] < 0.5
+        assert steps["nccl_ras"]["error"].startswith("nothing listens on 127.0.0.1:")
         assert steps["cuda_dump"]["ok"], steps["cuda_dump"]
         # No driver or GPU here: n/a with the reason, not a failure (nvidia-ml-py is installed, a dependency).
         assert steps["nvml"]["not_applicable"] and "no NVIDIA driver or GPU here" in steps["nvml"]["error"]
@@ -195,3 +198,22 @@ def test_a_full_disk_keeps_the_report_and_drops_the_dump(tmp_path: Path) -> None
             d.stop()
     finally:
         subprocess.run(["umount", str(state)])
+
+
+@pytest.mark.parametrize("name", ["TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"])
+def test_the_flight_recorder_dump_is_found_under_either_name(tmp_path: Path, name: str) -> None:
+    # PyTorch 2.11 writes where TORCH_FR_DUMP_TEMP_FILE says; older ones where TORCH_NCCL_DEBUG_INFO_TEMP_FILE says.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_", "NCCL_"))}
+    env.update({"TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(tmp_path / "trace_"), name: str(tmp_path / "dump_"), "RANK": "0",
+                "HANGWATCHD_RUNTIME_DIR": str(tmp_path / "run")})
+    work = subprocess.Popen(gpu_workload("--cuda", "none", "--beats", "0"), env=env, stdout=subprocess.PIPE)
+    try:
+        assert work.stdout is not None and work.stdout.readline() == b"stopped beating\n"  # its FIFO is open
+        (tmp_path / "c.toml").write_text('capture_steps = ["flight_recorder"]\n')
+        res = hangwatchd("capture", str(work.pid), "--json", "--config", str(tmp_path / "c.toml"), "--state-dir", str(tmp_path / "s"))
+        assert res.returncode == 0, res.stderr
+        (inc,) = Store(tmp_path / "s").list()
+        assert steps_of(inc)["flight_recorder"]["ok"], steps_of(inc)
+        assert (Path(inc["dir"]) / str(work.pid) / "flight-recorder.pkl").stat().st_size > 0
+    finally:
+        stop(work)

@@ -21,6 +21,9 @@ def test_a_thread_stuck_anywhere_in_libcuda_counts(tmp_path: Path) -> None:
                          {"name": "cuLaunchKernel", "short_filename": "libcuda.so.580.159.04"},
                          {"name": "main", "filename": "train.py", "line": 3}]}]
     (tmp_path / "pyspy-native.json").write_text(json.dumps(stack))
+    assert gpu_wait(tmp_path) == "cuLaunchKernel"  # the named driver call says most
+    stack[0]["frames"][1]["name"] = "0x7f10"  # no symbol at all: the library alone counts
+    (tmp_path / "pyspy-native.json").write_text(json.dumps(stack))
     assert gpu_wait(tmp_path) == "0x7f00 (libcuda.so.580.159.04)"
 
 

@@ -47,29 +47,50 @@ class FlightRecord:
 
 def load(path: Path) -> FlightRecord | None:
     """The record, or None when there is none or it is not one (never raises, never runs code)."""
+    return read(path)[0]
+
+
+def read(path: Path) -> tuple[FlightRecord | None, str | None]:
+    """The record and, where there is a file but no record, why (never raises, never runs code)."""
     try:
-        raw = path.read_bytes()[:MAX_BYTES]
+        with path.open("rb") as f:
+            raw = f.read(MAX_BYTES + 1)
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"cannot be read ({exc.strerror or exc})"
+    if len(raw) > MAX_BYTES:
+        return None, f"larger than {MAX_BYTES >> 20} MB, not read"
+    try:
         data = _PlainData(io.BytesIO(raw)).load()
-    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError):
-        return None
+    except Exception as exc:  # a hostile or torn pickle can raise nearly anything; it is only data we could not read
+        return None, f"not a flight-recorder trace ({type(exc).__name__}: {str(exc)[:100]})"
     if not isinstance(data, dict):
-        return None
+        return None, "not a flight-recorder trace (not a dict)"
     status: dict[str, tuple[int, int, int]] = {}
-    for pg, st in (data.get("pg_status") or {}).items():
+    pg_status = data.get("pg_status")
+    for pg, st in (pg_status.items() if isinstance(pg_status, dict) else ()):
         if isinstance(st, dict):
-            status[str(pg)] = tuple(int(st.get(k, -1) if isinstance(st.get(k, -1), int) else -1) for k in (  # type: ignore[assignment]
-                "last_enqueued_collective", "last_started_collective", "last_completed_collective"))
+            status[str(pg)[:64]] = (_int(st.get("last_enqueued_collective")), _int(st.get("last_started_collective")),
+                                    _int(st.get("last_completed_collective")))
     entries = []
-    for e in data.get("entries") or []:
+    raw_entries = data.get("entries")
+    for e in raw_entries if isinstance(raw_entries, (list, tuple)) else ():
         if not isinstance(e, dict):
             continue
         pg = e.get("process_group")
         pg_id = str(pg[0]) if isinstance(pg, (list, tuple)) and pg else str(e.get("pg_id", "0"))
-        name = str(e.get("profiling_name") or "?").split(":", 1)[-1]
-        frames = tuple((str(f.get("name")), str(f.get("filename")), int(f.get("line") or 0))
-                       for f in e.get("frames") or [] if isinstance(f, dict))
+        name = str(e.get("profiling_name") or "?").split(":", 1)[-1][:200]
+        frames = tuple((str(f.get("name"))[:500], str(f.get("filename"))[:1000], _int(f.get("line"), 0))
+                       for f in (e.get("frames") if isinstance(e.get("frames"), (list, tuple)) else ())
+                       if isinstance(f, dict))
         seq = e.get("collective_seq_id")
-        entries.append(Entry(pg_id, seq if isinstance(seq, int) and not e.get("is_p2p") else None, name,
-                             str(e.get("state") or "?"), e.get("input_sizes"), e.get("input_dtypes"),
+        entries.append(Entry(pg_id[:64], _int(seq, None) if not e.get("is_p2p") else None, name,
+                             str(e.get("state") or "?")[:32], e.get("input_sizes"), e.get("input_dtypes"),
                              e.get("output_sizes"), frames))
-    return FlightRecord(status, tuple(entries))
+    return FlightRecord(status, tuple(entries)), None
+
+
+def _int(value: Any, default: Any = -1) -> Any:
+    """An int field, or ``default`` where the trace has anything else there (a string, a float, a bool)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else default

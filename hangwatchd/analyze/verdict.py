@@ -9,21 +9,20 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import flight
-from .stacks import COLLECTIVE_WAITS, GPU_LIBRARIES, GPU_WAITS, is_user_frame, load_threads
-
-LOCK_WAITS = ("acquire", "lock_PyThread", "_wait_for_tstate_lock", "take_gil", "pthread_mutex_lock")
+from .. import patterns
+from . import evidence, flight, ras, ras_blame, stream_deadlock
+from .stacks import is_user_frame, library_frames
 
 
 @dataclass(frozen=True)
 class RankVerdict:
     rank: int | None
     pid: int | None
-    verdict: str  # gpu-exception, gpu-kernel-spinning, in-collective, waiting-on-gpu, lock-wait, idle-python, dead, unknown
+    verdict: str  # gpu-exception, gpu-kernel-spinning, in-collective, stream-deadlock, waiting-on-gpu, lock-wait, idle-python, dead, unknown
     detail: str
     location: str | None  # "function (file:line)"
     collective: str | None = None
@@ -36,6 +35,8 @@ class Culprit:
     pid: int | None
     reason: str
     location: str | None
+    node: str | None = None
+    gpu: int | None = None
 
 
 @dataclass(frozen=True)
@@ -55,16 +56,11 @@ class Analysis:
     culprits: tuple[Culprit, ...]
     ranks: tuple[RankVerdict, ...]
     collectives: tuple[Collective, ...]
+    rests_on: tuple[str, ...] = ()  # the evidence there was: "pid 12: native stacks, GPU dump", ...
+    unreadable: tuple[str, ...] = ()  # each piece of evidence that could not be read, and why
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
 
 
 def _where(frame: dict[str, Any]) -> str:
@@ -82,19 +78,25 @@ def _user_location(threads: list[dict[str, Any]]) -> str | None:
 
 
 def process_dirs(incident: Path) -> list[Path]:
-    wanted = ("proc.json", "pyspy.json", "pyspy-native.json", "symbolized.json", "flight-recorder.pkl", "nvml.json")
-    return sorted(p for p in incident.iterdir() if p.is_dir() and any((p / w).exists() for w in wanted))
+    wanted = ("proc.json", "pyspy.json", "pyspy-native.json", "symbolized.json", "flight-recorder.pkl", "nvml.json",
+              "nccl-ras.txt", "nccl-ras.json")
+    try:
+        subdirs = [p for p in incident.iterdir() if p.is_dir() and not p.is_symlink()]
+    except OSError:
+        return []
+    return sorted(p for p in subdirs if any((p / w).exists() for w in wanted))
 
 
 def judge(pdir: Path, known: dict[str, Any] | None = None) -> RankVerdict:
     """One process's verdict from whatever was captured of it (``known``: what incident.json says of it)."""
-    proc = _json(pdir / "proc.json") or known or {}
-    rank = proc.get("rank")
-    pid = proc.get("pid") or (int(pdir.name) if pdir.name.isdigit() else None)
-    sym = _json(pdir / "symbolized.json") or {}
-    nvml = _json(pdir / "nvml.json") or {}
-    threads = load_threads(pdir) or []
-    record = flight.load(pdir / "flight-recorder.pkl")
+    return judge_evidence(pdir, evidence.read(pdir, known), known)
+
+
+def judge_evidence(pdir: Path, ev: evidence.Evidence, known: dict[str, Any] | None = None) -> RankVerdict:
+    proc = ev.proc
+    rank = evidence.as_int(proc.get("rank"))
+    pid = evidence.as_int(proc.get("pid")) or (int(pdir.name) if pdir.name.isdigit() else None)
+    sym, nvml, threads, record = ev.symbolized, ev.nvml, list(ev.threads), ev.record
     location = _user_location(threads)
     last = None
     pending = None
@@ -105,53 +107,61 @@ def judge(pdir: Path, known: dict[str, Any] | None = None) -> RankVerdict:
             if enq > done:
                 e = record.entry(pg, enq)
                 pending = e.name if e else f"collective #{enq}"
-    busy = [d.get("utilization_percent") for d in nvml.get("devices", []) if d.get("index") in nvml.get("process_gpus", [])]
-    gpu_busy = f", GPU {max(busy)}% busy" if busy and max(x or 0 for x in busy) else ""
+    gpus = stream_deadlock.process_gpus(nvml)
+    busy = [d.get("utilization_percent") for d in evidence.dicts(nvml.get("devices")) if d.get("index") in gpus]
+    known_busy = [b for b in busy if isinstance(b, (int, float)) and not isinstance(b, bool)]
+    gpu_busy = f", GPU {max(known_busy)}% busy" if known_busy and max(known_busy) else ""
 
     def verdict(kind: str, detail: str, loc: str | None = location, coll: str | None = None) -> RankVerdict:
         return RankVerdict(rank, pid, kind, detail, loc, coll, last)
 
-    for e in sym.get("exceptions", []):
-        frame = next((f for f in e.get("frames", []) if f.get("file")), None)
-        loc = f"{frame['function']} ({frame['file']}:{frame['line']})" if frame else e.get("kernel")
-        return verdict("gpu-exception", f"{e['type']} in {e.get('kernel')}", loc)
-    kernels = [k["name"] for k in sym.get("kernels", [])]
-    nccl = [k for k in kernels if k.startswith("ncclDevKernel") or "nccl" in k.lower()]
+    for e in evidence.dicts(sym.get("exceptions")):
+        frame = next((f for f in evidence.dicts(e.get("frames")) if f.get("file")), None)
+        loc = f"{frame.get('function')} ({frame.get('file')}:{frame.get('line')})" if frame else e.get("kernel")
+        return verdict("gpu-exception", f"{e.get('type', 'an exception')} in {e.get('kernel')}", loc)
+    kernels = [str(k["name"]) for k in stream_deadlock.kernels_on(sym, gpus)]
+    nccl = [k for k in kernels if "nccl" in k.lower()]
     if nccl:
         return verdict("in-collective", f"NCCL kernel {nccl[0]} running{gpu_busy}", location, pending or nccl[0])
-    if kernels and sym.get("pcs"):
-        p = sym["pcs"][0]
-        frame = next((f for f in p.get("frames", []) if f.get("file")), None)
-        loc = f"{frame['function']} ({frame['file']}:{frame['line']})" if frame else kernels[0]
+    pcs = [p for p in evidence.dicts(sym.get("pcs")) if not gpus or p.get("device") in gpus]
+    if kernels and pcs:
+        p = pcs[0]
+        frame = next((f for f in evidence.dicts(p.get("frames")) if f.get("file")), None)
+        loc = f"{frame.get('function')} ({frame.get('file')}:{frame.get('line')})" if frame else kernels[0]
         return verdict("gpu-kernel-spinning", f"kernel {kernels[0]} still running, {p.get('warps')} warps at {p.get('pc')}{gpu_busy}", loc)
     names = [str(f.get("name") or "") for t in threads for f in t.get("frames") or []]
-    libs = [str(f.get("short_filename") or "") for t in threads for f in t.get("frames") or []]
-    coll = next((n for n in names if any(w in n for w in COLLECTIVE_WAITS)), None)
+    coll = patterns.first(names, patterns.COLLECTIVE)
     if pending or coll:
         return verdict("in-collective", f"waiting in {pending or coll}", location, pending or coll)
-    gpu = next((n for n in names if any(w in n for w in GPU_WAITS)), None)
-    if gpu or any(lib.startswith(GPU_LIBRARIES) for lib in libs):
-        return verdict("waiting-on-gpu", f"host blocked in {gpu or 'the CUDA driver'}{gpu_busy}")
-    lock = next((n for n in names if any(w in n for w in LOCK_WAITS)), None)
+    gpu = patterns.first(names, patterns.GPU)
+    in_driver = bool(library_frames(threads))
+    if gpu or in_driver:
+        call = stream_deadlock.driver_call(tuple(threads)) or gpu or "the CUDA driver"
+        idle = stream_deadlock.idle_gpu(sym, nvml) if in_driver or ev.native else None
+        if idle:
+            return verdict("stream-deadlock", f"host blocked in {call} while {idle}: it waits for GPU work that never "
+                                              f"runs; {stream_deadlock.WHAT_TO_LOOK_AT}")
+        return verdict("waiting-on-gpu", f"host blocked in {call}{gpu_busy}")
+    lock = patterns.first(names, (patterns.LOCK,))
     if lock:
-        return verdict("lock-wait", f"waiting for a lock ({lock})")
+        return verdict("lock-wait", f"waiting for a lock, an event or a join ({lock})")
     if threads:
         return verdict("idle-python", "in Python, waiting on nothing known" if location else "in Python")
-    gone = any("is gone" in str(s.get("error")) for s in (known or {}).get("steps", []))
+    steps = (known or {}).get("steps") if isinstance((known or {}).get("steps"), list) else []
+    gone = any("is gone" in str(s.get("error")) for s in evidence.dicts(steps))
     if gone or str(proc.get("state", "")).startswith(("Z", "X")):
         return verdict("dead", "the process had exited before it could be read")
     return verdict("unknown", "nothing was captured that says what it was doing")
 
 
 def analyze(incident: Path) -> Analysis:
-    meta = _json(incident / "incident.json") or {}
-    known = {str(p.get("dir") or p.get("pid")): p for p in meta.get("processes", []) if isinstance(p, dict)}
-    ranks = [judge(p, known.get(p.name)) for p in process_dirs(incident)]
-    records = {}
-    for p, v in zip(process_dirs(incident), ranks):
-        rec = flight.load(p / "flight-recorder.pkl")
-        if rec is not None and v.rank is not None:
-            records[v.rank] = rec
+    problems: list[str] = []
+    meta = evidence.read_json_object(incident / "incident.json", problems) or {}
+    known = {str(p.get("dir") or p.get("pid")): p for p in evidence.dicts(meta.get("processes"))}
+    dirs = process_dirs(incident)
+    found = [evidence.read(p, known.get(p.name)) for p in dirs]
+    ranks = [judge_evidence(p, ev, known.get(p.name)) for p, ev in zip(dirs, found)]
+    records = {v.rank: ev.record for v, ev in zip(ranks, found) if ev.record is not None and v.rank is not None}
     collectives = _collectives(records)
     culprits: list[Culprit] = []
     by_rank = {v.rank: v for v in ranks}
@@ -183,7 +193,7 @@ def analyze(incident: Path) -> Analysis:
                        f"{', '.join(str(v.rank) for v in lost)}: {lost[0].detail}, so the one that did not join is there.")
         elif odd is not None:
             culprits.append(Culprit(odd.rank, odd.pid, f"{odd.verdict}: {odd.detail}", odd.location))
-            summary = (f"Rank {odd.rank} is the odd one out: {odd.detail} at {odd.location or 'an unknown place'}, "
+            summary = (f"{_who(odd)} is the odd one out: {odd.detail} at {odd.location or 'an unknown place'}, "
                        f"while the other ranks are {Counter(v.verdict for v in ranks if v is not odd).most_common(1)[0][0]}.")
         elif len(ranks) > 1 and len({v.verdict for v in ranks}) == 1 and ranks[0].verdict == "in-collective":
             summary = (f"Every rank here waits in the same collective ({ranks[0].collective}): the cause is outside "
@@ -191,11 +201,74 @@ def analyze(incident: Path) -> Analysis:
         elif ranks:
             v = ranks[0]
             culprits.append(Culprit(v.rank, v.pid, f"{v.verdict}: {v.detail}", v.location))
-            who = f"Rank {v.rank}" if v.rank is not None else f"pid {v.pid}"
-            summary = f"{who}: {v.detail}" + (f" at {v.location}." if v.location else ".")
+            summary = f"{_who(v)}: {v.detail}" + (f" at {v.location}." if v.location else ".")
         else:
             summary = "Nothing was captured that can be analysed."
-    return Analysis(summary, tuple(culprits), tuple(ranks), tuple(collectives))
+    views = _own_job_views([(v.pid, ev.ras) for v, ev in zip(ranks, found) if ev.ras is not None], problems)
+    summary, culprits = _with_ras(views, ranks, summary, culprits, from_trace=bool(diverged or mismatched))
+    rests_on = tuple(f"{_who(v).lower() if v.rank is None else _who(v)}: {', '.join(ev.used) or 'nothing readable'}"
+                     for v, ev in zip(ranks, found))
+    unreadable = tuple(problems) + tuple(p for ev in found for p in ev.problems)
+    return Analysis(summary, tuple(culprits), tuple(ranks), tuple(collectives), rests_on, unreadable)
+
+
+def _who(v: RankVerdict) -> str:
+    return f"Rank {v.rank}" if v.rank is not None else f"pid {v.pid}"
+
+
+def _own_job_views(views: list[tuple[int | None, ras.RasView]], problems: list[str]) -> list[ras.RasView]:
+    """The RAS answers that are of the captured process's own job.
+
+    A process started without NCCL_RAS_ADDR is asked on the default port, which
+    another job on the node may hold: an answer whose list of live processes
+    leaves out the very process it was taken for speaks of someone else.
+    """
+    out = []
+    for pid, view in views:
+        alive = {r.pid for r in view.ranks}
+        if alive and pid is not None and pid not in alive:
+            problems.append(f"{pid}/nccl-ras: the RAS answer lists processes {sorted(p for p in alive if p is not None)[:8]} "
+                            f"but not pid {pid}: another job's service, not used")
+            continue
+        out.append(view)
+    return out
+
+
+def _with_ras(views: list[ras.RasView], ranks: list[RankVerdict], summary: str,
+              culprits: list[Culprit], from_trace: bool) -> tuple[str, list[Culprit]]:
+    """NCCL's job-wide view leads where it blames a rank: it sees ranks on other nodes, and ranks that are gone."""
+    if not views:
+        return summary, culprits
+    view = ras.merge(views)
+    waiting = [v for v in ranks if v.verdict == "in-collective" and v.rank is not None]
+    what = (f"rank{'s' if len(waiting) > 1 else ''} {', '.join(str(v.rank) for v in waiting)} "
+            f"wait{'' if len(waiting) > 1 else 's'} in {waiting[0].collective}") if waiting else None
+    sentence, blamed = ras_blame.blame(view, what)
+    if not blamed:
+        return summary, culprits
+    by_rank = {v.rank: v for v in ranks if v.rank is not None}
+
+    def merely_here(c: Culprit) -> bool:  # blamed only for being what was captured here, waiting
+        return not from_trace and c.rank in by_rank and by_rank[c.rank].verdict in _LIVE
+
+    extra = {b.rank: b for b in blamed if b.rank is not None}
+    kept = [replace(c, pid=c.pid if c.pid is not None else extra[c.rank].pid, node=c.node or extra[c.rank].node,
+                    gpu=c.gpu if c.gpu is not None else extra[c.rank].gpu) if c.rank in extra else c
+            for c in culprits if not merely_here(c)]
+    named = {c.rank for c in kept if c.rank is not None}
+    if all(b.rank in named for b in blamed):
+        # Already named, with more (where it is, how it ended): RAS adds its node and GPU, and that it is gone.
+        return (f"{summary} {sentence}" if view.missing else summary), kept
+    lead = [Culprit(b.rank, b.pid, b.reason, by_rank[b.rank].location if b.rank in by_rank else None, b.node, b.gpu)
+            for b in blamed if b.rank is None or b.rank not in named]
+    # What this node saw follows NCCL's sentence; "every rank here waits" is what NCCL just explained.
+    keep = summary and not summary.startswith(("Every rank here", "Nothing was captured"))
+    return (f"{sentence} Here: {summary}" if keep else sentence or summary), lead + kept
+
+
+# Verdicts of a process that is merely where the hang shows, not why.
+_LIVE = frozenset({"in-collective", "waiting-on-gpu", "stream-deadlock", "lock-wait", "idle-python", "unknown",
+                   "gpu-kernel-spinning"})
 
 
 def _odd_one_out(ranks: list[RankVerdict]) -> RankVerdict | None:
@@ -235,10 +308,18 @@ def _collectives(records: dict[int, flight.FlightRecord]) -> list[Collective]:
             sizes = {str(rank): e.input_sizes for rank, e in present.items()}
             if len(names) > 1:
                 mismatch = "different collectives: " + ", ".join(f"rank {r} {e.name}" for r, e in present.items())
-            elif len({json.dumps(e.input_sizes) for e in present.values()}) > 1:
+            elif len({_key(e.input_sizes) for e in present.values()}) > 1:
                 mismatch = "different sizes: " + ", ".join(f"rank {r} {e.input_sizes}" for r, e in present.items())
-            elif len({json.dumps(e.input_dtypes) for e in present.values()}) > 1:
+            elif len({_key(e.input_dtypes) for e in present.values()}) > 1:
                 mismatch = "different types: " + ", ".join(f"rank {r} {e.input_dtypes}" for r, e in present.items())
             if seq == top or missing or mismatch:
                 out.append(Collective(pg, seq, first.name, entered, missing, sizes, mismatch))
     return out
+
+
+def _key(value: Any) -> str:
+    """A comparable form of a trace's sizes or types, whatever the trace holds there."""
+    try:
+        return json.dumps(value, default=repr)
+    except (ValueError, RecursionError):
+        return "?"

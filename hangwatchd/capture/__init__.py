@@ -8,6 +8,7 @@ from ..config import Config
 from .base import Step, StepFailed, StepNotApplicable
 from .cuda_dump import CudaDumpStep
 from .flight_recorder import FlightRecorderStep
+from .nccl_ras import NcclRasStep
 from .nvml import NvmlStep
 from .pipeline import capture_incident, run_steps
 from .proc import ProcStep
@@ -20,6 +21,7 @@ def make_steps(config: Config) -> list[tuple[Step, float]]:
         "proc": lambda: (ProcStep(), 5.0),
         "pyspy": lambda: (PySpyStep(native=config.pyspy_native), config.pyspy_timeout),
         "nvml": lambda: (NvmlStep(), config.nvml_timeout),
+        "nccl_ras": lambda: (NcclRasStep(), config.nccl_ras_timeout),
         "flight_recorder": lambda: (FlightRecorderStep(), config.flight_recorder_timeout),
         "cuda_dump": lambda: (CudaDumpStep(config.driver_logs), config.gpu_dump_timeout),
     }

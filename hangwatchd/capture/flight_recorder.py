@@ -18,7 +18,7 @@ from ..model import Registration
 from .base import StepFailed, StepNotApplicable, poke_held_fifo
 from .waitfile import Watch, owned_regular_file
 
-KEYS = frozenset({"TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "RANK"})
+KEYS = frozenset({"TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE", "RANK"})
 
 
 @dataclass
@@ -28,10 +28,12 @@ class FlightRecorderStep:
     def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
         pid = target.process.pid
         env = procfs.environ(pid, KEYS)
-        prefix, temp = env.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE"), env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+        # PyTorch 2.11 writes to TORCH_FR_DUMP_TEMP_FILE; older ones to TORCH_NCCL_DEBUG_INFO_TEMP_FILE.
+        prefix = env.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE")
+        temp = env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
         if not prefix or not temp:
-            raise StepNotApplicable("the process has no TORCH_NCCL_DEBUG_INFO_PIPE_FILE/TEMP_FILE: "
-                                    "not started by hangwatchd run")
+            raise StepNotApplicable("the process has no TORCH_NCCL_DEBUG_INFO_PIPE_FILE and TORCH_FR_DUMP_TEMP_FILE "
+                                    "(or TORCH_NCCL_DEBUG_INFO_TEMP_FILE): not started by hangwatchd run")
         rank = env.get("RANK", str(target.rank) if target.rank is not None else "0")
         pipe_name = os.path.basename(prefix) + rank + ".pipe"
         owner = procfs.uid(pid)

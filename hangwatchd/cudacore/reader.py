@@ -18,6 +18,15 @@ from . import layout as L
 from .errors import CoreDumpError
 from .source import mapped
 
+# What a dump's headers can inflate, capped: sections may overlap, so a small
+# hostile file can claim any number of rows. The biggest real dumps (8 GPUs of
+# 132 SMs x 64 warps x 32 lanes) stay well inside. Past a cap we read no further
+# and say so in the result's notes.
+MAX_SECTIONS = 1 << 20
+MAX_ROWS = 1 << 20  # all driver tables together
+MAX_LANES = 4 << 20
+MAX_LANES_PER_WARP = 64
+
 _EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
 _SHDR = struct.Struct("<IIQQQQIIQQ")
 SHT_NOBITS = 8
@@ -121,6 +130,7 @@ class CoreDump:
     warps: list[Warp] = field(default_factory=list)
     sm_exceptions: list[SmException] = field(default_factory=list)
     meta: Meta | None = None
+    notes: list[str] = field(default_factory=list)  # caps hit while reading
     _buf: object = None
 
     def image(self, module: Module) -> bytes:
@@ -129,6 +139,12 @@ class CoreDump:
             raise CoreDumpError(f"{self.path}: module {module.index} has no relocated cubin in the dump")
         s = module.image
         return bytes(self._buf[s.offset : s.offset + s.size])  # type: ignore[index]
+
+    def region(self, module: Module) -> tuple[object, int, int]:
+        """Where the module's cubin lies: (the dump's mapping, offset, size); nothing copied."""
+        if module.image is None:
+            raise CoreDumpError(f"{self.path}: module {module.index} has no relocated cubin in the dump")
+        return self._buf, module.image.offset, module.image.size
 
     def module_for(self, device: int, handle: int) -> Module | None:
         for m in self.modules:
@@ -152,6 +168,13 @@ class _Parser:
         self.size = len(buf)  # type: ignore[arg-type]
         self.sections: list[Section] = []
         self.strtab: Section | None = None
+        self.notes: list[str] = []
+        self.rows_left = MAX_ROWS
+        self.lanes_left = MAX_LANES
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
 
     def fail(self, why: str) -> CoreDumpError:
         return CoreDumpError(f"{self.path}: {why}")
@@ -160,7 +183,7 @@ class _Parser:
 
     def parse(self) -> CoreDump:
         self._read_sections()
-        dump = CoreDump(self.path, self.size, _buf=self.buf)
+        dump = CoreDump(self.path, self.size, notes=self.notes, _buf=self.buf)
         by_type: dict[int, list[Section]] = {}
         for s in self.sections:
             by_type.setdefault(s.type, []).append(s)
@@ -198,6 +221,9 @@ class _Parser:
             shnum = shnum or first[5]
             if shstrndx == 0xFFFF:
                 shstrndx = first[6]
+        if shnum > MAX_SECTIONS:
+            self.note(f"the dump claims {shnum} sections; only the first {MAX_SECTIONS} were read")
+            shnum = MAX_SECTIONS
         if shoff + shnum * shentsize > self.size:
             raise self.fail(
                 f"claims {shnum} sections at offset {shoff} but the file ends at {self.size}; the dump is truncated"
@@ -247,7 +273,12 @@ class _Parser:
             raise self.fail(f"{s.name}: rows of {entsize} bytes, smaller than the {lay.baseline} bytes of any {lay.name}")
         if s.size % entsize:
             raise self.fail(f"{s.name}: {s.size} bytes is not a whole number of {entsize}-byte rows; the section lies about its size")
-        return [lay.decode(self.buf, s.offset + i, entsize) for i in range(0, s.size, entsize)]  # type: ignore[arg-type]
+        count = s.size // entsize
+        if count > self.rows_left:
+            self.note(f"the dump's tables claim more than {MAX_ROWS} rows; {s.name or 'a table'} and what follows were read only in part")
+            count = max(self.rows_left, 0)
+        self.rows_left -= count
+        return [lay.decode(self.buf, s.offset + i * entsize, entsize) for i in range(count)]  # type: ignore[arg-type]
 
     def _parent(self, s: Section, expected: int, rows: int | None = None) -> Section:
         parent = self.sections[s.link]
@@ -319,15 +350,20 @@ class _Parser:
         ctas: dict[tuple[int, int], tuple[int, int, int, tuple[int, int, int]]] = {}
         for s in by_type.get(L.SHT_CTA_TABLE, []):
             smtbl = self._parent(s, L.SHT_SM_TABLE, self._count(self.sections[s.link]))
+            if (smtbl.index, s.info) not in sm_ids:
+                continue  # its SM row lay past the row cap
             sm = sm_ids[(smtbl.index, s.info)]
             for i, r in enumerate(self._rows(s, L.CTA)):
                 ctas[(s.index, i)] = (smtbl.info, sm, r["gridId64"] or 0, (r["blockIdxX"] or 0, r["blockIdxY"] or 0, r["blockIdxZ"] or 0))
         lane_tables: dict[tuple[int, int], Section] = {}
+        warp_rows: dict[int, int] = {}
         for s in by_type.get(L.SHT_LN_TABLE, []):
             lane_tables[(s.link, s.info)] = s
         warps = []
         for s in by_type.get(L.SHT_WP_TABLE, []):
             self._parent(s, L.SHT_CTA_TABLE, self._count(self.sections[s.link]))
+            if (s.link, s.info) not in ctas:
+                continue  # its CTA row lay past the row cap
             device, sm, grid_id, block = ctas[(s.link, s.info)]
             for i, r in enumerate(self._rows(s, L.WARP)):
                 lanes = self._lanes(lane_tables.get((s.index, i)))
@@ -349,9 +385,17 @@ class _Parser:
             raise self.fail(f"{s.name}: rows of {entsize} bytes, smaller than the {L.LANE.baseline} bytes of any lane table")
         if s.size % entsize:
             raise self.fail(f"{s.name}: {s.size} bytes is not a whole number of {entsize}-byte rows; the section lies about its size")
+        count = s.size // entsize
+        if count > MAX_LANES_PER_WARP:
+            self.note(f"{s.name or 'a lane table'} claims {count} lanes for one warp; only the first {MAX_LANES_PER_WARP} were read")
+            count = MAX_LANES_PER_WARP
+        if count > self.lanes_left:
+            self.note(f"the dump's lane tables claim more than {MAX_LANES} lanes; the rest were not read")
+            count = max(self.lanes_left, 0)
+        self.lanes_left -= count
         # The hot loop of a big dump: one precompiled struct over the whole section.
         row = struct.Struct(f"<QQIIIII{entsize - 36}x")
-        data = self.buf[s.offset : s.offset + s.size]  # type: ignore[index]
+        data = self.buf[s.offset : s.offset + count * entsize]  # type: ignore[index]
         return tuple(
             Lane(ln, pc, (tx, ty, tz), exc)
             for pc, _phys, ln, tx, ty, tz, exc in row.iter_unpack(data)

@@ -6,35 +6,78 @@ Compressed dumps are streamed into an anonymous temporary file first, so a
 
 from __future__ import annotations
 
-import bz2
 import contextlib
-import gzip
-import lzma
 import mmap
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Callable
 
-import zstandard
-
 from .errors import CoreDumpError
 
-_MAGIC_OPENERS: list[tuple[bytes, Callable[[Path], IO[bytes]]]] = [
-    (b"\xfd7zXZ\x00", lambda p: lzma.open(p, "rb")),
-    (b"\x1f\x8b", lambda p: gzip.open(p, "rb")),
-    (b"\x28\xb5\x2f\xfd", lambda p: zstandard.ZstdDecompressor().stream_reader(open(p, "rb"), closefd=True)),
-    (b"BZh", lambda p: bz2.open(p, "rb")),
+
+# The decompressors are imported only for a compressed dump: a raw one starts faster.
+def _xz(f: IO[bytes]) -> IO[bytes]:
+    import lzma
+
+    return lzma.open(f, "rb")
+
+
+def _gzip(f: IO[bytes]) -> IO[bytes]:
+    import gzip
+
+    return gzip.GzipFile(fileobj=f, mode="rb")
+
+
+def _zstd(f: IO[bytes]) -> IO[bytes]:
+    import zstandard
+
+    return zstandard.ZstdDecompressor().stream_reader(f, closefd=False)
+
+
+def _bz2(f: IO[bytes]) -> IO[bytes]:
+    import bz2
+
+    return bz2.open(f, "rb")
+
+
+_MAGIC_OPENERS: list[tuple[bytes, Callable[[IO[bytes]], IO[bytes]]]] = [
+    (b"\xfd7zXZ\x00", _xz),
+    (b"\x1f\x8b", _gzip),
+    (b"\x28\xb5\x2f\xfd", _zstd),
+    (b"BZh", _bz2),
 ]
 
 # Never inflate past this: a hostile "dump" must not fill the disk.
 MAX_INFLATED = 8 << 30
 
 
-def _opener(path: Path) -> Callable[[Path], IO[bytes]] | None:
-    with open(path, "rb") as f:
-        head = f.read(8)
+def _open(p: Path) -> IO[bytes]:
+    """The dump, opened once and never blocking: a FIFO named like a dump is refused, not waited on."""
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except IsADirectoryError:
+        raise CoreDumpError(f"{p}: is a directory, not a CUDA coredump") from None
+    except FileNotFoundError:
+        raise CoreDumpError(f"{p}: no such file") from None
+    except PermissionError:
+        raise CoreDumpError(f"{p}: permission denied; run as a user who can read it") from None
+    except OSError as exc:
+        raise CoreDumpError(f"{p}: cannot be opened ({exc.strerror})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise CoreDumpError(f"{p}: is a directory, not a CUDA coredump")
+        raise CoreDumpError(f"{p}: not a regular file (a FIFO, device or socket), so not a CUDA coredump")
+    return open(fd, "rb")
+
+
+def _opener(f: IO[bytes]) -> Callable[[IO[bytes]], IO[bytes]] | None:
+    head = f.read(8)
+    f.seek(0)
     for magic, opener in _MAGIC_OPENERS:
         if head.startswith(magic):
             return opener
@@ -45,26 +88,21 @@ def _opener(path: Path) -> Callable[[Path], IO[bytes]] | None:
 def mapped(path: str | os.PathLike[str]) -> Iterator[mmap.mmap | bytes]:
     """Yield the dump's bytes (an mmap, or b'' for an empty file)."""
     p = Path(path)
-    try:
-        opener = _opener(p)
-    except IsADirectoryError:
-        raise CoreDumpError(f"{p}: is a directory, not a CUDA coredump") from None
-    except FileNotFoundError:
-        raise CoreDumpError(f"{p}: no such file") from None
-    except PermissionError:
-        raise CoreDumpError(f"{p}: permission denied; run as a user who can read it") from None
-    if opener is None:
-        with open(p, "rb") as f:
+    with _open(p) as f:
+        opener = _opener(f)
+        if opener is None:
             yield from _map(f)
-        return
-    with tempfile.TemporaryFile(prefix="hangwatchd-dump-") as tmp:
-        try:
-            with opener(p) as src:
-                _copy_bounded(src, tmp)
-        except (OSError, EOFError, lzma.LZMAError, zstandard.ZstdError) as exc:
-            raise CoreDumpError(f"{p}: the compressed file is damaged or truncated ({exc})") from None
-        tmp.flush()
-        yield from _map(tmp)
+            return
+        with tempfile.TemporaryFile(prefix="hangwatchd-dump-") as tmp:
+            try:
+                with opener(f) as src:
+                    _copy_bounded(src, tmp)
+            except Exception as exc:  # noqa: BLE001 - each decompressor has its own error types
+                if isinstance(exc, (CoreDumpError, MemoryError)):
+                    raise
+                raise CoreDumpError(f"{p}: the compressed file is damaged or truncated ({exc})") from None
+            tmp.flush()
+            yield from _map(tmp)
 
 
 def _copy_bounded(src: IO[bytes], dst: IO[bytes]) -> None:
@@ -92,12 +130,13 @@ def _map(f: IO[bytes]) -> Iterator[mmap.mmap | bytes]:
 def raw_path(path: str | os.PathLike[str]) -> Iterator[str]:
     """A path to the dump uncompressed, for tools that need a plain file (cuda-gdb)."""
     p = Path(path)
-    opener = _opener(p)
-    if opener is None:
-        yield str(p)
-        return
-    with tempfile.NamedTemporaryFile(prefix="hangwatchd-dump-", suffix=".nvcudmp") as tmp:
-        with opener(p) as src:
-            _copy_bounded(src, tmp)
-        tmp.flush()
-        yield tmp.name
+    with _open(p) as f:
+        opener = _opener(f)
+        if opener is None:
+            yield str(p)
+            return
+        with tempfile.NamedTemporaryFile(prefix="hangwatchd-dump-", suffix=".nvcudmp") as tmp:
+            with opener(f) as src:
+                _copy_bounded(src, tmp)
+            tmp.flush()
+            yield tmp.name

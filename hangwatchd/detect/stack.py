@@ -24,20 +24,15 @@ from collections.abc import Sequence
 
 import psutil
 
-from .. import subproc
+from .. import patterns, subproc
 from ..capture.pyspy import find_pyspy
 from ..samples import Sample, signature_of
 
 # Frames (Python or native) whose presence means the thread is blocked on something
-# that should come: the GPU, a collective, a lock, a join.
-BLOCKING = (
-    r"cuStreamSynchronize|cuCtxSynchronize|cuEventSynchronize|cudaDeviceSynchronize|cudaStreamSynchronize",
-    r"\bsynchronize\b|\bitem\b|\bcpu\b|__repr__",  # torch calls that wait for the GPU
-    r"nccl|all_reduce|all_gather|reduce_scatter|broadcast|barrier|all_to_all|\bsend\b|\brecv\b|_wait|wait_tensor",
-    r"acquire|lock_PyThread|_wait_for_tstate_lock|\bjoin\b|Condition\.wait|Event\.wait",
-)
-# Where a server waits for work: a frozen stack here is idleness, not a hang.
-IDLE = (r"selectors|select\.|epoll|asyncio|_run_once|accept|zmq|uvloop|serve_forever|Queue\.get|recv_pyobj")
+# that should come (the GPU, a collective, a lock, a join), and where a server waits for
+# work: from the one catalogue the GPU-dump gate and the verdict read too.
+BLOCKING = patterns.blocking_patterns()
+IDLE = patterns.IDLE.pattern
 
 
 def _cpu_and_ctx(pid: int) -> tuple[float | None, int | None]:

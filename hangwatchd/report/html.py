@@ -73,11 +73,14 @@ def render(data: dict[str, Any], incident_dir: Path) -> str:
              + (f" &middot; job {_e(data['job'])}" if data.get("job") else "")
              + (f" &middot; signals {_e(', '.join(data['signals']))}" if data.get("signals") else "") + "</p>"]
     if a.get("culprits"):
-        parts.append("<h2>Culprit</h2>" + _table(["rank", "pid", "why", "where"], [
-            [_e(c["rank"]), _e(c["pid"]), _e(c["reason"]), _e(c.get("location"))] for c in a["culprits"]]))
+        parts.append("<h2>Culprit</h2>" + _table(["rank", "pid", "node, GPU", "why", "where"], [
+            [_e(c["rank"]) if c.get("rank") is not None else "-", _e(c["pid"]),
+             _e(", ".join(x for x in (c.get("node"), f"GPU {c['gpu']}" if c.get("gpu") is not None else None) if x)),
+             _e(c["reason"]), _e(c.get("location"))]
+            for c in a["culprits"]]))
     if a.get("ranks"):
         parts.append("<h2>Ranks</h2>" + _table(["rank", "pid", "verdict", "detail", "where", "last collective"], [
-            [_e(r["rank"]), _e(r["pid"]), f"<b>{_e(r['verdict'])}</b>", _e(r["detail"]), _e(r.get("location")),
+            [_e(r["rank"]) if r.get("rank") is not None else "-", _e(r["pid"]), f"<b>{_e(r['verdict'])}</b>", _e(r["detail"]), _e(r.get("location")),
              _e(f"{r['last_collective'][0]}#{r['last_collective'][1]}" if r.get("last_collective") else "")]
             for r in a["ranks"]]))
     if a.get("collectives"):

@@ -17,7 +17,7 @@ from .names import fold
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError, RecursionError):  # a process's files may be anything: unreadable is None
         return None
 
 
@@ -32,7 +32,8 @@ def load(incident_dir: Path) -> dict[str, Any]:
                      if p.is_dir() and p.name.isdigit()]
     for proc in processes:
         pdir = incident_dir / str(proc.get("dir") or proc.get("pid"))
-        proc["proc"] = _read_json(pdir / "proc.json")
+        facts = _read_json(pdir / "proc.json")
+        proc["proc"] = facts if isinstance(facts, dict) else None
         proc["stacks"] = load_threads(pdir)
         proc["stacks_native"] = (pdir / "pyspy-native.json").exists()
     data["processes"] = processes
@@ -60,12 +61,15 @@ def _folded(lines: list[str]) -> str:
 def render_analysis(a: dict[str, Any]) -> str:
     out = [a["summary"], ""]
     for c in a.get("culprits", []):
-        out.append(f"Culprit: rank {c['rank']} (pid {c['pid']}): {c['reason']}" + (f", at {c['location']}" if c.get("location") else ""))
+        where = f"pid {c['pid']}" + (f" on node {c['node']}" if c.get("node") else "") + (f", GPU {c['gpu']}" if c.get("gpu") is not None else "")
+        who = f"rank {c['rank']} ({where})" if c.get("rank") is not None else where
+        out.append(f"Culprit: {who}: {c['reason']}" + (f", at {c['location']}" if c.get("location") else ""))
     if a.get("ranks"):
         out += ["", "Ranks:"]
         for r in a["ranks"]:
             last = f"; last collective {r['last_collective'][0]}#{r['last_collective'][1]}" if r.get("last_collective") else ""
-            out.append(f"  rank {r['rank']} pid {r['pid']}: {r['verdict']} - {r['detail']}"
+            who = f"rank {r['rank']} pid {r['pid']}" if r.get("rank") is not None else f"pid {r['pid']}"
+            out.append(f"  {who}: {r['verdict']} - {r['detail']}"
                        + (f" at {r['location']}" if r.get("location") else "") + last)
     if a.get("collectives"):
         out += ["", "Collectives (flight recorder):"]
@@ -73,6 +77,10 @@ def render_analysis(a: dict[str, Any]) -> str:
             out.append(f"  pg {c['pg']} #{c['seq']} {c['name']}: entered by {list(c['ranks_entered'])}"
                        + (f", never by {list(c['ranks_missing'])}" if c["ranks_missing"] else "")
                        + (f"; {c['mismatch']}" if c.get("mismatch") else ""))
+    if a.get("rests_on"):
+        out += ["", "The verdict rests on:"] + [f"  {line}" for line in a["rests_on"]]
+    if a.get("unreadable"):
+        out += ["", "Could not be read:"] + [f"  {line}" for line in a["unreadable"]]
     return _folded(out)
 
 

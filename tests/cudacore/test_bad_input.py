@@ -117,6 +117,17 @@ def test_a_directory_and_a_missing_file(tmp_path: Path) -> None:
     refused(tmp_path / "nope.nvcudmp", "no such file")
 
 
+def test_a_fifo_named_like_a_dump_is_refused_without_waiting(tmp_path: Path) -> None:
+    import os
+    import time
+
+    fifo = tmp_path / "core_host.1.2.nvcudmp"
+    os.mkfifo(fifo)
+    start = time.monotonic()
+    refused(fifo, "not a regular file")
+    assert time.monotonic() - start < 30  # a blocking open would wait for a writer for ever
+
+
 def test_gzip_of_garbage(tmp_path: Path) -> None:
     refused(write(tmp_path, "g.gz", gzip.compress(b"\0" * 1000)), "not an ELF file")
 

@@ -134,16 +134,52 @@ def test_asked_for_nvdisasm_chains_without_nvdisasm_everything_else_still_works(
     assert any("nvdisasm not found" in n and "pip install nvidia-cuda-nvdisasm" in n for n in out["notes"])
 
 
-@pytest.mark.parametrize("name", ["cpp_hang", "cpp_ima", "triton_hang"])
-def test_line_table_chains_agree_with_nvdisasm_at_every_pc(name: str) -> None:
-    """Our reader of the cubins' line tables says what nvdisasm -gi says, frame for frame."""
+WITH_LINES = ["cpp_hang", "cpp_ima", "triton_hang"]
+
+
+@pytest.mark.parametrize("name", WITH_LINES)
+def test_line_table_chains_agree_with_nvdisasm_at_every_warp_pc(name: str) -> None:
+    """Two independent answers: our reader with nvdisasm out of reach, and nvdisasm alone."""
     dump = FIXTURES / name / "coredump.nvcudmp.xz"
-    ours = symbolize(dump)
+    ours = symbolize(dump, nvdisasm=None)  # nothing to fall back on: a broken reader shows
     theirs = symbolize(dump, chains="nvdisasm")
-    assert theirs.notes == ()
-    for a, b in zip(ours.pcs + tuple(ours.exceptions), theirs.pcs + tuple(theirs.exceptions)):
+    assert ours.notes == () and theirs.notes == ()
+    pairs = list(zip(ours.pcs + ours.exceptions, theirs.pcs + theirs.exceptions))
+    assert len(pairs) == len(ours.pcs + ours.exceptions) == len(theirs.pcs + theirs.exceptions) > 0
+    for a, b in pairs:
+        assert a.pc == b.pc
+        assert (a.frames_from, b.frames_from) == ("line-table", "nvdisasm")
+        assert a.frames[0].line is not None
         assert [(f.file, f.line) for f in a.frames] == [(f.file, f.line) for f in b.frames]
         assert a.frames[-1].function == b.frames[-1].function
+
+
+@pytest.mark.parametrize("name", WITH_LINES)
+def test_line_table_chains_agree_with_nvdisasm_at_every_instruction(name: str, raw_dumps: dict[str, Path]) -> None:
+    """Every instruction of every loaded function with line information, not just where warps stood."""
+    from hangwatchd.cudacore.cubin import Cubin
+    from hangwatchd.cudacore.linetable import LineTable
+    from hangwatchd.cudacore.nvdisasm import find_nvdisasm, line_table
+    from hangwatchd.cudacore.reader import open_dump
+
+    tool = find_nvdisasm()
+    assert tool, "nvdisasm comes with the [test] extra (nvidia-cuda-nvdisasm)"
+    compared = 0
+    with open_dump(raw_dumps[name]) as dump:
+        for module in {m.image.offset: m for m in dump.modules if m.image}.values():
+            image = dump.image(module)
+            table = LineTable(image)
+            for fn in Cubin(image).functions:
+                if not fn.has_line_info:
+                    continue
+                assert table.error is None
+                theirs = line_table(tool, image, fn.symbol_index)
+                assert theirs
+                for pc, chain in theirs.items():
+                    ours = [(loc.file, loc.line) for loc in table.chain_at(pc)]
+                    assert ours == [(s.file, s.line) for s in chain], hex(pc)
+                    compared += bool(chain)
+    assert compared >= 24
 
 
 def test_raw_gzip_and_zstd_dumps_give_the_same_answer(raw_dumps: dict[str, Path], tmp_path: Path) -> None:

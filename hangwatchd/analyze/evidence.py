@@ -1,0 +1,96 @@
+"""One captured process's evidence, read from its directory without ever raising.
+
+Every file in an incident came from a capture of someone's process, or was put
+there by hand: any of them may be missing, truncated, huge or not what its
+name says. Each reader keeps what it can; what it cannot read becomes one
+line saying which file and why, and the verdict says what it rested on.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import flight, ras
+from .stacks import read_threads
+
+MAX_JSON = 64 << 20
+
+
+@dataclass(frozen=True)
+class Evidence:
+    proc: dict[str, Any]
+    symbolized: dict[str, Any]
+    nvml: dict[str, Any]
+    threads: tuple[dict[str, Any], ...]
+    native: bool  # the stacks include native frames
+    record: flight.FlightRecord | None
+    ras: ras.RasView | None
+    used: tuple[str, ...]  # what there was to go on: stacks, GPU dump, NVML, ...
+    problems: tuple[str, ...]  # what could not be read, and why
+
+
+def read_json_object(path: Path, problems: list[str]) -> dict[str, Any] | None:
+    """A JSON object from ``path``; None (and a line in ``problems`` unless it is absent) otherwise."""
+    label = f"{path.parent.name}/{path.name}"
+    try:
+        with path.open("rb") as f:
+            raw = f.read(MAX_JSON + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        problems.append(f"{label}: cannot be read ({exc.strerror or exc})")
+        return None
+    if len(raw) > MAX_JSON:
+        problems.append(f"{label}: larger than {MAX_JSON >> 20} MB, not read")
+        return None
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        problems.append(f"{label}: not JSON ({str(exc)[:120]})")
+        return None
+    if not isinstance(data, dict):
+        problems.append(f"{label}: not a JSON object")
+        return None
+    return data
+
+
+def read(pdir: Path, known: dict[str, Any] | None = None) -> Evidence:
+    problems: list[str] = []
+    used: list[str] = []
+    proc = read_json_object(pdir / "proc.json", problems)
+    if proc is None:
+        proc = known if isinstance(known, dict) else {}
+    sym = read_json_object(pdir / "symbolized.json", problems) or {}
+    nvml = read_json_object(pdir / "nvml.json", problems) or {}
+    threads, why = read_threads(pdir)
+    problems += why
+    record, why_fr = flight.read(pdir / "flight-recorder.pkl")
+    if why_fr:
+        problems.append(f"{pdir.name}/flight-recorder.pkl: {why_fr}")
+    view, why_ras = ras.read(pdir)
+    problems += why_ras
+    native = (pdir / "pyspy-native.json").exists() and threads is not None and not any(
+        "pyspy-native.json" in p for p in why)
+    if threads is not None:
+        used.append("native stacks" if native else "Python stacks")
+    if sym:
+        used.append("GPU dump")
+    if nvml:
+        used.append("NVML")
+    if record is not None:
+        used.append("flight recorder")
+    if view is not None:
+        used.append(f"NCCL RAS ({view.source})")
+    return Evidence(proc, sym, nvml, tuple(threads or ()), native, record, view, tuple(used), tuple(problems))
+
+
+def dicts(value: Any) -> list[dict[str, Any]]:
+    """The objects in a JSON list (anything else in it, or a non-list, is dropped)."""
+    return [x for x in value if isinstance(x, dict)] if isinstance(value, list) else []
+
+
+def as_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

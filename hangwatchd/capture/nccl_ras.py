@@ -1,0 +1,203 @@
+"""NCCL's own view of the job: ask its RAS service, keep the answer as nccl-ras.txt (and nccl-ras.json).
+
+Every NCCL 2.24+ process runs a RAS service; the processes of a job form a
+ring, so any one of them answers for the whole job, across nodes: which
+ranks are alive, missing or dead, and how many collectives each launched.
+It listens on ``NCCL_RAS_ADDR`` (``hangwatchd run`` gives each job its own),
+by default ``localhost:28028``. The exchange is a few text lines:
+``CLIENT PROTOCOL 2`` / ``SERVER PROTOCOL n``, ``TIMEOUT s`` / ``OK``,
+optionally ``SET FORMAT json`` / ``OK``, then ``VERBOSE STATUS``, after which
+the service writes its report and closes the connection.
+
+Ranks of one job on one node share the service: it is asked once per
+incident and address, and each rank's directory gets a copy. A port nobody
+listens on is a job without NCCL (or with RAS off): the step reads n/a.
+Whatever answers is untrusted: the answer is capped and read to a deadline.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import procfs
+from ..model import Registration
+from .base import StepNotApplicable
+
+DEFAULT_ADDR = "localhost:28028"
+PROTOCOL = 2
+MAX_ANSWER = 16 << 20
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: bytes | None
+    json: bytes | None
+    error: str | None  # why there is no text answer
+    seconds: float
+
+
+def address_of(env: dict[str, str], registered: str | None = None) -> str:
+    """Where the job's RAS listens: its environment (what NCCL reads), else what was registered, else the default."""
+    return env.get("NCCL_RAS_ADDR") or registered or DEFAULT_ADDR
+
+
+def split_address(addr: str) -> tuple[str, int]:
+    """("host", port) from "host:port", "[v6]:port" or ":port"; ValueError if it is none of those."""
+    host, sep, port = addr.strip().rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{addr!r} is not host:port")
+    host = host.strip("[]") or "localhost"
+    return host, int(port)
+
+
+def local_host(host: str) -> bool:
+    """Is ``host`` this node (loopback, or one of its host name's addresses)?
+
+    NCCL_RAS_ADDR is where the process itself listens, so it is local. The
+    environment is the user's: a remote address there would make root connect
+    wherever the user likes, so it is refused; and a name other than this
+    host's would need DNS, which has no deadline.
+    """
+    if host in ("localhost", socket.gethostname()):
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if ip.is_loopback:
+        return True
+    try:
+        return str(ip) in socket.gethostbyname_ex(socket.gethostname())[2]
+    except OSError:
+        return False
+
+
+def _read_line(sock: socket.socket, end: float) -> bytes:
+    buf = b""
+    while not buf.endswith(b"\n"):
+        left = end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no reply in time")
+        sock.settimeout(left)
+        chunk = sock.recv(1024)
+        if not chunk:
+            raise ConnectionError("the service closed the connection")
+        buf += chunk
+        if len(buf) > 4096:
+            raise ConnectionError("a reply line longer than 4 KB: not a RAS service")
+    return buf
+
+
+def _exchange(sock: socket.socket, line: str, expect: str, end: float) -> str:
+    sock.settimeout(max(end - time.monotonic(), 0.001))
+    sock.sendall(line.encode() + b"\n")
+    reply = _read_line(sock, end).decode("utf-8", "replace").strip()
+    if not reply.upper().startswith(expect):
+        raise ConnectionError(f"answered {reply[:80]!r} to {line!r}")
+    return reply
+
+
+def query(addr: str, timeout: float, fmt: str = "text") -> bytes:
+    """One ``VERBOSE STATUS`` from the RAS service at ``addr``, whole, within ``timeout`` seconds.
+
+    Raises OSError (refused, reset, unreachable), TimeoutError or ConnectionError
+    (a peer that does not speak the protocol), ValueError (a bad address)."""
+    end = time.monotonic() + timeout
+    host, port = split_address(addr)
+    if not local_host(host):
+        raise ValueError(f"{addr!r} is not an address of this node; only a local RAS service is asked")
+    with socket.create_connection((host, port), timeout=max(timeout, 0.001)) as sock:
+        _exchange(sock, f"CLIENT PROTOCOL {PROTOCOL}", "SERVER PROTOCOL", end)
+        # How long NCCL may wait for the other processes of the job: half of what is left,
+        # so that a slow leg still leaves it time to write what it has.
+        _exchange(sock, f"TIMEOUT {max(1, int((end - time.monotonic()) / 2))}", "OK", end)
+        if fmt != "text":
+            _exchange(sock, f"SET FORMAT {fmt}", "OK", end)
+        sock.sendall(b"VERBOSE STATUS\n")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the report was not finished within {timeout:g} s")
+            sock.settimeout(left)
+            chunk = sock.recv(65536)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_ANSWER:
+                raise ConnectionError(f"an answer larger than {MAX_ANSWER >> 20} MB: not a RAS report")
+
+
+def ask(addr: str, timeout: float) -> Answer:
+    """The text report and, where the service speaks it (NCCL 2.27+), the JSON one; never raises."""
+    start = time.monotonic()
+    end = start + timeout
+    try:
+        text = query(addr, timeout)
+    except ValueError as exc:
+        return Answer(None, None, f"NCCL_RAS_ADDR {exc}", time.monotonic() - start)
+    except ConnectionRefusedError:
+        return Answer(None, None, f"nothing listens on {addr} (no NCCL in the job, or NCCL_RAS_ENABLE=0)",
+                      time.monotonic() - start)
+    except (TimeoutError, socket.timeout):
+        return Answer(None, None, f"{addr} did not answer within {timeout:g} s", time.monotonic() - start)
+    except (OSError, ConnectionError) as exc:
+        return Answer(None, None, f"{addr}: {exc}", time.monotonic() - start)
+    js = None
+    left = end - time.monotonic()
+    if left > 0.05:
+        try:
+            js = query(addr, left, "json")
+        except (OSError, ConnectionError, ValueError):
+            js = None  # an NCCL before 2.27 speaks text only; the text has the facts
+    return Answer(text, js, None, time.monotonic() - start)
+
+
+@dataclass
+class NcclRasStep:
+    name: str = "nccl_ras"
+    # (incident directory, address) -> the answer; every rank of the incident gets the same one.
+    _answers: OrderedDict[tuple[str, str], Answer] = field(default_factory=OrderedDict)
+    _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
+    _guard: threading.Lock = field(default_factory=threading.Lock)
+
+    def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
+        env = procfs.environ(target.process.pid, frozenset({"NCCL_RAS_ADDR", "NCCL_RAS_ENABLE"}))
+        if env.get("NCCL_RAS_ENABLE") == "0":
+            raise StepNotApplicable("NCCL_RAS_ENABLE=0 in the process's environment")
+        addr = address_of(env, target.ras_addr)
+        answer = self._answer(str(outdir.parent), addr, timeout)
+        if answer.error:
+            raise StepNotApplicable(answer.error)
+        files = []
+        if answer.text is not None:
+            (outdir / "nccl-ras.txt").write_bytes(answer.text)
+            files.append("nccl-ras.txt")
+        if answer.json:
+            (outdir / "nccl-ras.json").write_bytes(answer.json)  # as NCCL wrote it; the reader mends 2.28.9's
+            files.append("nccl-ras.json")
+        return tuple(files)
+
+    def _answer(self, incident: str, addr: str, timeout: float) -> Answer:
+        key = (incident, addr)
+        with self._guard:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:  # a second rank of the same job waits for the first one's answer
+            with self._guard:
+                found = self._answers.get(key)
+            if found is None:
+                found = ask(addr, timeout)
+                with self._guard:
+                    self._answers[key] = found
+                    while len(self._answers) > 64:  # incidents long stored: forget their answers
+                        old, _ = self._answers.popitem(last=False)
+                        self._locks.pop(old, None)
+            return found

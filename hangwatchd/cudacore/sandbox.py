@@ -1,0 +1,205 @@
+"""Symbolising an untrusted dump in a child process with CPU, memory and wall-clock limits.
+
+A dump in the dump dir is written by any user. Its reading is bounded by caps
+in the reader, but the caps are a second line: the first is that the reading
+happens in a disposable child (RLIMIT_CPU, RLIMIT_AS, a wall deadline, killed
+with its process group), so a dump that still finds a way to be slow or big
+costs one killed child and one line in the incident, never a daemon worker.
+
+The children are forked from a warm fork server (multiprocessing's
+"forkserver", started once with the symboliser already imported): a fresh
+interpreter per dump would spend more on start-up and imports than on the
+reading of a small dump. The answer comes back as JSON (never a pickle: the
+child read hostile bytes) and is checked field by field into ``Symbolized``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import CoreDumpError
+from .symbolize import Symbolized
+
+# What the fork server imports once, so that each child starts warm.
+PRELOAD = ["hangwatchd.cudacore.sandbox", "hangwatchd.cudacore.warm"]
+MAX_ANSWER_BYTES = 256 << 20  # the JSON of the biggest real dump is a few MB
+_EXIT_NO_MEMORY = 86  # the child's exit status when an allocation failed under RLIMIT_AS
+
+
+@dataclass(frozen=True)
+class Limits:
+    cpu_seconds: float = 60.0
+    memory_mb: int = 4096  # the child's whole address space, the mapped dump included
+    wall_seconds: float = 120.0
+
+
+class SymbolizeStopped(CoreDumpError):
+    """The child was stopped at a limit; the message is the line for the incident."""
+
+
+_limits = Limits()
+
+
+def configure(limits: Limits) -> None:
+    """The limits of every later symbolize() here (the daemon sets them from its config)."""
+    global _limits
+    _limits = limits
+
+
+def current() -> Limits:
+    return _limits
+
+
+def _context() -> Any:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def start() -> None:
+    """Start the warm fork server now, so the first dump does not pay for it."""
+    from multiprocessing import forkserver
+
+    _context()
+    forkserver.ensure_running()
+
+
+def stop() -> None:
+    """Stop the fork server (it also stops by itself when this process exits)."""
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()  # noqa: SLF001 - the one way to stop it before exit
+
+
+def symbolize(path: str | os.PathLike[str], limits: Limits | None = None, strict: bool = False,
+              nvdisasm: str | None = "auto", _hook: str | None = None) -> Symbolized:
+    """``cudacore.symbolize.symbolize`` in a limited child. Raises CoreDumpError with one
+    line when the dump is unreadable, SymbolizeStopped when a limit stopped the child.
+
+    _hook: tests only; "allocate" makes the child allocate without end, "sleep:PIDFILE" start
+    a grandchild (its pid into PIDFILE) and sleep past the wall deadline.
+    """
+    lim = limits or _limits
+    ctx = _context()
+    answer_r, answer_w = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child, args=(answer_w, os.fspath(path), strict, nvdisasm, lim, _hook),
+                        name="hangwatchd-symbolize", daemon=True)
+    start_time = time.monotonic()
+    try:
+        child.start()
+    except (OSError, EOFError) as exc:  # no fork server, no memory for a process: still one line
+        answer_r.close()
+        answer_w.close()
+        raise CoreDumpError(f"{path}: symbolising could not start its child ({exc})") from None
+    answer_w.close()
+    raw: bytes | None = None
+    stopped_at_wall = False
+    try:
+        if answer_r.poll(lim.wall_seconds):
+            raw = answer_r.recv_bytes(MAX_ANSWER_BYTES)
+    except EOFError:
+        pass  # it died without answering: its exit status says why
+    except OSError:
+        _kill(child.pid)
+        raise SymbolizeStopped(f"{path}: symbolising stopped: its answer was larger than "
+                               f"{MAX_ANSWER_BYTES >> 20} MB") from None
+    finally:
+        answer_r.close()
+        child.join(max(0.0, start_time + lim.wall_seconds - time.monotonic()))
+        if child.exitcode is None:
+            stopped_at_wall = raw is None
+            _kill(child.pid)
+            child.join()
+        code = child.exitcode
+        child.close()
+    if raw is None:
+        why = f"wall-clock limit of {lim.wall_seconds:g} s" if stopped_at_wall else _why(code, lim)
+        raise SymbolizeStopped(f"{path}: symbolising stopped: {why}")
+    return _decode(path, raw)
+
+
+def _kill(pid: int | None) -> None:
+    if pid is None:
+        return
+    for kill in (os.killpg, os.kill):  # its group, and itself if it had no time to make one
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _why(exitcode: int | None, lim: Limits) -> str:
+    # SIGXCPU at the soft CPU limit; SIGKILL at the hard one, a second later, if it caught SIGXCPU.
+    if exitcode in (-signal.SIGXCPU, -signal.SIGKILL):
+        return f"CPU limit of {lim.cpu_seconds:g} s"
+    if exitcode == _EXIT_NO_MEMORY or exitcode == -signal.SIGSEGV:
+        return f"memory limit of {lim.memory_mb} MB"
+    return f"the symbolising child failed (exit status {exitcode})"
+
+
+def _decode(path: str | os.PathLike[str], raw: bytes) -> Symbolized:
+    try:
+        answer = json.loads(raw)
+        if "error" in answer:
+            raise CoreDumpError(str(answer["error"]))
+        return Symbolized.from_dict(answer["ok"])
+    except CoreDumpError:
+        raise
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CoreDumpError(f"{path}: the symbolising child's answer is unreadable ({exc})") from None
+
+
+def _child(answer: Any, path: str, strict: bool, nvdisasm: str | None, lim: Limits, hook: str | None) -> None:
+    """In the child: limit, read, answer in JSON. Never returns an exception to the parent."""
+    import resource
+
+    os.setpgid(0, 0)  # its own group: killed with whatever it starts
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    cpu = max(1, math.ceil(lim.cpu_seconds))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU, then SIGKILL a second later
+    memory = lim.memory_mb << 20
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    from . import nvdisasm as nvd, source
+
+    # Nothing it starts outlives the wall deadline, and nothing inflates past what it may map.
+    nvd.DEADLINE_S = min(nvd.DEADLINE_S, lim.wall_seconds)
+    source.MAX_INFLATED = min(source.MAX_INFLATED, memory)
+    try:
+        if hook == "allocate":
+            hog = [bytearray(1 << 20) for _ in range(1 << 30)]
+            del hog
+        elif hook and hook.startswith("sleep:"):
+            import subprocess
+
+            # A grandchild in the child's group, to show that the group goes with it.
+            helper = subprocess.Popen(["sleep", str(lim.wall_seconds * 10)])
+            with open(hook.split(":", 1)[1], "w") as f:
+                f.write(str(helper.pid))
+            time.sleep(lim.wall_seconds * 10)
+        from .symbolize import symbolize
+
+        payload: dict[str, Any] = {"ok": symbolize(path, strict=strict, nvdisasm=nvdisasm).to_dict()}
+    except CoreDumpError as exc:
+        payload = {"error": str(exc)}
+    except MemoryError:
+        os._exit(_EXIT_NO_MEMORY)
+    except OSError as exc:
+        if exc.errno == errno.ENOMEM:  # the dump could not be mapped within the address space
+            os._exit(_EXIT_NO_MEMORY)
+        payload = {"error": f"{path}: cannot be read ({exc.strerror or exc})"}
+    except Exception as exc:  # noqa: BLE001 - a bug, but still one line in the incident, not a lost answer
+        payload = {"error": f"{path}: symbolising failed ({type(exc).__name__}: {exc})"}
+    try:
+        answer.send_bytes(json.dumps(payload).encode())
+    except MemoryError:
+        os._exit(_EXIT_NO_MEMORY)
+    answer.close()

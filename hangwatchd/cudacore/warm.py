@@ -1,0 +1,14 @@
+"""What a symbolising child needs, imported once in the fork server so that no child pays for it.
+
+The command line imports these lazily (a small dump must start fast); the
+daemon's fork server imports them all up front (every child is forked warm).
+"""
+
+import bz2  # noqa: F401
+import gzip  # noqa: F401
+import lzma  # noqa: F401
+
+import cxxfilt  # noqa: F401
+import zstandard  # noqa: F401
+
+from . import cubin, elf, linetable, nvdisasm, reader, source, symbolize  # noqa: F401
