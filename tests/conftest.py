@@ -115,6 +115,12 @@ def no_process_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # multiprocessing's helpers started in this process (the symboliser's fork server and
+    # its resource tracker) are ours to stop, as a daemon stops them at exit.
+    from multiprocessing import forkserver, resource_tracker
+
+    forkserver._forkserver._stop()  # noqa: SLF001 - the one way to stop them before exit
+    resource_tracker._resource_tracker._stop()  # noqa: SLF001
     leaks = reap_leaks(SESSION, os.environ.get(SESSION, "-"))
     if leaks:
         sys.stderr.write(f"\nthe test run left {len(leaks)} processes running (killed now):\n  " + "\n  ".join(leaks) + "\n")
