@@ -208,7 +208,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     for p in status["processes"]:
         age = p.get("last_beat_age")
         rows.append((
-            str(p["pid"]), _cut(p.get("job") or "-", 32), str(p["rank"]) if p.get("rank") is not None else "-", p["state"],
+            str(p["pid"]), _cut(p.get("job") or "-", 32),
+            "launcher" if p.get("role") == "launcher" else str(p["rank"]) if p.get("rank") is not None else "-", p["state"],
             f"{age:.1f}s ago" if age is not None else "never",
             f"{p['timeout']:.3g}s ({p.get('timeout_source', 'config')})", p.get("incident") or "-",
             _cut(" ".join(p.get("cmdline") or []), 60),

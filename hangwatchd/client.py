@@ -13,11 +13,17 @@ import sys
 import time
 from pathlib import Path
 
-from . import heartbeat, procfs, registry
+from . import exits, heartbeat, procfs, registry
 from .config import client_runtime_dir
-from .model import Registration
+from .model import ProcessId, Registration
 
 BEAT_FILE_ENV = "HANGWATCHD_BEAT_FILE"
+# Set by ``hangwatchd run`` for everything below it: a process that inherits them and
+# beats, but is not the one the segment was made for (a rank under torchrun, srun,
+# mpirun, deepspeed), registers itself as a rank of that job on its first beat.
+JOB_ENV = "HANGWATCHD_JOB"
+TIMEOUT_ENV = "HANGWATCHD_HEARTBEAT_TIMEOUT"
+STACK_TIMEOUT_ENV = "HANGWATCHD_STACK_TIMEOUT"
 
 
 # The segment's mapping: None until the first beat looks for it, False when there is none.
@@ -38,18 +44,41 @@ def beat() -> None:
 
 
 def _find_segment() -> None:
-    """Find this process's segment once; from then on every beat goes straight to it."""
+    """Find this process's segment once; from then on every beat goes straight to it.
+
+    The pid is checked here, once, not on every beat: a fork resets the mapping
+    (``register_at_fork``), so a child comes back here on its first beat.
+    """
     global _mm
     _mm = False
     path = os.environ.get(BEAT_FILE_ENV)
     if path:
         try:
-            # Only the process the segment was made for may beat into it, not its forks.
-            if heartbeat.read(path).pid == os.getpid():
-                _attach(path)
-                beat()
+            owner = heartbeat.read(path).pid
         except heartbeat.SegmentError:
-            pass
+            return
+        # Only the process the segment was made for may beat into it, not its forks.
+        if owner == os.getpid():
+            _attach(path)
+            beat()
+        elif JOB_ENV in os.environ and _register_as_rank(launcher=owner):
+            beat()
+
+
+def _register_as_rank(launcher: int) -> bool:
+    """A rank below ``hangwatchd run -- LAUNCHER``: a segment and a registration of its own."""
+    env = os.environ
+    return register(job=env.get(JOB_ENV) or registry.job_of(env) or f"run-{launcher}",
+                    heartbeat_timeout=_positive(env.get(TIMEOUT_ENV)), stack_timeout=_positive(env.get(STACK_TIMEOUT_ENV)),
+                    launcher=launcher)
+
+
+def _positive(text: str | None) -> float | None:
+    try:
+        value = float(text) if text else None
+    except ValueError:
+        return None
+    return value if value and value > 0 else None
 
 
 def _attach(path: str) -> None:
@@ -70,11 +99,14 @@ def register(
     rank: int | None = None,
     heartbeat_timeout: float | None = None,
     runtime_dir: str | os.PathLike[str] | None = None,
+    stack_timeout: float | None = None,
+    launcher: int | None = None,
 ) -> bool:
     """Register this process with the daemon and start beating into a segment of its own.
 
     Returns False (after one warning on stderr) when there is no runtime dir to
-    register in; the program goes on unwatched.
+    register in; the program goes on unwatched. ``launcher``: the pid of the
+    launched process this one runs below (set when a rank registers itself).
     """
     base = Path(runtime_dir) if runtime_dir else client_runtime_dir()
     me = procfs.identify(os.getpid())
@@ -88,8 +120,9 @@ def register(
         reg = Registration(
             process=me, uid=os.getuid(), job=job or env.get("TORCHELASTIC_RUN_ID"),
             **registry.ranks_from_env(env, rank),
-            heartbeat_timeout=heartbeat_timeout, beat_file=str(beat_file),
-            cmdline=procfs.cmdline(me.pid), source="register", registered_at=time.time(),
+            heartbeat_timeout=heartbeat_timeout, stack_timeout=stack_timeout, beat_file=str(beat_file),
+            cmdline=procfs.cmdline(me.pid), source="rank" if launcher else "register", registered_at=time.time(),
+            launcher=launcher,
         )
         path = registry.write(base / "registrations", reg)
     except OSError as exc:
@@ -97,11 +130,14 @@ def register(
         return False
     os.environ[BEAT_FILE_ENV] = str(beat_file)
     _attach(str(beat_file))
-    atexit.register(_unregister, path, beat_file)
+    atexit.register(_unregister, path, beat_file, base, me)
     return True
 
 
-def _unregister(path: Path, beat_file: Path) -> None:
+def _unregister(path: Path, beat_file: Path, base: Path, me: ProcessId) -> None:
+    # First say it is exiting and when (its last beat with it): the daemon then keeps it for
+    # its job-mates' incidents rather than taking the removed registration for a goodbye.
+    exits.write(base, me, None, time.time(), str(beat_file))
     for p in (path, beat_file):
         try:
             p.unlink()

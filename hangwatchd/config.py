@@ -201,7 +201,8 @@ KEYS: dict[str, Key] = {
     "dump_dir": Key("", _optional_path, "where CUDA writes coredumps; \"\" means STATE_DIR/dumps"),
     "metrics_address": Key("0.0.0.0:9842", _address, "where Prometheus scrapes /metrics; \"\" serves none"),
     "heartbeat_timeout": Key(120.0, _seconds, "seconds without a beat before a process is hung, when it registered none of its own"),
-    "startup_grace": Key(600.0, _seconds, "seconds a registered process may take to send its first beat"),
+    "startup_grace": Key(600.0, _seconds, "seconds a registered process may take to send its first beat; one that declared no heartbeat timeout and sends none is then watched by its stack, never hung for it"),
+    "exited_keep": Key(600.0, _seconds, "seconds the daemon keeps what it knew of an exited process, for its job-mates' incidents"),
     "rescan_interval": Key(30.0, _seconds, "seconds between full rescans of the registrations (inotify is the fast path)"),
     "capture_steps": Key(list(STEP_NAMES), _steps, "capture steps to run on a hung process, in order (cuda_dump is always last)"),
     "capture_timeout": Key(60.0, _seconds, "seconds the whole capture of one process may take"),
@@ -231,6 +232,8 @@ KEYS: dict[str, Key] = {
     "max_state_bytes": Key(50 * 2**30, parse_size, "the state dir's size bound (\"50GiB\", \"500MB\" or bytes): oldest dumps go first, then oldest incidents"),
     "dump_max_age_days": Key(7.0, _days, "raw GPU dumps older than this are deleted (their reports are kept)"),
     "incident_max_age_days": Key(90.0, _days, "incidents older than this are deleted, report and index entry too"),
+    "max_registrations_per_uid": Key(64, _count, "processes one non-root user may have watched at once; more registrations are refused"),
+    "pyspy_samples_per_uid": Key(4.0, _factor, "py-spy samples per second the daemon takes of one non-root user's processes (bursts of 2 s worth)"),
     "log_format": Key("json", _one_of("json", "console"), "json: one JSON object a line; console: for a person"),
     "log_level": Key("info", _one_of("debug", "info", "warning", "error"), "the least severe events logged"),
 }
@@ -244,6 +247,7 @@ class Config:
     metrics_address: str = KEYS["metrics_address"].default
     heartbeat_timeout: float = KEYS["heartbeat_timeout"].default
     startup_grace: float = KEYS["startup_grace"].default
+    exited_keep: float = KEYS["exited_keep"].default
     rescan_interval: float = KEYS["rescan_interval"].default
     capture_steps: tuple[str, ...] = tuple(KEYS["capture_steps"].default)
     capture_timeout: float = KEYS["capture_timeout"].default
@@ -271,6 +275,8 @@ class Config:
     max_state_bytes: int = KEYS["max_state_bytes"].default
     dump_max_age_days: float = KEYS["dump_max_age_days"].default
     incident_max_age_days: float = KEYS["incident_max_age_days"].default
+    max_registrations_per_uid: int = KEYS["max_registrations_per_uid"].default
+    pyspy_samples_per_uid: float = KEYS["pyspy_samples_per_uid"].default
     log_format: str = KEYS["log_format"].default
     log_level: str = KEYS["log_level"].default
 

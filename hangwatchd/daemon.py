@@ -26,25 +26,25 @@ import structlog
 from inotify_simple import INotify
 from inotify_simple import flags as inflags
 
-from . import __version__, dumpscan, gpudump, procfs, registry
-from .capture.pipeline import finish as finish_incident
+from . import __version__, dump_ingest, dumpscan, exits, gpudump, procfs, ranks, registry, untrusted
 from .detect import rearm
 from .instance_lock import AlreadyRunning, InstanceLock
 from .spool import SPOOL_DIR, Spool
 from .analyze.stacks import gpu_wait
-from .cudacore import driverlog, sandbox
+from .cudacore import sandbox
 from .runtime import DAEMON_FILE, STATUS_FILE, write_json
 from .capture import capture_incident, make_steps
 from .config import Config
 from .detect import HeartbeatDetector
 from .detect.stack import BLOCKING, IDLE, classify, take_sample
 from .metrics import Metrics, create, serve
-from .model import Incident, ProcessCapture, ProcessId, Registration, State, StepResult, Suspicion
+from .model import Registration, State, Suspicion
 from .notify import notify, watchdog_interval
 from .registry import RegistrationError, Watched
 from .report import html
 from .samples import Sample
 from .store import Store, StoreWriteError
+from .user_limits import UserLimits
 
 log = structlog.get_logger("hangwatchd.daemon")
 
@@ -86,6 +86,8 @@ class Daemon:
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="capture")
         self.captures: list[_Capture] = []
         self.refused: dict[str, float] = {}  # registration name -> mtime already refused (no log spam)
+        self.limits = UserLimits(cfg.max_registrations_per_uid, cfg.pyspy_samples_per_uid)
+        self.over_limit: set[str] = set()  # registrations waiting for their user to drop under the limit
         self.dumping: set[int] = set()  # pids whose GPU dump a capture is taking: not exception dumps
         self.ingested: set[str] = set()  # dump files already made into incidents
         self.recent: dict[int, tuple[Registration, float]] = {}  # exited processes, to link late dumps
@@ -94,6 +96,7 @@ class Daemon:
         self.lock = InstanceLock(Path(self.config.runtime_dir))
         self.rescan_due = False  # the inotify queue overflowed: events were lost
         self.next_dump_scan = float("inf")  # a scan found dumps still being written: look again then
+        self.departures = exits.Departures(Path(cfg.runtime_dir), cfg.exited_keep)  # for job-mates' incidents
         self.stopping = False
         self.metrics_address = ""
         self._wake_r, self._wake_w = socket.socketpair()
@@ -225,6 +228,8 @@ class Daemon:
                     continue  # forgotten while handling an earlier one
                 if w.next_check <= now and not self._guarded("observe", self._observe, w, now, pid=w.process.pid):
                     w.next_check = now + ERROR_BACKOFF
+                if w.process not in self.watched:
+                    continue  # dropped for a tampered file
                 if w.next_sample <= now and not w.sampling and not self._guarded("sample", self._sample, w, now, pid=w.process.pid):
                     w.next_sample = now + ERROR_BACKOFF
             if now >= self.next_dump_scan:
@@ -314,7 +319,9 @@ class Daemon:
         for pid_key, w in list(self.watched.items()):
             if w.registration.source != "discovered" and registry.file_name(pid_key) not in names:
                 self._unregistered(registry.file_name(pid_key))
+        exits.remove_stale(Path(self.config.runtime_dir), time.time() - self.config.exited_keep)
         self.refused = {k: v for k, v in self.refused.items() if k in names}
+        self.over_limit &= names
         if self.config.discover:
             self._discover()
 
@@ -337,7 +344,23 @@ class Daemon:
             if old.registration.source != "discovered":
                 return
             self._forget(old, "registered")  # a registration says more than discovery
+        over = self.limits.over_registrations(reg.uid, (x.registration.uid for x in self.watched.values()
+                                                          if x.registration.source != "discovered"))
+        if over:
+            self._refuse(path.name, "uid_limit", over, reg.uid)
+            return
+        self.over_limit.discard(path.name)
+        self.limits.clear("uid_limit", reg.uid)
         self._watch(reg)
+
+    def _refuse(self, name: str, reason: str, why: str, uid: int) -> None:
+        """A registration over its user's limit: counted once per file, logged once per user.
+        Not remembered as refused: it is admitted at a later rescan once the user is under the limit."""
+        if name not in self.over_limit:
+            self.over_limit.add(name)
+            self.metrics.registration_errors.labels(**self.metrics.labels(reason=reason)).inc()
+        if self.limits.first(reason, uid):
+            log.warning("registration_refused", file=name, reason=reason, uid=uid, error=why)
 
     def _watch(self, reg: Registration) -> None:
         try:
@@ -352,7 +375,13 @@ class Daemon:
         source = "registration" if reg.heartbeat_timeout else "config"
         state = State.STARTING if reg.beat_file else State.HEALTHY
         w = Watched(reg, state, seen_at=now, timeout=timeout, next_check=now, timeout_source=source,
-                    stack_timeout=reg.stack_timeout or self._stack_timeout_for(reg))
+                    stack_timeout=reg.stack_timeout or self._stack_timeout_for(reg), role=reg.role)
+        launcher = ranks.launcher_of(w, self.watched.values())
+        if launcher is not None and launcher.role != "launcher":
+            launcher.role = "launcher"
+            log.info("launcher_found", pid=launcher.process.pid, rank_pid=reg.process.pid, job=reg.job)
+        if ranks.ranks_below(w, self.watched.values()):
+            w.role = "launcher"
         self.watched[reg.process] = w
         self.selector.register(pidfd, selectors.EVENT_READ, reg.process)
         w.pidfd = pidfd
@@ -383,7 +412,11 @@ class Daemon:
     def _unregistered(self, name: str) -> None:
         for key, w in list(self.watched.items()):
             if registry.file_name(key) == name:
-                self._forget(w, "unregistered")
+                gone = not procfs.alive(key) or exits.read(Path(self.config.runtime_dir), key, w.registration.uid)
+                if gone:  # removed at (or by its launcher after) its exit, before the pidfd was read
+                    self._on_exit(key)
+                else:
+                    self._forget(w, "unregistered")
 
     def _on_exit(self, process: registry.ProcessId) -> None:
         w = self.watched.get(process)
@@ -391,10 +424,15 @@ class Daemon:
             now = time.monotonic()
             self.recent = {pid: v for pid, v in self.recent.items() if now - v[1] < 600}
             self.recent[process.pid] = (w.registration, now)
+            if w.role != "launcher":
+                self.departures.add(exits.departed_from(w, time.time()))
             self._forget(w, "exited")
             registry.remove(self.config.registrations, process)
             if w.registration.beat_file:
-                Path(w.registration.beat_file).unlink(missing_ok=True)
+                try:
+                    Path(w.registration.beat_file).unlink(missing_ok=True)
+                except OSError:
+                    pass  # swapped for a directory: the user's to clean up
 
     def _forget(self, w: Watched, why: str) -> None:
         self._set_state(w, State.EXITED)
@@ -416,7 +454,12 @@ class Daemon:
     # -- detection -------------------------------------------------------
 
     def _observe(self, w: Watched, now: float) -> None:
-        obs = self.detector.observe(w, now)
+        try:
+            w.check_files()
+            obs = self.detector.observe(w, now)
+        except untrusted.Refused as exc:
+            self._tampered(w, exc)
+            return
         w.next_check = obs.next_check
         r = w.registration
         labels = self.metrics.labels(job=r.job or "", rank=str(r.rank if r.rank is not None else ""), pid=str(r.process.pid))
@@ -441,6 +484,19 @@ class Daemon:
             w.suspicion = None
         if obs.state is not w.state and not (w.state is State.SUSPECT and w.suspicion):
             self._set_state(w, obs.state)
+
+    def _tampered(self, w: Watched, exc: untrusted.Refused) -> None:
+        """A beat or status file swapped after acceptance (a directory, FIFO, link, another
+        user's file): that costs this registration, nothing else."""
+        reason = f"tampered_{exc.reason}"
+        self.metrics.registration_errors.labels(**self.metrics.labels(reason=reason)).inc()
+        log.warning("registration_refused", pid=w.process.pid, uid=w.registration.uid, reason=reason, error=str(exc))
+        path = self.config.registrations / registry.file_name(w.process)
+        try:
+            self.refused[path.name] = path.lstat().st_mtime  # not taken back until it is written anew
+        except OSError:
+            pass
+        self._forget(w, "tampered")
 
     def _suspect(self, w: Watched, suspicion: Suspicion | None, now: float) -> None:
         """One signal says stalled. Confirm before anything is done about it."""
@@ -488,6 +544,13 @@ class Daemon:
     # -- stack sampling (on the sampler's threads) ------------------------
 
     def _sample(self, w: Watched, now: float) -> None:
+        wait = self.limits.sample_wait(w.registration.uid, now)
+        if wait:
+            w.next_sample = now + wait
+            if self.limits.first("pyspy_rate", w.registration.uid):
+                log.warning("stack_sampling_limited", uid=w.registration.uid,
+                            limit=f"pyspy_samples_per_uid = {self.config.pyspy_samples_per_uid:g}")
+            return
         w.sampling = True
         pid = w.process
         native = w.state is State.SUSPECT and w.suspicion is not None and w.suspicion.reason == "stack"
@@ -601,7 +664,7 @@ class Daemon:
         # Every rank of the same job on this node goes into the same incident: the rank
         # that differs is the answer, and it may be one that looks healthy.
         mates = [x for x in self.watched.values() if x is not w and w.registration.job
-                 and x.registration.job == w.registration.job
+                 and x.registration.job == w.registration.job and x.role != "launcher"
                  and x.state in (State.STARTING, State.HEALTHY, State.SUSPECT)]
         for x in mates:
             x.suspicion = None
@@ -610,7 +673,10 @@ class Daemon:
         for x in group:
             self.marks[x.process] = rearm.mark(x)
         self.dumping.update(x.process.pid for x in group)
-        future = self.pool.submit(self._capture, group, suspicion)
+        gone = self.departures.of_job(w.registration.job, w.registration.registered_at)  # job-mates that exited: often the cause
+        if gone:
+            log.info("exited_job_mates", job=w.registration.job, pids=[d.registration.process.pid for d in gone])
+        future = self.pool.submit(self._capture, group, suspicion, gone)
         future.add_done_callback(self._wake)
         self.captures.append(_Capture(group, suspicion, time.monotonic(), future))
 
@@ -633,14 +699,14 @@ class Daemon:
 
     # -- capture (on worker threads) -------------------------------------
 
-    def _capture(self, group: list[Watched], suspicion: Suspicion) -> str | None:
+    def _capture(self, group: list[Watched], suspicion: Suspicion, gone: list[exits.Departed]) -> str | None:
         first = str(group[0].process.pid)
 
         def gate(outdir: Path) -> str | None:  # a job-mate's GPU dump needs its own evidence
             return self._gate(outdir, suspicion.signals if outdir.name == first else ())
 
         return capture_incident(self.store, self.steps, [w.registration for w in group], suspicion,
-                                self.config.capture_timeout, self.metrics, gate, group[0].notify_status(), self.spool)
+                                self.config.capture_timeout, self.metrics, gate, group[0].notify_status(), self.spool, gone)
 
     def _collect_captures(self) -> None:
         for c in [c for c in self.captures if c.future.done()]:
@@ -652,6 +718,8 @@ class Daemon:
                 self.metrics.loop_errors.labels(**self.metrics.labels(where="capture")).inc()
                 incident_id = None
             else:
+                if incident_id is None:
+                    continue  # a refused dump: counted and logged already
                 self.metrics.incidents.labels(**self.metrics.labels(reason=c.suspicion.reason)).inc()
                 self.metrics.incident_stored(incident_id, c.suspicion.reason, c.watched[0].registration.job if c.watched else None, time.time())
                 pending = self.spool.find(incident_id) is not None if incident_id else False
@@ -685,7 +753,7 @@ class Daemon:
         cutoff = time.time() - 3600
         for stale in cfg.driver_logs.glob("*.log"):
             try:
-                if stale.stat().st_mtime < cutoff:
+                if stale.lstat().st_mtime < cutoff:
                     stale.unlink()
             except OSError:
                 pass
@@ -734,42 +802,18 @@ class Daemon:
                 log.warning("incident_stored", incident=incident_id, from_spool=True)
         self.metrics.incidents_pending.labels(**self.metrics.const).set(len(self.spool.pending()) if pending else 0)
 
-    def _ingest(self, path: Path, pid: int | None, known: Registration | None) -> str:
-        """One dump (or driver report without a dump), one incident."""
-        reg = known or Registration(ProcessId(pid or 0, 0), uid=-1)
-        start = time.monotonic()
+    def _ingest(self, path: Path, pid: int | None, claimed: Registration | None) -> str | None:
+        """One dump (or driver report without a dump), one incident; a refused file, none."""
+        def count(exc_type: str) -> None:
+            self.metrics.gpu_exceptions.labels(**self.metrics.labels(type=exc_type)).inc()
         try:
-            draft = self.store.begin("gpu-exception", reg.job, [pid] if pid else [])
-        except StoreWriteError as exc:
-            log.error("store_write_failed", error=str(exc))
-            self.metrics.store_write_failures.labels(**self.metrics.const).inc()
-            draft = self.spool.begin("gpu-exception", reg.job, [pid] if pid else [])
-        outdir = draft.path / str(pid or "unknown")
-        outdir.mkdir(parents=True)
-        if path.name.endswith(gpudump.DRIVER_LOG_SUFFIX):
-            lines = path.read_text(errors="replace").splitlines()
-            report = driverlog.parse(lines)
-            gpudump.copy_text(path, outdir / "driver.log")
-            path.unlink(missing_ok=True)
-            step = StepResult("driver_log", True, time.monotonic() - start, files=("driver.log",))
-            detail = f"the driver reported {report.summary()} but wrote no dump"
-            exc_type = report.exception or "UNKNOWN"
-        else:
-            stored = gpudump.store(path, outdir, keep_dump=not draft.spooled)
-            files = list(stored.files)
-            if pid and gpudump.copy_text(self.config.driver_logs / f"{pid}.log", outdir / "driver.log"):
-                files.append("driver.log")
-            step = StepResult("cuda_dump", bool(stored.files), time.monotonic() - start, stored.note, tuple(files))
-            detail, exc_type = _describe(stored.symbolized, path.name, stored.note)
-        self.metrics.gpu_exceptions.labels(**self.metrics.labels(type=exc_type)).inc()
-        incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason="gpu-exception",
-                            detail=detail, job=reg.job, processes=(ProcessCapture(reg, (step,)),))
-        finish_incident(self.store, self.spool, draft, incident, f"gpu-exception: {detail}", metrics=self.metrics)
-        try:
-            self.store.mark_ingested(path.name)
-        except Exception as exc:  # noqa: BLE001 - remembered in memory for this run; a restart may ingest it again
-            log.warning("ingested_not_recorded", dump=path.name, error=str(exc))
-        return draft.id
+            return dump_ingest.ingest(self.store, path, pid, claimed, self.config.driver_logs, count,
+                                      self.spool, self.metrics)
+        except untrusted.Refused as exc:
+            reason = f"dump_{exc.reason}"
+            self.metrics.registration_errors.labels(**self.metrics.labels(reason=reason)).inc()
+            log.warning("dump_refused", file=str(path), reason=reason, error=str(exc))
+            return None
 
     # -- status ----------------------------------------------------------
 
@@ -792,16 +836,3 @@ class Daemon:
             write_json(path, data)
         except OSError as exc:
             log.error("status_write_failed", file=str(path), error=str(exc))
-
-
-def _describe(sym: object, name: str, note: str | None) -> tuple[str, str]:
-    """One line for an exception dump: what, in which kernel, where; and the exception type."""
-    from .cudacore.symbolize import Symbolized
-
-    if not isinstance(sym, Symbolized):
-        return f"{name}: {note or 'unreadable dump'}", "UNREADABLE"
-    for e in sym.exceptions:
-        where = next((f" at {f.file}:{f.line}" for f in e.frames if f.file), "")
-        return f"{e.type} in {e.kernel or 'an unknown kernel'}{where}", e.type
-    kernels = ", ".join(k.name for k in sym.kernels) or "no running kernel"
-    return f"GPU coredump with no exception ({kernels})", "NONE"

@@ -10,13 +10,14 @@ import errno
 import json
 import re
 import os
-import stat
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import zstandard
 
+from . import untrusted
 from .cudacore.errors import CoreDumpError
 from .cudacore import sandbox
 from .cudacore.symbolize import Symbolized
@@ -51,29 +52,60 @@ class Stored:
     note: str | None  # what went wrong, if anything, in one line
 
 
-def store(dump: Path, outdir: Path, remove_source: bool = True, keep_dump: bool = True) -> Stored:
+MAX_DUMP = 64 << 30  # bytes: far above any real GPU's dump, below a disk-filling stream
+MAX_TEXT = 16 << 20  # bytes of a driver log
+COPY_DEADLINE = 600.0  # seconds to compress one dump into an incident
+
+
+def open_dump(dump: Path, uid: int | None) -> int:
+    """An fd of a dump a workload wrote: a regular file (never a link, never blocking on a FIFO),
+    owned by ``uid`` (the process it belongs to) when given, within MAX_DUMP. Raises untrusted.Refused.
+
+    Root's files are accepted only for root's processes: a copy must hold nothing the
+    process's user could not read."""
+    return untrusted.open_fd(dump, uid, allow_root=uid == 0, max_size=MAX_DUMP)
+
+
+def store(dump: Path, outdir: Path, uid: int | None, remove_source: bool = True, keep_dump: bool = True) -> Stored:
     """Symbolise ``dump`` into outdir/symbolized.json and keep it as outdir/coredump.nvcudmp.zst.
 
-    A full disk drops the compressed dump but keeps the symbolised report, and says so;
-    ``keep_dump=False`` (the report goes to the spool: no room) leaves the dump where it is.
+    ``dump`` is opened once through ``untrusted`` (raises untrusted.Refused) and only that
+    open file is read. A full disk drops the compressed dump but keeps the symbolised
+    report, and says so; ``keep_dump=False`` (the report goes to the spool: no room)
+    leaves the dump where it is.
     """
+    fd = open_dump(dump, uid)
+    try:
+        return store_fd(fd, dump, outdir, remove_source, keep_dump)
+    finally:
+        os.close(fd)
+
+
+def store_fd(fd: int, dump: Path, outdir: Path, remove_source: bool, keep_dump: bool = True) -> Stored:
     files: list[str] = []
     notes: list[str] = []
     result: Symbolized | None = None
+    opened = untrusted.fd_path(fd)
     try:
-        result = sandbox.symbolize(dump)  # in a limited child: the dump is untrusted
-        (outdir / "symbolized.json").write_text(json.dumps(result.to_dict(), indent=1))
+        # In a limited child, through the fd we checked: the dump is untrusted.
+        result = sandbox.symbolize(opened)
+        data = result.to_dict()
+        if data.get("path") == opened:
+            data["path"] = str(dump)  # the name it came by, not the fd it was read through
+        (outdir / "symbolized.json").write_text(json.dumps(data, indent=1))
         files.append("symbolized.json")
     except CoreDumpError as exc:
-        notes.append(str(exc))
+        notes.append(str(exc).replace(opened, str(dump)))
     target = outdir / "coredump.nvcudmp.zst"
     if not keep_dump:
-        notes.append(f"the state dir is full: the dump was not copied, it stays as {dump}; the report is kept")
+        notes.append(f"the disk is full: the dump was not copied (it stays as {dump}); the report is kept")
         return Stored(tuple(files), result, "; ".join(notes))
     try:
-        with open(dump, "rb") as src, open(target, "wb") as dst:
-            zstandard.ZstdCompressor(level=3, threads=-1).copy_stream(src, dst)
+        _compress(fd, dump, target)
         files.append(target.name)
+    except untrusted.Refused as exc:
+        target.unlink(missing_ok=True)
+        notes.append(f"could not keep the dump ({exc})")
     except OSError as exc:
         target.unlink(missing_ok=True)
         if exc.errno == errno.ENOSPC:
@@ -81,25 +113,48 @@ def store(dump: Path, outdir: Path, remove_source: bool = True, keep_dump: bool 
         else:
             notes.append(f"could not keep the dump ({exc.strerror})")
     if remove_source and target.name in files:
-        dump.unlink(missing_ok=True)
+        unlink_same(dump, os.fstat(fd))
     return Stored(tuple(files), result, "; ".join(notes) or None)
 
 
-def copy_text(src: Path, dst: Path, limit: int = 16 << 20) -> bool:
-    """Copy a small file a workload wrote (a driver log) into an incident: never through a
-    symlink, only a regular file, at most ``limit`` bytes."""
+def _compress(fd: int, src: Path, target: Path) -> None:
+    end = time.monotonic() + COPY_DEADLINE
+    out = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(out, "wb") as dst, zstandard.ZstdCompressor(level=3, threads=-1).stream_writer(dst, closefd=False) as z:
+        offset = 0
+        while chunk := os.pread(fd, 4 << 20, offset):
+            if time.monotonic() > end:
+                raise untrusted.Refused("slow", f"{src}: not compressed within {COPY_DEADLINE:g} s")
+            offset += len(chunk)
+            if offset > MAX_DUMP:
+                raise untrusted.Refused("too_big", f"{src} grew past {MAX_DUMP >> 30} GiB")
+            z.write(chunk)
+
+
+def unlink_same(path: Path, st: os.stat_result) -> None:
+    """Remove ``path`` only while it still names the file we read (not one swapped in since)."""
     try:
-        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        now = os.lstat(path)
     except OSError:
+        return
+    if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+        path.unlink(missing_ok=True)
+
+
+def copy_text(src: Path, dst: Path, uid: int | None, limit: int = MAX_TEXT) -> bool:
+    """Copy a small file a workload wrote (a driver log) into an incident: only a regular file
+    of ``uid`` (the process's user: never another user's planted file, never a link), at
+    most ``limit`` bytes. False when there is none or it is refused."""
+    if uid is None:
         return False
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        data = os.read(fd, limit)
-    except OSError:
+        fd = untrusted.open_fd(src, uid, allow_root=uid == 0, max_size=limit)
+    except untrusted.Refused:
+        return False
+    try:
+        untrusted.copy_fd(fd, src, dst, limit, 10.0)
+    except untrusted.Refused:
         return False
     finally:
         os.close(fd)
-    dst.write_bytes(data)
     return True
-

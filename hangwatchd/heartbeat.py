@@ -24,6 +24,8 @@ import struct
 import time
 from dataclasses import dataclass
 
+from . import untrusted
+
 MAGIC = b"HWB1"
 VERSION = 1
 SIZE = 64
@@ -91,14 +93,23 @@ class Reading:
         return None if age is None else time.time() - age
 
 
-def read(path: str) -> Reading:
-    """One read of the segment; never follows a symlink, never blocks."""
+def read(path: str, uid: int | None = None) -> Reading:
+    """One read of the segment; never follows a symlink, never blocks.
+
+    With ``uid`` (the daemon's reads), a segment swapped for a directory, a FIFO,
+    a symlink or another user's file raises ``untrusted.Refused``: that costs the
+    registration, not a false hang. A missing or malformed segment is a SegmentError.
+    """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        raise SegmentError(f"{path}: {exc.strerror}") from None
+        fd = untrusted.open_fd(path, uid, max_size=None)
+    except untrusted.Refused as exc:
+        if exc.reason in ("missing", "unreadable") or uid is None:
+            raise SegmentError(str(exc)) from None
+        raise
     try:
         data = os.pread(fd, SIZE, 0)
+    except OSError as exc:
+        raise SegmentError(f"{path}: {exc.strerror}") from None
     finally:
         os.close(fd)
     if len(data) < SIZE:

@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import gpudump, heartbeat, pdeathsig, procfs, registry, runtime
-from .client import BEAT_FILE_ENV
+from . import exits, gpudump, heartbeat, pdeathsig, procfs, registry, runtime
+from .client import BEAT_FILE_ENV, JOB_ENV, STACK_TIMEOUT_ENV, TIMEOUT_ENV
 from .cudacore import driverlog
 from .config import RUNTIME_DIR_ENV, Config
 from .model import Registration
@@ -30,6 +30,9 @@ from .model import Registration
 COREDUMP_FLAGS = ("skip_nonrelocated_elf_images,skip_global_memory,skip_shared_memory,"
                   "skip_local_memory,skip_constbank_memory")
 FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+# Commands that start the ranks rather than being one: watched for their exit, never for beats.
+LAUNCHERS = frozenset({"torchrun", "srun", "mpirun", "mpiexec", "deepspeed", "accelerate", "horovodrun", "jsrun", "aprun"})
+LAUNCHER_MODULES = frozenset({"torch.distributed.run", "torch.distributed.launch", "deepspeed.launcher.runner"})
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,24 @@ def free_local_port() -> int | None:
             return int(s.getsockname()[1])
     except OSError:
         return None
+def role_of(command: tuple[str, ...]) -> str:
+    """'launcher' for torchrun, srun, mpirun, deepspeed (and python -m torch.distributed.run), else 'workload'."""
+    if not command:
+        return "workload"
+    if os.path.basename(command[0]) in LAUNCHERS:
+        return "launcher"
+    for i, arg in enumerate(command[1:-1], 1):
+        if arg == "-m" and command[i + 1] in LAUNCHER_MODULES:
+            return "launcher"
+    return "workload"
+
+
+def ranks_env(env: dict[str, str], job: str | None, launch: Launch) -> None:
+    """What a rank below this workload needs to register itself on its first beat (see client.py)."""
+    env[JOB_ENV] = job or ""
+    for key, value in ((TIMEOUT_ENV, launch.heartbeat_timeout), (STACK_TIMEOUT_ENV, launch.stack_timeout)):
+        if value:
+            env[key] = f"{value:g}"
 
 
 def run(launch: Launch) -> int:
@@ -94,6 +115,9 @@ def run(launch: Launch) -> int:
               "the workload runs, and is watched once a daemon starts", file=sys.stderr)
     tag = f"{os.getpid()}-{secrets.token_hex(2)}"
     env = workload_env(os.environ, launch.runtime_dir, dump_dir, tag)
+    # An outer hangwatchd run (hangwatchd run -- torchrun --no-python hangwatchd run -- ...) names the job.
+    job = registry.job_of(env, launch.job or os.environ.get(JOB_ENV))
+    ranks_env(env, job, launch)
     beat_file: Path | None = launch.runtime_dir / "beats" / f"run-{tag}.beat"
     notify: NotifyProxy | None = None
     try:
@@ -140,8 +164,8 @@ def run(launch: Launch) -> int:
     reg_written = None
     if me is not None and beat_file is not None:
         reg = Registration(
-            process=me, uid=os.getuid(), job=registry.job_of(env, launch.job),
-            **registry.ranks_from_env(env, launch.rank),
+            process=me, uid=os.getuid(), job=job,
+            **registry.ranks_from_env(env, launch.rank), role=role_of(launch.command),
             heartbeat_timeout=launch.heartbeat_timeout, stack_timeout=launch.stack_timeout,
             beat_file=str(beat_file), status_file=str(notify.status_file) if notify else None,
             cmdline=tuple(launch.command), source="run", registered_at=time.time(), ras_addr=env.get("NCCL_RAS_ADDR"),
@@ -153,6 +177,9 @@ def run(launch: Launch) -> int:
             print(f"hangwatchd: cannot register the workload ({exc.strerror}); it runs unwatched", file=sys.stderr)
     try:
         code = child.wait()
+        ended = time.time()
+        if reg_written is not None:  # how it ended, for the daemon to tell its job-mates' incidents
+            exits.write(launch.runtime_dir, reg_written, code, ended, str(beat_file) if beat_file else None)
         tee.join(timeout=5)
         _report_lost_dump(tee.driver_lines, dump_dir, child.pid)
     finally:
@@ -196,8 +223,12 @@ class NotifyProxy(threading.Thread):
                 heartbeat.BEAT.pack_into(self.mm, heartbeat.BEAT_OFFSET, next(self.counter), time.monotonic_ns())
             elif line.startswith("STATUS="):
                 try:
+                    # In the world-writable beats dir: never write through a name someone planted.
                     tmp = self.status_file.with_name(f".{self.status_file.name}.tmp")
-                    tmp.write_text(line[7:][:1024])
+                    tmp.unlink(missing_ok=True)
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                    with os.fdopen(fd, "w") as f:
+                        f.write(line[7:][:1024])
                     tmp.replace(self.status_file)
                 except OSError:
                     pass
@@ -249,8 +280,11 @@ class StderrTee(threading.Thread):
 
 
 def _open_log(path: Path):  # type: ignore[no-untyped-def]
+    """Our own new file in the world-writable driver-logs dir: whatever another user planted
+    under the name (a file, a FIFO that would block us, a link) is removed first, never written."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError:
         return None
     return os.fdopen(fd, "w")

@@ -35,6 +35,8 @@ class Registration:
     source: str = "run"
     registered_at: float = 0.0
     ras_addr: str | None = None  # the job's NCCL RAS service (NCCL_RAS_ADDR), as hangwatchd run gave it
+    role: str = "workload"  # "launcher": torchrun and the like, watched for its exit, never for beats
+    launcher: int | None = None  # a rank that registered itself: the pid of the launched process above it
 
 
 class State(str, enum.Enum):
@@ -88,3 +90,4 @@ class Incident:
     verdict: str | None = None
     signals: tuple[str, ...] = ()
     notify_status: str | None = None  # the workload's last sd_notify STATUS=
+    since: float | None = None  # wall-clock time of the hung process's last sign of progress

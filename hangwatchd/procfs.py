@@ -48,14 +48,14 @@ def state(pid: int) -> str | None:
 
 
 def uid(pid: int) -> int | None:
-    """The real uid of the process."""
+    """The one uid the process runs as; None when it is gone or its real, effective, saved and
+    fs uids differ (a setuid program: it runs with someone else's rights, see ``untrusted``)."""
+    from .untrusted import Refused, process_uid
+
     try:
-        for line in (PROC / str(pid) / "status").read_text().splitlines():
-            if line.startswith("Uid:"):
-                return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
+        return process_uid(pid)
+    except Refused:
         return None
-    return None
 
 
 def cmdline(pid: int) -> tuple[str, ...]:

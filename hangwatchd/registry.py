@@ -3,15 +3,16 @@
 A registration is only a claim. Before the daemon (root, with ptrace) acts on
 one, it checks the claim against /proc: the file is a regular file directly in
 the directory, the process lives and started when the file says (a reused pid
-is another process), the file belongs to the process's user, and the beat
-file lies in RUNTIME_DIR/beats and belongs to that user too.
+is another process), it runs as one uid (real, effective, saved and fs uids
+equal: never a setuid program), the file belongs to that user, and the beat
+file lies in RUNTIME_DIR/beats and belongs to that user too. Every read goes
+through ``untrusted``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import stat
 import time
 from collections.abc import Mapping
 from collections import deque
@@ -19,12 +20,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import procfs
+from . import procfs, untrusted
 from .heartbeat import Reading
 from .model import ProcessId, Registration, State, Suspicion
 from .samples import StackHistory
 
 MAX_FILE = 64 * 1024
+STATUS_MAX = 4096
+READ_DEADLINE = 1.0  # seconds: these are small regular files, a read that takes longer is an attack
 SUFFIX = ".json"
 
 
@@ -43,7 +46,7 @@ def file_name(process: ProcessId) -> str:
 def prepare_dirs(runtime_dir: Path) -> None:
     """The shared dirs: world-writable with the sticky bit, like /tmp, so any user's job can register."""
     runtime_dir.mkdir(parents=True, exist_ok=True)
-    for sub in ("registrations", "beats", "pipes"):
+    for sub in ("registrations", "beats", "pipes", "exits"):
         d = runtime_dir / sub
         d.mkdir(exist_ok=True)
         if os.stat(d).st_uid == os.geteuid():
@@ -69,8 +72,8 @@ def write(directory: Path, reg: Registration) -> Path:
 def remove(directory: Path, process: ProcessId) -> None:
     try:
         (directory / file_name(process)).unlink()
-    except FileNotFoundError:
-        pass
+    except OSError:
+        pass  # gone, or swapped for a directory: nothing of ours to remove
 
 
 def env_int(env: Mapping[str, str], key: str) -> int | None:
@@ -125,18 +128,16 @@ def load(path: Path, beats_dir: Path) -> Registration:
     name = path.name
     if "/" in name or name.startswith(".") or not name.endswith(SUFFIX):
         raise RegistrationError("bad_name", f"{path}: not a registration file name")
+    # Owner checked below against the process it names, once that is known.
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        reason = "symlink" if exc.errno == 40 else "unreadable"
-        raise RegistrationError(reason, f"{path}: cannot open ({exc.strerror}); symlinks are refused") from None
+        fd = untrusted.open_fd(path, None, max_size=MAX_FILE)
+    except untrusted.Refused as exc:
+        raise RegistrationError(exc.reason, f"{exc}") from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise RegistrationError("not_regular", f"{path}: not a regular file")
-        if st.st_size > MAX_FILE:
-            raise RegistrationError("too_big", f"{path}: {st.st_size} bytes, more than a registration can be")
-        raw = os.read(fd, MAX_FILE + 1)
+        raw = untrusted.read_fd(fd, path, MAX_FILE, READ_DEADLINE)
+    except untrusted.Refused as exc:
+        raise RegistrationError(exc.reason, f"{exc}") from None
     finally:
         os.close(fd)
     try:
@@ -159,8 +160,12 @@ def load(path: Path, beats_dir: Path) -> Registration:
         cmd = _field(data, "cmdline", list) or []
         source = _field(data, "source", str) or "run"
         registered_at = _field(data, "registered_at", (int, float)) or st.st_mtime
+        role = _field(data, "role", str) or "workload"
+        launcher = _field(data, "launcher", int)
     except RegistrationError as exc:
         raise RegistrationError(exc.reason, f"{path}: {exc}") from None
+    if role not in ("workload", "launcher"):
+        raise RegistrationError("bad_field", f"{path}: role {role!r} is neither 'workload' nor 'launcher'")
     if pid <= 0 or any(t is not None and t <= 0 for t in (timeout, stack_timeout)):
         raise RegistrationError("bad_field", f"{path}: pid, heartbeat_timeout and stack_timeout must be positive")
     process = ProcessId(pid, start)
@@ -171,7 +176,10 @@ def load(path: Path, beats_dir: Path) -> Registration:
         raise RegistrationError("no_process", f"{path}: pid {pid} is not running")
     if actual_start != start:
         raise RegistrationError("pid_reused", f"{path}: pid {pid} now belongs to a process started at {actual_start}, not {start}")
-    owner = procfs.uid(pid)
+    try:
+        owner = untrusted.process_uid(pid)
+    except untrusted.Refused as exc:
+        raise RegistrationError(exc.reason, f"{path}: {exc}") from None
     if st.st_uid not in (0, owner):
         raise RegistrationError("wrong_owner", f"{path}: file of uid {st.st_uid} registers pid {pid}, which runs as uid {owner}")
     if beat_file is not None:
@@ -179,10 +187,10 @@ def load(path: Path, beats_dir: Path) -> Registration:
     if status_file is not None:  # written only once the workload sends STATUS=
         _check_beat_file(path, status_file, beats_dir, owner, may_be_missing=True)
     return Registration(
-        process=process, uid=owner if owner is not None else st.st_uid, job=job, rank=rank,
+        process=process, uid=owner, job=job, rank=rank,
         local_rank=local_rank, world_size=world, heartbeat_timeout=float(timeout) if timeout else None,
         stack_timeout=float(stack_timeout) if stack_timeout else None, beat_file=beat_file, status_file=status_file, cmdline=tuple(str(c) for c in cmd)[:64], source=source,
-        registered_at=float(registered_at), ras_addr=_ras_addr(data),
+        registered_at=float(registered_at), ras_addr=_ras_addr(data), role=role, launcher=launcher,
     )
 
 
@@ -192,21 +200,23 @@ def _ras_addr(data: dict[str, Any]) -> str | None:
     return value if isinstance(value, str) and 0 < len(value) <= 300 and ":" in value else None
 
 
-def _check_beat_file(path: Path, beat_file: str, beats_dir: Path, owner: int | None, may_be_missing: bool = False) -> None:
+def _check_beat_file(path: Path, beat_file: str, beats_dir: Path, owner: int, may_be_missing: bool = False) -> None:
     real_dir = os.path.realpath(beats_dir)
     parent = os.path.realpath(os.path.dirname(beat_file))
     if parent != real_dir:
         raise RegistrationError("bad_beat_file", f"{path}: beat file {beat_file} lies outside {beats_dir}")
     try:
-        st = os.lstat(beat_file)
-    except OSError:
-        if may_be_missing:
+        check_file(beat_file, owner)
+    except untrusted.Refused as exc:
+        if exc.reason == "missing" and may_be_missing:
             return
-        raise RegistrationError("bad_beat_file", f"{path}: beat file {beat_file} does not exist") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise RegistrationError("bad_beat_file", f"{path}: beat file {beat_file} is not a regular file")
-    if st.st_uid not in (0, owner):
-        raise RegistrationError("bad_beat_file", f"{path}: beat file {beat_file} belongs to uid {st.st_uid}, not the process's uid {owner}")
+        raise RegistrationError("bad_beat_file", f"{path}: beat file {exc}") from None
+
+
+def check_file(path: str, owner: int) -> None:
+    """Refused unless ``path`` (a beat or status file) is a regular file of ``owner`` (or root)."""
+    fd = untrusted.open_fd(path, owner, max_size=MAX_FILE)
+    os.close(fd)
 
 
 @dataclass
@@ -232,25 +242,36 @@ class Watched:
     suspicion: Suspicion | None = None
     confirm_by: float = 0.0  # SUSPECT: by when the suspicion is confirmed or dropped
     idle_noted: bool = False  # a frozen but idle stack was logged once
+    never_beat: bool = False  # no first beat within the startup grace and no declared timeout: its stack is watched instead
+    role: str = "workload"  # "launcher" once known (declared, or a rank below it registered): never judged by beats
 
     @property
     def watched_by_stack(self) -> bool:
-        return self.registration.beat_file is None or self.stack_timeout is not None
+        if self.role == "launcher":
+            return False
+        return self.registration.beat_file is None or self.stack_timeout is not None or self.never_beat
 
     def notify_status(self) -> str | None:
+        """The workload's last STATUS= text; None when there is none or its file is not to be trusted."""
         path = self.registration.status_file
         if not path:
             return None
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
+            raw = untrusted.read_bytes(path, self.registration.uid, STATUS_MAX, READ_DEADLINE)
+        except untrusted.Refused:
             return None
-        try:
-            if os.fstat(fd).st_uid not in (0, self.registration.uid):
-                return None
-            return os.read(fd, 4096).decode("utf-8", "replace").strip() or None
-        finally:
-            os.close(fd)
+        return raw.decode("utf-8", "replace").strip() or None
+
+    def check_files(self) -> None:
+        """Raise untrusted.Refused when the status file was swapped for a directory, FIFO, link or
+        another user's file since the registration was accepted (the beat file is checked at each
+        read). A missing status file is fine: it is written only once the workload sends STATUS=."""
+        if self.registration.status_file:
+            try:
+                check_file(self.registration.status_file, self.registration.uid)
+            except untrusted.Refused as exc:
+                if exc.reason != "missing":
+                    raise untrusted.Refused(exc.reason, f"status file {exc}") from None
 
     @property
     def process(self) -> ProcessId:
@@ -263,7 +284,7 @@ class Watched:
             "pid": r.process.pid, "start_time": r.process.start_time, "job": r.job, "rank": r.rank,
             "local_rank": r.local_rank, "world_size": r.world_size, "state": self.state.value,
             "timeout": self.timeout, "timeout_source": self.timeout_source, "stack_timeout": self.stack_timeout,
-            "source": r.source, "notify_status": self.notify_status(),
+            "source": r.source, "role": self.role, "launcher": r.launcher, "notify_status": self.notify_status(),
             "beats": self.beat.count if self.beat else 0,
             "last_beat_age": round(age, 3) if age is not None else None,
             "last_beat_time": (time.time() - age) if age is not None else None,

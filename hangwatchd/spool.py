@@ -18,7 +18,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .store import Draft, Store, StoreWriteError, new_id, write_incident_json
+import structlog
+
+from .metrics import Metrics
+from .model import Incident
+from .store import Draft, Store, StoreWriteError, incident_to_json, new_id, write_incident_json
+
+log = structlog.get_logger("hangwatchd.spool")
 
 SPOOL_DIR = "spool"
 ROW_SUFFIX = ".row.json"  # spool/ID.row.json: what the index row will say, beside the report's directory
@@ -52,12 +58,12 @@ class Spool:
                 shutil.copyfile(src, path / rel)
         return Draft(draft.id, draft.time, path, draft.reason, draft.job, draft.pids, spooled=True)
 
-    def keep(self, draft: Draft, data: dict[str, Any], summary: str) -> Path:
+    def keep(self, draft: Draft, data: dict[str, Any], summary: str, uids: list[int | None] | None = None) -> Path:
         """Seal a spooled draft: incident.json and the index row beside it, then out of .partial."""
         write_incident_json(draft.path, data)
         row = {"id": draft.id, "time": draft.time, "host": data.get("host") or socket.gethostname(),
                "reason": draft.reason, "job": draft.job, "pids": list(draft.pids), "summary": summary,
-               "complete": bool(data.get("complete", True))}
+               "complete": bool(data.get("complete", True)), "uids": list(uids or [])}
         final = self.dir / draft.id
         draft.path.replace(final)
         tmp = self.dir / f".{draft.id}{ROW_SUFFIX}"
@@ -105,3 +111,47 @@ def has_room(state_dir: Path) -> bool:
     except OSError:
         return False
     return st.f_bavail * st.f_frsize >= ROOM_FLOOR
+
+
+def begin_draft(store: Store, spool: Spool | None, reason: str, job: str | None, pids: list[int],
+                metrics: Metrics | None = None) -> Draft:
+    """A draft in the state dir, or in the spool when the state dir has no room (or refuses the write)."""
+    if spool is not None and not has_room(store.root):
+        _count_failure(metrics, f"less than {ROOM_FLOOR >> 20} MiB free in {store.root}")
+        return spool.begin(reason, job, pids)
+    try:
+        return store.begin(reason, job, pids)
+    except StoreWriteError as exc:
+        if spool is None:
+            raise
+        _count_failure(metrics, str(exc))
+        return spool.begin(reason, job, pids)
+
+
+def finish_draft(store: Store, spool: Spool | None, draft: Draft, incident: Incident, summary: str,
+                 analysis: dict[str, Any] | None = None, metrics: Metrics | None = None) -> None:
+    """Commit a draft to the store, or seal it in the spool when the store cannot take it."""
+    if not draft.spooled:
+        try:
+            store.commit(draft, incident, summary, analysis)
+            return
+        except StoreWriteError as exc:
+            if spool is None:
+                raise
+            _count_failure(metrics, str(exc))
+            spooled = spool.take_over(draft)
+            store.abandon(draft)  # frees the room the draft held
+            draft = spooled
+    assert spool is not None
+    data = incident_to_json(incident)
+    if analysis is not None:
+        data["analysis"] = analysis
+    spool.keep(draft, data, summary, [pc.registration.uid for pc in incident.processes])
+    log.error("incident_spooled", incident=draft.id, spool=str(spool.dir),
+              why="the state dir has no room; stored once it has")
+
+
+def _count_failure(metrics: Metrics | None, why: str) -> None:
+    log.error("store_write_failed", error=why)
+    if metrics is not None:
+        metrics.store_write_failures.labels(**metrics.labels()).inc()

@@ -21,10 +21,10 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-from urllib.request import pathname2url
 
 import structlog
 
+from . import incident_access
 from .model import Incident
 
 log = structlog.get_logger("hangwatchd.store")
@@ -141,15 +141,37 @@ class Store:
             return False
 
     @contextmanager
-    def _db(self, readonly: bool = False) -> Iterator[sqlite3.Connection]:
-        if readonly:  # a reader writes nothing, so it still reads a state dir that is full
-            db = sqlite3.connect(f"file:{pathname2url(str(self.index))}?mode=ro", timeout=10, isolation_level=None, uri=True)
-        else:
-            db = sqlite3.connect(self.index, timeout=10, isolation_level=None)
+    def _db(self) -> Iterator[sqlite3.Connection]:
+        db = sqlite3.connect(self.index, timeout=10, isolation_level=None)
         try:
-            if not readonly:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            yield db
+        finally:
+            db.close()
+
+    @contextmanager
+    def _reader(self) -> Iterator[sqlite3.Connection]:
+        """The index for reading, also where it cannot be written: by a user who may not write
+        the state dir (``hangwatchd incidents`` as the owner of an incident), or on a full disk.
+        Read-only, and where SQLite cannot make its shared-memory file, an immutable snapshot."""
+        db: sqlite3.Connection | None = None
+        if os.access(self.root, os.W_OK):
+            db = sqlite3.connect(self.index, timeout=10, isolation_level=None)
+            try:
                 db.execute("PRAGMA journal_mode=WAL")
-                db.execute("PRAGMA synchronous=NORMAL")
+            except sqlite3.OperationalError:
+                db.close()
+                db = None
+        if db is None:
+            uri = self.index.absolute().as_uri()
+            db = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=10)
+            try:
+                db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            except sqlite3.OperationalError:  # no -shm to share (the daemon is between writes): a snapshot
+                db.close()
+                db = sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True, timeout=10)
+        try:
             yield db
         finally:
             db.close()
@@ -162,7 +184,7 @@ class Store:
         incident_id = new_id(now)
         draft = Draft(incident_id, now, self.dir / f".partial-{incident_id}", reason, job, tuple(pids))
         try:
-            draft.path.mkdir(parents=True)
+            draft.path.mkdir(parents=True, mode=0o700)  # root's alone until commit opens it to its owner
             with self._db() as db:
                 db.execute(
                     "INSERT INTO incidents (id, time, host, reason, job, status, processes) VALUES (?,?,?,?,?,?,?)",
@@ -183,6 +205,7 @@ class Store:
         try:
             write_incident_json(draft.path, data)
             self._write_pages(draft.path)
+            incident_access.restrict(draft.path, [pc.registration.uid for pc in incident.processes])
             final = self.dir / draft.id
             draft.path.replace(final)
             self._fsync_dir(self.dir)
@@ -215,6 +238,7 @@ class Store:
             shutil.rmtree(partial, ignore_errors=True)
             shutil.copytree(src, partial, symlinks=True)
             self._write_pages(partial)
+            incident_access.restrict(partial, row.get("uids") or [])
             partial.replace(final)
             self._fsync_dir(self.dir)
             with self._db() as db:
@@ -364,7 +388,7 @@ class Store:
         if not self.index.exists():
             return []
         try:
-            with self._db(readonly=True) as db:
+            with self._reader() as db:
                 rows = db.execute(
                     "SELECT id, time, host, reason, job, status, processes, summary FROM incidents "
                     "WHERE status != 'capturing' ORDER BY time DESC, id DESC LIMIT ?", (limit,)).fetchall()
@@ -375,6 +399,8 @@ class Store:
             {"id": r[0], "time": r[1], "host": r[2], "reason": r[3], "job": r[4], "complete": r[5] == "complete",
              "processes": json.loads(r[6]), "summary": r[7], "dir": str(self.dir / r[0])}
             for r in rows
+            # A user sees the incidents they may open (their own): see incident_access.
+            if os.geteuid() == 0 or os.access(self.dir / r[0], os.R_OK | os.X_OK)
         ]
 
     def path_of(self, incident_id: str) -> Path | None:

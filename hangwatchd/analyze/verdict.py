@@ -209,7 +209,9 @@ def analyze(incident: Path) -> Analysis:
     rests_on = tuple(f"{_who(v).lower() if v.rank is None else _who(v)}: {', '.join(ev.used) or 'nothing readable'}"
                      for v, ev in zip(ranks, found))
     unreadable = tuple(problems) + tuple(p for ev in found for p in ev.problems)
-    return Analysis(summary, tuple(culprits), tuple(ranks), tuple(collectives), rests_on, unreadable)
+    from .gone import account  # here: gone.py builds on this module's records
+
+    return account(incident, meta, Analysis(summary, tuple(culprits), tuple(ranks), tuple(collectives), rests_on, unreadable))
 
 
 def _who(v: RankVerdict) -> str:

@@ -13,10 +13,10 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import gpudump, procfs
+from .. import gpudump, procfs, untrusted
 from ..model import Registration
 from .base import StepFailed, StepNotApplicable, poke_held_fifo
-from .waitfile import Watch, owned_regular_file
+from .waitfile import Watch
 
 KEYS = frozenset({"CUDA_COREDUMP_PIPE", "CUDA_COREDUMP_FILE", "CUDA_ENABLE_USER_TRIGGERED_COREDUMP"})
 
@@ -36,6 +36,8 @@ class CudaDumpStep:
         cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
         wanted = os.path.basename(gpudump.expand(env["CUDA_COREDUMP_PIPE"], pid)) if env.get("CUDA_COREDUMP_PIPE") else None
         owner = procfs.uid(pid)
+        if owner is None:
+            raise StepFailed(f"pid {pid} has no single uid (setuid, or gone): refusing to act on it for its user, or to read its dump")
         pipes = [(fd, path, st) for fd, path, st in procfs.held_fifos(pid)
                  if os.path.basename(path) == wanted or os.path.basename(path).startswith(("corepipe", "cuda_pipe"))]
         if not pipes:
@@ -45,7 +47,7 @@ class CudaDumpStep:
         target_glob = Path(gpudump.expand(pattern, pid))
         if not target_glob.is_absolute():
             target_glob = cwd / target_glob
-        watch = Watch(target_glob.parent, target_glob.name)
+        watch = Watch(target_glob.parent, target_glob.name, owner)
         try:
             poke_held_fifo(pid, pipes[0], b"\0", owner)
             found = watch.wait(timeout, lambda: not procfs.alive(proc))
@@ -54,15 +56,15 @@ class CudaDumpStep:
             watch.close()
         if found is None:
             if partial:
-                size = partial[0].stat().st_size
+                size = partial[0].lstat().st_size
                 raise StepFailed(f"the driver wrote {size} bytes of {partial[0]} and did not finish within {timeout:g} s")
             raise StepFailed(f"no dump appeared as {target_glob} within {timeout:g} s")
-        refused = owned_regular_file(found, owner)
-        if refused:
-            raise StepFailed(f"refusing to read the dump: {refused}")
-        stored = gpudump.store(found, outdir)
+        try:
+            stored = gpudump.store(found, outdir, owner)
+        except untrusted.Refused as exc:
+            raise StepFailed(f"refusing to read the dump: {exc}") from None
         files = list(stored.files)
-        if self.driver_logs is not None and gpudump.copy_text(self.driver_logs / f"{pid}.log", outdir / "driver.log"):
+        if self.driver_logs is not None and gpudump.copy_text(self.driver_logs / f"{pid}.log", outdir / "driver.log", owner):
             files.append("driver.log")
         if not stored.files:
             raise StepFailed(stored.note or "the dump could not be kept")

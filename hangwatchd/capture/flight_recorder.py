@@ -9,15 +9,15 @@ very process holds open for reading, owned by its user.
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import procfs
+from .. import procfs, untrusted
 from ..model import Registration
 from .base import StepFailed, StepNotApplicable, poke_held_fifo
-from .waitfile import Watch, owned_regular_file
+from .waitfile import Watch
 
+MAX_TRACE = 256 << 20  # bytes: a flight recorder trace is a few MB
 KEYS = frozenset({"TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE", "RANK"})
 
 
@@ -37,6 +37,8 @@ class FlightRecorderStep:
         rank = env.get("RANK", str(target.rank) if target.rank is not None else "0")
         pipe_name = os.path.basename(prefix) + rank + ".pipe"
         owner = procfs.uid(pid)
+        if owner is None:
+            raise StepFailed(f"pid {pid} has no single uid (setuid, or gone): refusing to act on it for its user, or to read its trace")
         fifo = next(((fd, path, st) for fd, path, st in procfs.held_fifos(pid) if os.path.basename(path) == pipe_name), None)
         if fifo is None:
             raise StepNotApplicable(f"pid {pid} holds no flight-recorder pipe {pipe_name}: no NCCL process group "
@@ -44,7 +46,7 @@ class FlightRecorderStep:
         dump = Path(temp + rank)
         if not dump.is_absolute():
             dump = Path(os.readlink(f"/proc/{pid}/cwd")) / dump
-        watch = Watch(dump.parent, dump.name)
+        watch = Watch(dump.parent, dump.name, owner)
         try:
             poke_held_fifo(pid, fifo, b"1", owner)
             found = watch.wait(timeout, lambda: not procfs.alive(target.process))
@@ -52,8 +54,12 @@ class FlightRecorderStep:
             watch.close()
         if found is None:
             raise StepFailed(f"the flight recorder wrote nothing to {dump} within {timeout:g} s")
-        refused = owned_regular_file(found, owner)
-        if refused:
-            raise StepFailed(f"refusing to read the trace: {refused}")
-        shutil.copyfile(found, outdir / "flight-recorder.pkl", follow_symlinks=False)
+        try:
+            fd = untrusted.open_fd(found, owner, allow_root=owner == 0, max_size=MAX_TRACE)
+            try:
+                untrusted.copy_fd(fd, found, outdir / "flight-recorder.pkl", MAX_TRACE, max(1.0, timeout))
+            finally:
+                os.close(fd)
+        except untrusted.Refused as exc:
+            raise StepFailed(f"refusing to read the trace: {exc}") from None
         return ("flight-recorder.pkl",)

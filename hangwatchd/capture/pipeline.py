@@ -9,11 +9,12 @@ from pathlib import Path
 
 import structlog
 
+from .. import exits
 from ..metrics import Metrics
 from ..model import Incident, ProcessCapture, Registration, StepResult, Suspicion
 from ..analyze.verdict import analyze
-from ..spool import Spool, has_room
-from ..store import Draft, Store, StoreWriteError, incident_to_json
+from ..spool import Spool, begin_draft, finish_draft
+from ..store import Store
 from .base import Step, StepFailed, StepNotApplicable
 
 log = structlog.get_logger("hangwatchd.capture")
@@ -81,14 +82,17 @@ def capture_incident(
     gate: Callable[[Path], str | None] | None = None,
     notify_status: str | None = None,
     spool: Spool | None = None,
+    gone: Sequence[exits.Departed] = (),
 ) -> str:
     """Capture every target into one new incident and store it; return the incident's id.
 
+    ``gone``: job-mates that had exited, each written as ``PID/exit.json`` for the verdict.
     With a ``spool``, a state dir without room costs the GPU dump, never the
-    report: the report is kept in the spool until the state dir takes it."""
+    report: the report is kept in the spool until the state dir takes it.
+    """
     job = targets[0].job if targets else None
     pids = [t.process.pid for t in targets]
-    draft = _begin(store, spool, suspicion.reason, job, pids, metrics)
+    draft = begin_draft(store, spool, suspicion.reason, job, pids, metrics)
     if draft.spooled:
         why = "the state dir has no room: the report is kept, a GPU dump would be lost (it ends the process)"
         gate = lambda _outdir: why  # noqa: E731
@@ -100,6 +104,7 @@ def capture_incident(
     captures = [ProcessCapture(pc.registration, pc.steps + run_steps(last, pc.registration, draft.path / str(pc.registration.process.pid),
                                                                       budget, metrics, gate).steps) if last else pc
                 for pc in first_pass]
+    exits.write_into(draft.path, list(gone), targets[0] if targets else None, suspicion.since)
     try:
         analysis = analyze(draft.path)
         verdict, analysis_dict = analysis.summary, analysis.to_dict()
@@ -108,49 +113,6 @@ def capture_incident(
         verdict, analysis_dict = f"the analysis failed ({type(exc).__name__}: {exc}); the evidence is kept", None
     incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason=suspicion.reason,
                         detail=suspicion.detail, job=job, processes=tuple(captures), signals=suspicion.signals,
-                        notify_status=notify_status, verdict=verdict)
-    finish(store, spool, draft, incident, f"{verdict} ({suspicion.detail})", analysis_dict, metrics)
+                        notify_status=notify_status, verdict=verdict, since=suspicion.since)
+    finish_draft(store, spool, draft, incident, f"{verdict} ({suspicion.detail})", analysis_dict, metrics)
     return draft.id
-
-
-def _begin(store: Store, spool: Spool | None, reason: str, job: str | None, pids: list[int],
-           metrics: Metrics | None) -> Draft:
-    if spool is not None and not has_room(store.root):
-        _count_store_failure(metrics, f"less than the room floor free in {store.root}")
-        return spool.begin(reason, job, pids)
-    try:
-        return store.begin(reason, job, pids)
-    except StoreWriteError as exc:
-        if spool is None:
-            raise
-        _count_store_failure(metrics, str(exc))
-        return spool.begin(reason, job, pids)
-
-
-def finish(store: Store, spool: Spool | None, draft: Draft, incident: Incident, summary: str,
-           analysis: dict | None = None, metrics: Metrics | None = None) -> None:  # type: ignore[type-arg]
-    """Commit a draft to the store, or seal it in the spool when the store cannot take it."""
-    if not draft.spooled:
-        try:
-            store.commit(draft, incident, summary, analysis)
-            return
-        except StoreWriteError as exc:
-            if spool is None:
-                raise
-            _count_store_failure(metrics, str(exc))
-            spooled = spool.take_over(draft)
-            store.abandon(draft)  # frees the room the draft held
-            draft = spooled
-    assert spool is not None
-    data = incident_to_json(incident)
-    if analysis is not None:
-        data["analysis"] = analysis
-    spool.keep(draft, data, summary)
-    log.error("incident_spooled", incident=draft.id, spool=str(spool.dir),
-              why="the state dir has no room; stored once it has")
-
-
-def _count_store_failure(metrics: Metrics | None, why: str) -> None:
-    log.error("store_write_failed", error=why)
-    if metrics is not None:
-        metrics.store_write_failures.labels(**metrics.labels()).inc()

@@ -3,6 +3,13 @@
 When a process declared no timeout, one is learned from its beats once enough
 are seen: a multiple of the longest recent interval, between a floor and a
 ceiling, following the job as it moves between phases.
+
+A process that has never beaten is not hung for it: a launcher (torchrun and
+the like) is never judged by beats, and a workload that declared no timeout
+and sends no first beat within the startup grace (an idle server, a program
+that never imports hangwatchd) is handed to the stack detector, once, with a
+log line. The heartbeat applies from its first beat, or from the start when
+it declared a timeout (``--heartbeat-timeout``).
 """
 
 from __future__ import annotations
@@ -10,10 +17,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import structlog
+
 from .. import heartbeat
 from ..model import State, Suspicion
 from ..registry import Watched
 from .base import Observation
+
+log = structlog.get_logger("hangwatchd.detect")
 
 
 @dataclass
@@ -31,7 +42,7 @@ class HeartbeatDetector:
         if path is None:
             return Observation(w.state, now + 3600.0)  # nothing to read: the stack detector's business
         try:
-            reading = heartbeat.read(path)
+            reading = heartbeat.read(path, w.registration.uid)
         except heartbeat.SegmentError as exc:
             return Observation(State.SUSPECT, now, Suspicion("heartbeat", f"beat segment unreadable: {exc}", time.time(), ("heartbeat",)))
         if w.beat is None or reading.count != w.beat.count:
@@ -44,6 +55,22 @@ class HeartbeatDetector:
             if reading.count:
                 # The beat's own monotonic timestamp, not when we happened to look.
                 w.last_progress = reading.last_ns / 1e9
+                if w.never_beat:
+                    w.never_beat = False  # it beats after all: the heartbeat applies from now
+                    log.info("first_beat_late", pid=w.process.pid, after=round(now - w.seen_at, 1))
+        if w.last_progress is None and w.role == "launcher":
+            # Its ranks beat, it never does: its exit is what matters (the pidfd tells).
+            return Observation(State.HEALTHY, now + 5.0)
+        if w.last_progress is None and w.registration.heartbeat_timeout is None:
+            deadline = w.seen_at + self.startup_grace
+            if now >= deadline and not w.never_beat:
+                w.never_beat = True
+                w.next_sample = now  # from now on its stack is sampled (see Watched.watched_by_stack)
+                log.warning("never_beat", pid=w.process.pid, job=w.registration.job, rank=w.registration.rank,
+                            grace=self.startup_grace, watched_by="stack",
+                            note="no first beat and no declared --heartbeat-timeout: watched by its stack, never hung for a missing beat")
+            state = State.HEALTHY if w.never_beat else State.STARTING
+            return Observation(state, (now + 1.0) if w.never_beat else min(deadline, now + min(1.0, w.timeout / 4)))
         if w.last_progress is None:
             deadline = w.seen_at + self.startup_grace
             if now >= deadline:

@@ -1,0 +1,45 @@
+"""Ranks below a launcher: ``hangwatchd run -- torchrun ...`` registers torchrun, each rank registers itself.
+
+A rank's registration names the launched process above it (``launcher``, the
+pid its inherited beat segment was made for). That process is then known to be
+a launcher: watched for its exit, never for beats, and never a job-mate in an
+incident. Only a process of the same user that has not beaten itself is taken
+for one: a user cannot switch off the watching of another user's process, nor
+of a workload that beats and also starts helpers that beat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from . import heartbeat
+from .registry import Watched
+
+
+def launcher_of(rank: Watched, watched: Iterable[Watched]) -> Watched | None:
+    """The watched process ``rank`` runs below, when it may be taken for a launcher."""
+    pid = rank.registration.launcher
+    if pid is None:
+        return None
+    for w in watched:
+        if w.process.pid == pid and w is not rank and w.registration.uid == rank.registration.uid and not _has_beaten(w):
+            return w
+    return None
+
+
+def ranks_below(launcher: Watched, watched: Iterable[Watched]) -> bool:
+    """Did a rank below ``launcher`` register before the launcher's own registration was read?"""
+    return not _has_beaten(launcher) and any(
+        w.registration.launcher == launcher.process.pid and w.registration.uid == launcher.registration.uid
+        for w in watched if w is not launcher)
+
+
+def _has_beaten(w: Watched) -> bool:
+    if w.beat is not None and w.beat.count:
+        return True
+    if w.registration.beat_file:
+        try:
+            return heartbeat.read(w.registration.beat_file).count > 0
+        except heartbeat.SegmentError:
+            return False
+    return False

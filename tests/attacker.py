@@ -1,0 +1,75 @@
+"""A hostile local user's side of tests/test_security.py: run as an unprivileged user with the
+system's Python (standard library only; it needs nothing of hangwatchd's to attack it).
+
+    python3 attacker.py register RUNTIME_DIR [--pid PID] [--timeout S] [--status] [--no-beat]
+
+registers PID (itself by default) the way a workload does, writing the registration,
+beat segment and status file by hand, prints "registered PID" and then beats every
+0.1 s until killed (``--no-beat``: only sleeps). Registering another process than
+itself is the attack: the daemon must refuse it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import sys
+import time
+
+
+def start_time(pid: int) -> int:
+    raw = open(f"/proc/{pid}/stat", "rb").read()
+    return int(raw[raw.rfind(b")") + 2:].split()[19])
+
+
+def register(args: argparse.Namespace) -> int:
+    pid = args.pid or os.getpid()
+    start = start_time(pid)
+    beats = os.path.join(args.runtime_dir, "beats")
+    beat = os.path.join(beats, f"evil-{os.getpid()}-{pid}.beat")
+    with open(beat, "wb") as f:
+        f.write(struct.pack("<4sII", b"HWB1", 1, pid) + bytes(64 - 12))
+    data = {"version": 1, "pid": pid, "start_time": start, "heartbeat_timeout": args.timeout,
+            "stack_timeout": args.stack_timeout, "beat_file": None if args.no_beat_file else beat,
+            "job": f"evil-{pid}", "cmdline": ["attacker"], "source": "run", "registered_at": time.time()}
+    if args.status:
+        data["status_file"] = beat[: -len(".beat")] + ".status"
+        with open(data["status_file"], "w") as f:
+            f.write("training, step 1")
+    regs = os.path.join(args.runtime_dir, "registrations")
+    tmp = os.path.join(regs, f".evil-{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, os.path.join(regs, f"{pid}-{start}.json"))
+    print("registered", pid, beat, data.get("status_file", ""), flush=True)
+    fd = os.open(beat, os.O_RDWR)
+    count = 0
+    while True:
+        if not args.no_beat:
+            count += 1
+            try:
+                os.pwrite(fd, struct.pack("<QQ", count, time.monotonic_ns()), 16)
+            except OSError:
+                pass
+        time.sleep(0.1)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("register")
+    r.add_argument("runtime_dir")
+    r.add_argument("--pid", type=int)
+    r.add_argument("--timeout", type=float, default=3.0)
+    r.add_argument("--stack-timeout", type=float)
+    r.add_argument("--status", action="store_true")
+    r.add_argument("--no-beat", action="store_true")
+    r.add_argument("--no-beat-file", action="store_true", help="watched by its stack alone")
+    args = p.parse_args()
+    return register(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
