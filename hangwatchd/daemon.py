@@ -30,29 +30,34 @@ import structlog
 from inotify_simple import INotify
 from inotify_simple import flags as inflags
 
-from . import __version__, dump_ingest, exits, gpudump, registry, retention
+from . import __version__, dump_ingest, dumpscan, exits, gpudump, registry, retention
 from .capture import make_steps
 from .config import Config
 from .cudacore import sandbox
 from .detect import HeartbeatDetector
 from .detect.gate import gpu_dump_veto
-from .detect.machine import StateMachine
+from .detect.machine import ERROR_BACKOFF, StateMachine
 from .detect.sampler import Sampler
 from .detect.stack import BLOCKING, IDLE
 from .fleet.agent import Agent
+from .instance_lock import AlreadyRunning, InstanceLock
+from .jsonfile import read_json_or_none
+from .loop_guard import Guard
 from .make_incident import make_incident, pages
 from .metrics import Metrics, create, serve
 from .model import State, Suspicion
 from .notify import notify, watchdog_interval
 from .registrations import Registrations
 from .status_file import STATUS_EVERY, StatusFile
-from .store import Store
+from .spool import SPOOL_DIR, Spool
+from .store import Store, StoreWriteError
 from .user_limits import UserLimits
 from .watched import Watched, Watchlist
 
 log = structlog.get_logger("hangwatchd.daemon")
 
 CLOCK_SKEW = 30.0  # seconds two nodes' clocks may differ by, comparing one's request to the other's registrations
+SPOOL_RETRY_EVERY = 5.0  # how soon a report kept in the spool is tried again once the state dir has room
 
 
 class SetupError(Exception):
@@ -83,9 +88,10 @@ class Daemon:
         self.watched = Watchlist(self.metrics, on_change=self._write_status)
         self.limits = UserLimits(cfg.max_registrations_per_uid, cfg.pyspy_samples_per_uid)
         self.selector = selectors.DefaultSelector()
+        self.guard = Guard(self.metrics)
         self.registrations = Registrations(cfg, self.watched, self.metrics, self.limits,
                                            attach=lambda fd, p: self.selector.register(fd, selectors.EVENT_READ, p),
-                                           detach=self.selector.unregister, first_look=self._first_look)
+                                           detach=self.selector.unregister, first_look=self._first_look, guard=self.guard)
         detector = HeartbeatDetector(cfg.startup_grace, cfg.learn_timeouts, cfg.learned_timeout_factor,
                                      cfg.learned_timeout_min, cfg.learned_timeout_max, int(cfg.learn_min_beats))
         self.machine = StateMachine(cfg, detector, self.watched, self.metrics,
@@ -97,6 +103,10 @@ class Daemon:
         self.captures: list[_Capture] = []
         self.dumping: set[int] = set()  # pids whose GPU dump a capture is taking: not exception dumps
         self.ingested: set[str] = set()  # dump files already made into incidents
+        self.spool = Spool(Path(cfg.runtime_dir) / SPOOL_DIR)
+        self.lock = InstanceLock(Path(cfg.runtime_dir))
+        self.rescan_due = False  # the inotify queue overflowed: events were lost
+        self.next_dump_scan = float("inf")  # a scan found dumps still being written: look again then
         self.stopping = False
         self.metrics_address = ""
         self._wake_r, self._wake_w = socket.socketpair()
@@ -109,6 +119,8 @@ class Daemon:
         """Everything that can fail on bad setup, before READY=1."""
         try:
             self._prepare()
+        except AlreadyRunning as exc:
+            raise SetupError(str(exc)) from None
         except OSError as exc:
             where = exc.filename or self.config.runtime_dir
             if exc.errno == 98:
@@ -119,11 +131,20 @@ class Daemon:
 
     def _prepare(self) -> None:
         cfg = self.config
-        self.store.open()
+        Path(cfg.runtime_dir).mkdir(parents=True, exist_ok=True)
+        self.lock.acquire()  # first: a second daemon must not touch the first one's store or files
+        full = self.store.open()
+        if full:
+            log.error("store_write_failed", error=full)
         sandbox.configure(sandbox.Limits(cfg.symbolize_cpu_seconds, int(cfg.symbolize_memory_mb), cfg.symbolize_timeout))
         sandbox.start()  # warm before the first dump arrives
-        for incident_id in self.store.recover():
-            log.warning("incident_recovered", incident=incident_id)
+        try:
+            for incident_id in self.store.recover():
+                log.warning("incident_recovered", incident=incident_id)
+        except StoreWriteError as exc:
+            log.error("recover_deferred", error=str(exc))
+        self.ingested |= self.store.ingested()
+        self.spool.clear_partials()
         if self.fleet:
             self.fleet.start()
         registry.prepare_dirs(Path(cfg.runtime_dir))
@@ -157,9 +178,13 @@ class Daemon:
 
     def run(self) -> int:
         self.prepare()
-        old = {s: signal.signal(s, self.stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        # SIGHUP stops cleanly like SIGTERM (README: Signals): a config reload would have to
+        # re-judge every watched process under new timeouts; a restart does that plainly.
+        old = {s: signal.signal(s, self.stop) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         try:
+            self._flush_spool()
             self.rescan()
+            self._scan_dumps()
             notify("READY=1")
             self.status.say(f"watching {len(self.watched)} processes")
             log.info("daemon_ready", state_dir=self.config.state_dir, runtime_dir=self.config.runtime_dir,
@@ -175,6 +200,7 @@ class Daemon:
             for s, h in old.items():
                 signal.signal(s, h)
             self.status.remove()
+            self.lock.release()
         return 0
 
     # -- the loop --------------------------------------------------------
@@ -186,9 +212,11 @@ class Daemon:
         next_ping = now
         next_status = now
         next_retention = now
+        next_spool = now + SPOOL_RETRY_EVERY
+        guard = self.guard
         while not self.stopping:
             now = time.monotonic()
-            timers = [next_rescan, next_status, next_retention]
+            timers = [next_rescan, next_status, next_retention, next_spool, self.next_dump_scan]
             timers += [min(w.next_check, w.next_sample) for w in self.watched.values()]
             if ping_every:
                 timers.append(next_ping)
@@ -197,28 +225,39 @@ class Daemon:
             started = time.monotonic()
             for key, _mask in events:
                 if key.data == "inotify":
-                    self._on_inotify()
+                    guard("inotify", self._on_inotify)
                 elif key.data == "wake":
                     self._drain_wake()
                 elif isinstance(key.data, registry.ProcessId):
-                    self.registrations.exited(key.data)
+                    guard("exit", self.registrations.exited, key.data)
             now = time.monotonic()
             self._collect_captures()
             self._serve_requests()
             for w, sample, native in self.sampler.ready(self.watched):
                 self.machine.judge_stack(w, sample, native, now)
             for w in list(self.watched.values()):
-                if w.next_check <= now:
-                    self.machine.observe(w, now)
+                if w.process not in self.watched:
+                    continue  # forgotten while handling an earlier one
+                if w.next_check <= now and not guard("observe", self.machine.observe, w, now, pid=w.process.pid):
+                    w.next_check = now + ERROR_BACKOFF
                 if w.process not in self.watched:
                     continue  # dropped for a tampered file
-                if w.next_sample <= now and not w.sampling:
-                    self.sampler.sample(w, now)
-            if now >= next_rescan:
-                self.rescan()
+                if w.next_sample <= now and not w.sampling and not guard("sample", self.sampler.sample, w, now, pid=w.process.pid):
+                    w.next_sample = now + ERROR_BACKOFF
+            if now >= self.next_dump_scan:
+                self.next_dump_scan = float("inf")
+                guard("scan_dumps", self._scan_dumps)
+            if now >= next_rescan or self.rescan_due:
+                if self.rescan_due:
+                    guard("scan_dumps", self._scan_dumps)
+                self.rescan_due = False
+                guard("rescan", self.rescan)
                 next_rescan = now + self.config.rescan_interval
+            if now >= next_spool:
+                guard("spool", self._flush_spool)
+                next_spool = now + SPOOL_RETRY_EVERY
             if now >= next_status:
-                self._write_status()
+                guard("status", self._write_status)
                 next_status = now + STATUS_EVERY
             if now >= next_retention and not self.captures:
                 self.pool.submit(retention.enforce, self.store, self.config)
@@ -246,13 +285,18 @@ class Daemon:
 
     def _on_inotify(self) -> None:
         for event in self.inotify.read(timeout=0):
+            if event.mask & inflags.Q_OVERFLOW:
+                # Events were dropped: registrations and dumps may have come and gone unseen.
+                log.warning("inotify_overflow", action="rescanning registrations and dumps")
+                self.rescan_due = True
+                continue
             name = event.name
             if not name or name.startswith("."):
                 continue
             if event.wd == self.dump_wd:
-                self._dump_appeared(name)
+                self.guard("inotify_event", self._dump_appeared, name)
             else:
-                self.registrations.changed(name, event.mask)
+                self.guard("inotify_event", self.registrations.changed, name, event.mask)
 
     def _first_look(self, w: Watched, now: float) -> None:
         self.machine.observe(w, now)
@@ -272,6 +316,7 @@ class Daemon:
     def _start_capture(self, group: list[Watched], suspicion: Suspicion, job_incident: str | None) -> None:
         """Capture the group on a worker, into one incident."""
         w = group[0]
+        self.machine.captured(group)
         self.dumping.update(x.process.pid for x in group)
         gone = self.registrations.departures.of_job(w.registration.job, w.registration.registered_at)  # job-mates that exited: often the cause
         if gone:
@@ -313,7 +358,7 @@ class Daemon:
             return gpu_dump_veto(self.config.gpu_dump, outdir, suspicion.signals if outdir.name == first else ())
 
         return make_incident(self.store, self.steps, [w.registration for w in group], suspicion,
-                             self.config.capture_timeout, self.metrics, gate, group[0].notify_status(), gone,
+                             self.config.capture_timeout, self.metrics, gate, group[0].notify_status(), self.spool, gone,
                              self.config.node, job_incident)
 
     def _collect_captures(self) -> None:
@@ -322,22 +367,31 @@ class Daemon:
             try:
                 incident_id = c.future.result()
             except Exception as exc:  # noqa: BLE001 - a failed capture must never stop the loop
-                log.error("capture_failed", pids=[w.process.pid for w in c.watched], error=f"{type(exc).__name__}: {exc}")
+                log.exception("capture_failed", pids=[w.process.pid for w in c.watched], error=f"{type(exc).__name__}: {exc}")
+                self.metrics.loop_errors.labels(**self.metrics.labels(where="capture")).inc()
                 incident_id = None
             else:
                 if incident_id is None:
                     continue  # a refused dump: counted and logged already
                 self.metrics.incidents.labels(**self.metrics.labels(reason=c.suspicion.reason)).inc()
                 self.metrics.incident_stored(incident_id, c.suspicion.reason, c.watched[0].registration.job if c.watched else None, time.time())
-                log.warning("incident_stored", incident=incident_id, reason=c.suspicion.reason,
-                            pids=[w.process.pid for w in c.watched], seconds=round(time.monotonic() - c.started, 3))
-                if self.fleet and incident_id:
+                pending = self.spool.find(incident_id) is not None if incident_id else False
+                log.warning("incident_pending" if pending else "incident_stored", incident=incident_id,
+                            reason=c.suspicion.reason, pids=[w.process.pid for w in c.watched],
+                            seconds=round(time.monotonic() - c.started, 3))
+                if pending:
+                    self.metrics.incidents_pending.labels(**self.metrics.const).set(len(self.spool.pending()))
+                elif self.fleet and incident_id:
                     job = next((w.registration.job for w in c.watched if w.registration.job), None)
                     self.fleet.stored(incident_id, self.store.dir / incident_id, job, c.job_incident)
             for w in c.watched:
                 self.dumping.discard(w.process.pid)
                 w.incident = incident_id
-                if w.process in self.watched and w.state is State.HUNG:
+                if w.process not in self.watched or w.state is not State.HUNG:
+                    continue
+                if incident_id is None:
+                    self.machine.capture_failed(w, time.monotonic())
+                else:
                     self.watched.set_state(w, State.CAPTURED)
 
     # -- GPU dumps nobody asked for: exceptions ---------------------------
@@ -349,10 +403,35 @@ class Daemon:
         if pid is not None and pid in self.dumping:
             return  # a capture asked for this one and takes it itself
         self.ingested.add(name)
-        reg = self.registrations.registration_of(pid)
+        reg = self.registrations.registration_of(pid)  # here on the loop, which owns the watchlist; the worker gets the answer
         future = self.pool.submit(dump_ingest.ingest_counted, self.store, self.config.dumps / name, pid, reg,
-                                  self.config.driver_logs, self.metrics)
+                                  self.config.driver_logs, self.metrics, self.spool)
         future.add_done_callback(self._wake)
         fake = Watched(reg, State.CAPTURED, seen_at=time.monotonic(), timeout=0) if reg else None
         self.captures.append(_Capture([fake] if fake else [], Suspicion("gpu-exception", name, time.time()),
                                       time.monotonic(), future))
+
+    def _scan_dumps(self) -> None:
+        """Dumps that appeared while nobody watched (the daemon down, an inotify overflow)."""
+        try:
+            found = dumpscan.scan(self.config.dumps, self.ingested)
+        except OSError as exc:
+            log.error("dump_scan_failed", dir=str(self.config.dumps), error=str(exc))
+            return
+        if found.busy:  # perhaps still being written: never ingest half a dump
+            self.next_dump_scan = min(self.next_dump_scan, time.monotonic() + dumpscan.QUIET_S)
+        for name in found.ready:
+            self.guard("dump", self._dump_appeared, name)
+
+    # -- reports kept while the state dir was full -------------------------
+
+    def _flush_spool(self) -> None:
+        """Reports kept while the state dir had no room: stored and indexed once it has."""
+        pending = self.spool.pending()
+        if pending:
+            for incident_id in self.spool.flush(self.store):
+                log.warning("incident_stored", incident=incident_id, from_spool=True)
+                if self.fleet:  # the store's copy waited for the local one
+                    meta = read_json_or_none(self.store.dir / incident_id / "incident.json") or {}
+                    self.fleet.stored(incident_id, self.store.dir / incident_id, meta.get("job"), meta.get("job_incident"))
+        self.metrics.incidents_pending.labels(**self.metrics.const).set(len(self.spool.pending()) if pending else 0)

@@ -21,6 +21,7 @@ from inotify_simple import flags as inflags
 
 from . import exits, procfs, ranks, registry, untrusted
 from .config import Config
+from .loop_guard import Guard
 from .metrics import Metrics
 from .model import ProcessId, Registration, State
 from .registry import RegistrationError
@@ -35,9 +36,10 @@ RECENT_KEEP = 600.0  # seconds an exited process is remembered, to link a dump t
 class Registrations:
     def __init__(self, config: Config, watched: Watchlist, metrics: Metrics, limits: UserLimits,
                  attach: Callable[[int, ProcessId], None], detach: Callable[[int], None],
-                 first_look: Callable[[Watched, float], None]) -> None:
+                 first_look: Callable[[Watched, float], None], guard: Guard) -> None:
         """``attach``/``detach`` hand a process's pidfd to the loop's selector and take it back;
-        ``first_look`` is the detectors' first observation of a process just watched."""
+        ``first_look`` is the detectors' first observation of a process just watched; ``guard``
+        contains a failure to one registration."""
         self.config = config
         self.watched = watched
         self.metrics = metrics
@@ -45,6 +47,7 @@ class Registrations:
         self.attach = attach
         self.detach = detach
         self.first_look = first_look
+        self.guard = guard
         self.refused: dict[str, float] = {}  # registration name -> mtime already refused (no log spam)
         self.over_limit: set[str] = set()  # registrations waiting for their user to drop under the limit
         self.recent: dict[int, tuple[Registration, float]] = {}  # exited processes, to link late dumps
@@ -71,7 +74,7 @@ class Registrations:
             log.error("rescan_failed", dir=str(self.config.registrations), error=str(exc))
             return
         for name in names:
-            self.consider(self.config.registrations / name)
+            self.guard("registration", self.consider, self.config.registrations / name)
         for pid_key, w in list(self.watched.items()):
             if w.registration.source != "discovered" and registry.file_name(pid_key) not in names:
                 self.unregistered(registry.file_name(pid_key))

@@ -25,15 +25,16 @@ import hangwatchd
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("ground", ("model", "config", "metrics", "heartbeat", "cudacore", "cudacore.*", "untrusted", "procfs",
                 "subproc", "samples", "patterns", "notify", "log", "runtime", "incident_access", "user_limits", "jsonfile",
-                "fleet.url")),
+                "pdeathsig", "fleet.url")),
     ("register", ("hangwatchd", "registry", "client", "exits")),
     ("watch", ("watched", "ranks")),
     ("capture", ("capture", "capture.*", "gpudump")),
     ("analyse", ("analyze", "analyze.*")),
-    ("store", ("store", "retention", "fleet", "fleet.*")),
+    ("store", ("store", "spool", "retention", "fleet", "fleet.*")),
     ("export", ("report", "report.*")),
     ("detect and launch", ("detect", "detect.*", "launcher")),
-    ("daemon", ("daemon", "registrations", "make_incident", "dump_ingest", "status_file")),
+    ("daemon", ("daemon", "loop_guard", "instance_lock", "registrations", "make_incident", "dump_ingest", "dumpscan",
+                "status_file")),
     ("cli", ("cli", "cli_parser", "__main__", "check", "demo", "demo_workload", "testing", "fleet.testing")),
 ]
 

@@ -20,13 +20,16 @@ import structlog
 from .. import untrusted
 from ..config import Config
 from ..metrics import Metrics
-from ..model import State, Suspicion
+from ..model import ProcessId, State, Suspicion
 from ..samples import Sample
 from ..watched import Watched, Watchlist
+from . import rearm
 from .base import Detector
 from .stack import classify
 
 log = structlog.get_logger("hangwatchd.daemon")
+
+ERROR_BACKOFF = 5.0  # a process whose handling failed is looked at again after this, not at once
 
 
 class StateMachine:
@@ -42,6 +45,7 @@ class StateMachine:
         self.idle = idle
         self.on_hung = on_hung  # a confirmed hang: the process and its job-mates here, to capture
         self.on_tampered = on_tampered  # its files were swapped: the registration is dropped
+        self.marks: dict[ProcessId, rearm.ProgressMark] = {}  # where each captured process stood
 
     def observe(self, w: Watched, now: float) -> None:
         """Its detector's look, due now: move its state on, or note when to look again."""
@@ -58,9 +62,8 @@ class StateMachine:
         if w.beat is not None and w.beat.count:
             self.metrics.last_beat.labels(**labels).set(w.beat.wall_time() or 0)
         if w.state in (State.HUNG, State.CAPTURED):
-            if obs.state is State.HEALTHY and w.state is State.CAPTURED:
-                log.info("process_recovered", pid=r.process.pid, incident=w.incident)
-                self.watched.set_state(w, State.HEALTHY)
+            if w.state is State.CAPTURED and self._rearm_if_progressed(w):
+                pass
             else:
                 w.next_check = now + min(w.timeout, 5.0)  # look again later in case it recovers
             return
@@ -149,8 +152,10 @@ class StateMachine:
             return
         if not w.watched_by_stack or w.state in (State.HUNG, State.CAPTURED):
             w.next_sample = float("inf") if not w.watched_by_stack else now + self.cfg.stack_interval
-            if w.state is State.CAPTURED and len(w.history.samples) == 1:
-                self.watched.set_state(w, State.HEALTHY)  # its stack moved on: not hung any more
+            if w.process in self.marks:
+                self.marks[w.process] = rearm.with_sample(self.marks[w.process], sample)
+            if w.state is State.CAPTURED:
+                self._rearm_if_progressed(w)
             return
         window = w.stack_timeout or self.cfg.stack_window
         if len(w.history.samples) == 1:
@@ -163,6 +168,30 @@ class StateMachine:
             w.next_sample = now  # the native look
         else:
             w.next_sample = now + self.cfg.stack_interval
+
+    def captured(self, group: list[Watched]) -> None:
+        """A capture of ``group`` starts: mark where each stood, to tell progress from a hang later."""
+        for x in group:
+            self.marks[x.process] = rearm.mark(x)
+
+    def capture_failed(self, w: Watched, now: float) -> None:
+        """No incident to show for it: watch it as before, so the hang is captured again
+        (after a pause, so a capture that always fails does not spin)."""
+        self.marks.pop(w.process, None)
+        self.watched.set_state(w, State.HEALTHY)
+        w.next_check = now + ERROR_BACKOFF
+
+    def _rearm_if_progressed(self, w: Watched) -> bool:
+        """A captured process is watched for a new hang only once it shows progress again."""
+        m = self.marks.get(w.process)
+        why = rearm.progressed(w, m) if m is not None else "no mark"
+        if why is None:
+            return False
+        self.marks.pop(w.process, None)
+        log.info("process_recovered", pid=w.process.pid, incident=w.incident, why=why)
+        w.history = type(w.history)()
+        self.watched.set_state(w, State.HEALTHY)
+        return True
 
     def _hung(self, w: Watched, suspicion: Suspicion | None) -> None:
         assert suspicion is not None

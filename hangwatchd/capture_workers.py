@@ -1,0 +1,199 @@
+"""Hangs and exception dumps made into incidents on worker threads: handed out, collected when done.
+
+The loop never waits for a capture. A confirmed hang (or another node's
+request for this node's ranks of a job) goes to a worker that captures,
+analyses and stores (``make_incident``); an exception dump goes to one that
+files it (``dump_ingest``). When a worker is done the loop collects it: the
+incident is counted, announced to the fleet, and its processes marked
+captured (or, when no incident came of it, watched again).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from . import dump_ingest, exits, gpudump
+from .capture.base import Step
+from .config import Config
+from .detect.gate import gpu_dump_veto
+from .detect.machine import StateMachine
+from .fleet.agent import Agent
+from .jsonfile import read_json_or_none
+from .make_incident import make_incident
+from .metrics import Metrics
+from .model import State, Suspicion
+from .registrations import Registrations
+from .spool import Spool
+from .store import Store
+from .watched import Watched, Watchlist
+
+log = structlog.get_logger("hangwatchd.daemon")
+
+CLOCK_SKEW = 30.0  # seconds two nodes' clocks may differ by, comparing one's request to the other's registrations
+
+
+@dataclass
+class _Capture:
+    watched: list[Watched]
+    suspicion: Suspicion
+    started: float
+    future: concurrent.futures.Future[str | None]
+    job_incident: str | None = None
+
+
+class CaptureWorkers:
+    def __init__(self, config: Config, store: Store, spool: Spool, steps: list[tuple[Step, float]], metrics: Metrics,
+                 watched: Watchlist, registrations: Registrations, fleet: Agent | None, wake: Callable[..., None]) -> None:
+        self.config = config
+        self.store = store
+        self.spool = spool
+        self.steps = steps
+        self.metrics = metrics
+        self.watched = watched
+        self.registrations = registrations
+        self.fleet = fleet
+        self.wake = wake  # a worker is done: wake the loop to collect it
+        self.machine: StateMachine | None = None  # set once made: it hands hangs here
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="capture")
+        self.captures: list[_Capture] = []
+        self.dumping: set[int] = set()  # pids whose GPU dump a capture is taking: not exception dumps
+        self.ingested: set[str] = set()  # dump files already made into incidents
+
+    def healthy(self, now: float) -> bool:
+        """No capture worker is wedged past all its deadlines."""
+        limit = 2 * self.config.capture_timeout + 30
+        return all(now - c.started < limit for c in self.captures)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Other slow work of the loop's (retention), on the same workers."""
+        self.pool.submit(fn, *args)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    # -- hangs -------------------------------------------------------------
+
+    def on_hung(self, group: list[Watched], suspicion: Suspicion) -> None:
+        """A confirmed hang here (the hung process and its job-mates): capture them."""
+        job = group[0].registration.job
+        # Every other node watching a rank of this job captures it too, under one job incident id.
+        job_incident = self.fleet.declare(job, suspicion.reason, suspicion.detail) if self.fleet and job else None
+        self.start(group, suspicion, job_incident)
+
+    def start(self, group: list[Watched], suspicion: Suspicion, job_incident: str | None) -> None:
+        """Capture the group on a worker, into one incident."""
+        w = group[0]
+        assert self.machine is not None
+        self.machine.captured(group)
+        self.dumping.update(x.process.pid for x in group)
+        gone = self.registrations.departures.of_job(w.registration.job, w.registration.registered_at)  # job-mates that exited: often the cause
+        if gone:
+            log.info("exited_job_mates", job=w.registration.job, pids=[d.registration.process.pid for d in gone])
+        future = self.pool.submit(self._capture, group, suspicion, gone, job_incident)
+        future.add_done_callback(self.wake)
+        self.captures.append(_Capture(group, suspicion, time.monotonic(), future, job_incident))
+
+    def serve_requests(self) -> None:
+        """Another node declared a job hung: capture this node's ranks of it now, whatever they look like here."""
+        if self.fleet is None:
+            return
+        self.fleet.jobs = frozenset(w.registration.job for w in self.watched.values() if w.registration.job)
+        for req in self.fleet.pending():
+            # A rank registered after the request belongs to a restarted job of the same name, not this hang
+            # (give or take the skew between two nodes' clocks).
+            group = [w for w in self.watched.values() if w.registration.job == req.job and w.role != "launcher"
+                     and w.state in (State.STARTING, State.HEALTHY, State.SUSPECT)
+                     and w.registration.registered_at <= req.time + CLOCK_SKEW]
+            if not group or not self.fleet.accept(req):
+                continue
+            log.warning("job_capture_requested", job=req.job, job_incident=req.job_incident, by=req.node,
+                        pids=[w.process.pid for w in group])
+            for x in group:
+                x.suspicion = None
+                self.watched.set_state(x, State.HUNG)
+            why = Suspicion("job-request", f"node {req.node} declared job {req.job} hung ({req.reason}: {req.detail})", req.time)
+            self.start(group, why, req.job_incident)
+
+    def _capture(self, group: list[Watched], suspicion: Suspicion, gone: list[exits.Departed],
+                 job_incident: str | None = None) -> str | None:
+        """On a worker thread."""
+        first = str(group[0].process.pid)
+
+        def gate(outdir: Path) -> str | None:  # a job-mate's GPU dump needs its own evidence
+            return gpu_dump_veto(self.config.gpu_dump, outdir, suspicion.signals if outdir.name == first else ())
+
+        return make_incident(self.store, self.steps, [w.registration for w in group], suspicion,
+                             self.config.capture_timeout, self.metrics, gate, group[0].notify_status(), self.spool, gone,
+                             self.config.node, job_incident)
+
+    def collect(self) -> None:
+        """The workers that are done: count and announce their incidents, move their processes on."""
+        for c in [c for c in self.captures if c.future.done()]:
+            self.captures.remove(c)
+            try:
+                incident_id = c.future.result()
+            except Exception as exc:  # noqa: BLE001 - a failed capture must never stop the loop
+                log.exception("capture_failed", pids=[w.process.pid for w in c.watched], error=f"{type(exc).__name__}: {exc}")
+                self.metrics.loop_errors.labels(**self.metrics.labels(where="capture")).inc()
+                incident_id = None
+            else:
+                if incident_id is None:
+                    continue  # a refused dump: counted and logged already
+                self.metrics.incidents.labels(**self.metrics.labels(reason=c.suspicion.reason)).inc()
+                self.metrics.incident_stored(incident_id, c.suspicion.reason, c.watched[0].registration.job if c.watched else None, time.time())
+                pending = self.spool.find(incident_id) is not None if incident_id else False
+                log.warning("incident_pending" if pending else "incident_stored", incident=incident_id,
+                            reason=c.suspicion.reason, pids=[w.process.pid for w in c.watched],
+                            seconds=round(time.monotonic() - c.started, 3))
+                if pending:
+                    self.metrics.incidents_pending.labels(**self.metrics.const).set(len(self.spool.pending()))
+                elif self.fleet and incident_id:
+                    job = next((w.registration.job for w in c.watched if w.registration.job), None)
+                    self.fleet.stored(incident_id, self.store.dir / incident_id, job, c.job_incident)
+            for w in c.watched:
+                self.dumping.discard(w.process.pid)
+                w.incident = incident_id
+                if w.process not in self.watched or w.state is not State.HUNG:
+                    continue
+                if incident_id is None:
+                    assert self.machine is not None
+                    self.machine.capture_failed(w, time.monotonic())
+                else:
+                    self.watched.set_state(w, State.CAPTURED)
+
+    # -- GPU dumps nobody asked for: exceptions ---------------------------
+
+    def dump_appeared(self, name: str) -> None:
+        if not (name.endswith(".nvcudmp") or name.endswith(gpudump.DRIVER_LOG_SUFFIX)) or name in self.ingested:
+            return
+        pid = gpudump.pid_of(name)
+        if pid is not None and pid in self.dumping:
+            return  # a capture asked for this one and takes it itself
+        self.ingested.add(name)
+        reg = self.registrations.registration_of(pid)  # here on the loop, which owns the watchlist; the worker gets the answer
+        future = self.pool.submit(dump_ingest.ingest_counted, self.store, self.config.dumps / name, pid, reg,
+                                  self.config.driver_logs, self.metrics, self.spool)
+        future.add_done_callback(self.wake)
+        fake = Watched(reg, State.CAPTURED, seen_at=time.monotonic(), timeout=0) if reg else None
+        self.captures.append(_Capture([fake] if fake else [], Suspicion("gpu-exception", name, time.time()),
+                                      time.monotonic(), future))
+
+    # -- reports kept while the state dir was full -------------------------
+
+    def flush_spool(self) -> None:
+        """Reports kept while the state dir had no room: stored and indexed once it has."""
+        pending = self.spool.pending()
+        if pending:
+            for incident_id in self.spool.flush(self.store):
+                log.warning("incident_stored", incident=incident_id, from_spool=True)
+                if self.fleet:  # the store's copy waited for the local one
+                    meta = read_json_or_none(self.store.dir / incident_id / "incident.json") or {}
+                    self.fleet.stored(incident_id, self.store.dir / incident_id, meta.get("job"), meta.get("job_incident"))
+        self.metrics.incidents_pending.labels(**self.metrics.const).set(len(self.spool.pending()) if pending else 0)
