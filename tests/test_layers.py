@@ -33,7 +33,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("store", ("store", "spool", "retention", "fleet", "fleet.*")),
     ("export", ("report", "report.*")),
     ("detect and launch", ("detect", "detect.*", "launcher")),
-    ("daemon", ("daemon", "loop_guard", "instance_lock", "registrations", "make_incident", "dump_ingest", "dumpscan",
+    ("daemon", ("daemon", "loop_guard", "instance_lock", "registrations", "capture_workers", "make_incident", "dump_ingest", "dumpscan",
                 "status_file")),
     ("cli", ("cli", "cli_parser", "__main__", "check", "demo", "demo_workload", "testing", "fleet.testing")),
 ]
