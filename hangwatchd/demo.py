@@ -39,6 +39,9 @@ def wait_for(what: str, check, seconds: float):  # type: ignore[no-untyped-def]
 
 
 def main() -> int:
+    # The workload writes to the same stdout: without this, piped output (./dev demo | tee)
+    # shows the workload's line before the demo's own first lines.
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     base = demo_dir()
     shutil.rmtree(base, ignore_errors=True)
     state, run_dir = base / "state", base / "run"
