@@ -28,6 +28,15 @@ def demo_dir() -> Path:
     return Path(base) / "hangwatchd-demo"
 
 
+def command_path() -> str:
+    """The hangwatchd command next to this Python (the .venv's), as short as the user can type it."""
+    path = Path(sys.executable).parent / "hangwatchd"
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def wait_for(what: str, check, seconds: float):  # type: ignore[no-untyped-def]
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -72,6 +81,8 @@ def main() -> int:
                 hangs = [ln for ln in resp.read().decode().splitlines() if ln.startswith("hangwatchd_hangs_total")]
             print("\n/metrics: " + "\n/metrics: ".join(hangs))
             print(f"\ndemo: the daemon's log is {base / 'daemon.log'}; incidents stay in {state}")
+            # The daemon is gone after this, so a bare 'hangwatchd show' would look in /var/lib/hangwatchd.
+            print(f"demo: see it again: {command_path()} show {incidents[0]['id']} --state-dir {state}")
             return 0
         finally:
             for proc in (workload, daemon):

@@ -38,8 +38,11 @@ def test_the_demo_ends_in_a_stored_incident_that_names_the_hang_and_leaves_nothi
     assert any(ln.strip().startswith("> wait_for_peer") and "demo_workload.py" in ln for ln in lines)
     (counter,) = [ln for ln in lines if ln.startswith("/metrics: hangwatchd_hangs_total{")]
     assert 'reason="heartbeat"' in counter and counter.endswith(" 1.0")
-    # The incident stays where the demo says, for `hangwatchd show` afterwards.
-    assert list((tmp_path / "hangwatchd-demo" / "state" / "incidents").iterdir())
+    # The incident stays, and the command the demo's last line gives shows it again.
+    again = lines[-1].removeprefix("demo: see it again: ").split()
+    assert again[1:3] == ["show", title.split()[1]], lines[-1]
+    shown = subprocess.run(again, capture_output=True, text=True, timeout=60, env=env)
+    assert shown.returncode == 0 and title in shown.stdout, shown.stderr
     # Everything the demo started (daemon, launcher, workload, py-spy) inherited its XDG_STATE_HOME.
     left = processes_with_env(f"XDG_STATE_HOME={tmp_path}")
     end = time.monotonic() + 5  # a moment for a SIGTERMed process to finish exiting
