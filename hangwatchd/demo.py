@@ -48,9 +48,6 @@ def wait_for(what: str, check, seconds: float):  # type: ignore[no-untyped-def]
 
 
 def main() -> int:
-    # The workload writes to the same stdout: without this, piped output (./dev demo | tee)
-    # shows the workload's line before the demo's own first lines.
-    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     base = demo_dir()
     shutil.rmtree(base, ignore_errors=True)
     state, run_dir = base / "state", base / "run"
@@ -95,4 +92,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # The workload writes to the same stdout: without this, piped output (./dev demo | tee)
+    # shows the workload's line before the demo's own first lines.
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     sys.exit(main())
