@@ -56,6 +56,7 @@ def _daemon_config(args: argparse.Namespace) -> Any:
         "state_dir": args.state_dir, "runtime_dir": args.runtime_dir, "dump_dir": args.dump_dir,
         "metrics_address": args.metrics_address, "heartbeat_timeout": args.heartbeat_timeout,
         "log_format": args.log_format, "log_level": args.log_level,
+        "store": args.store, "node_name": args.node_name,
     }
     return config.load(args.config, overrides)
 
@@ -130,6 +131,10 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     from .analyze.verdict import analyze, process_dirs
     from .report.incident import render_analysis
 
+    if args.store:
+        return _analyze_store(args)
+    if not args.dir:
+        raise UsageError("analyze: give an incident directory, or --store URL --job JOB")
     path = Path(args.dir)
     if not path.is_dir():
         raise UsageError(f"analyze: {path} is not a directory; give an incident directory (one subdirectory per process)")
@@ -141,6 +146,44 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         _print_json(result.to_dict())
     else:
         sys.stdout.write(render_analysis(result.to_dict()))
+    return 0
+
+
+def _store_url(args: argparse.Namespace) -> Any:
+    from .fleet.url import StoreURLError, parse
+
+    try:
+        return parse(args.store)
+    except StoreURLError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _analyze_store(args: argparse.Namespace) -> int:
+    """The newest incident of a job from every node, merged into one directory and analysed as one."""
+    import tempfile
+
+    from .analyze.verdict import analyze
+    from .fleet.reader import ReadError, fetch, job_incidents
+    from .report.incident import render_analysis
+
+    if not args.job:
+        raise UsageError("analyze --store: give the job with --job JOB ('hangwatchd incidents --store URL' lists them)")
+    url = _store_url(args)
+    try:
+        found = job_incidents(url, args.job)
+        if not found:
+            raise Failure(f"no incident of job {args.job!r} in {url}")
+        with tempfile.TemporaryDirectory(prefix="hangwatchd-job-") as tmp:
+            merged = fetch(url, found[0], Path(tmp) / found[0].job_incident)
+            job = {k: v for k, v in found[0].to_dict().items() if k != "ranks"}  # the analysis's ranks say more
+            result = {**analyze(merged).to_dict(), **job}
+    except ReadError as exc:
+        raise Failure(str(exc)) from None
+    if args.json:
+        _print_json(result)
+    else:
+        sys.stdout.write(f"job {result['job']}, job incident {result['job_incident']}, nodes {', '.join(result['nodes'])}\n")
+        sys.stdout.write(render_analysis(result))
     return 0
 
 
@@ -241,9 +284,33 @@ def _store(args: argparse.Namespace) -> Any:
     return Store(state_dir)
 
 
+def _store_incidents(args: argparse.Namespace) -> int:
+    from .fleet.reader import ReadError, job_incidents
+
+    url = _store_url(args)
+    try:
+        items = [j.to_dict() for j in job_incidents(url, args.job)]
+    except ReadError as exc:
+        raise Failure(str(exc)) from None
+    if args.json:
+        _print_json(items)
+        return 0
+    if not items:
+        print(f"no job incidents in {url}" + (f" for job {args.job}" if args.job else ""))
+        return 0
+    rows = [("JOB INCIDENT", "TIME (UTC)", "JOB", "NODES", "RANKS", "REASON")]
+    for i in items:
+        rows.append((i["job_incident"], time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(i["time"])), i["job"],
+                     ",".join(i["nodes"]), ",".join(map(str, i["ranks"])) or "-", i["reason"] or "-"))
+    _table(rows)
+    return 0
+
+
 def cmd_incidents(args: argparse.Namespace) -> int:
     from .report.names import fold
 
+    if args.store:
+        return _store_incidents(args)
     store = _store(args)
     items = store.list()
     if args.json:
@@ -367,6 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--heartbeat-timeout", type=_duration, metavar="DURATION",
                    help="time without a beat before a process that declared no timeout is hung: seconds, or "
                         f"with a unit (500ms, 10m) (default: {_default('heartbeat_timeout')} s)")
+    d.add_argument("--store", metavar="s3://BUCKET/PREFIX",
+                   help="shared store for job incidents across nodes; endpoint and credentials from the AWS_* "
+                        "variables or a role (default: none)")
+    d.add_argument("--node-name", metavar="NAME", help="this node's name in the store, records and metrics (default: the host name)")
     d.add_argument("--log-format", choices=["json", "console"],
                    help=f"json: one JSON object a line, for a log shipper; console: for a person (default: {_default('log_format')})")
     d.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
@@ -395,10 +466,15 @@ def build_parser() -> argparse.ArgumentParser:
              ["hangwatchd status", "hangwatchd status --json | jq '.processes[] | select(.state != \"healthy\")'"],
              [dirs, as_json])
 
-    _command(sub, "incidents", cmd_incidents, "stored incidents, newest first",
-             "List the incidents in the state dir, newest first: id, time, reason, job, pids and a one-line summary.",
-             ["hangwatchd incidents", "hangwatchd incidents --state-dir /var/lib/hangwatchd --json"],
-             [dirs, as_json])
+    i = _command(sub, "incidents", cmd_incidents, "stored incidents, newest first",
+                 "List the incidents in the state dir, newest first: id, time, reason, job, pids and a one-line summary. "
+                 "With --store, list the job incidents of a shared store across nodes.",
+                 ["hangwatchd incidents", "hangwatchd incidents --state-dir /var/lib/hangwatchd --json",
+                  "hangwatchd incidents --store s3://hangwatchd-incidents/prod --job llama"],
+                 [dirs, as_json])
+    i.add_argument("--store", metavar="s3://BUCKET/PREFIX",
+                   help="list job incidents across nodes from this shared store (default: this node's state dir)")
+    i.add_argument("--job", help="only this job's incidents, with --store (default: every job)")
 
     sh = _command(sub, "show", cmd_show, "the report of one incident",
                   "Print one incident: the verdict, each process's capture steps and stacks, the analysis across "
@@ -419,11 +495,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     an = _command(sub, "analyze", cmd_analyze, "explain an incident directory: each rank's verdict, the rank that diverged",
                   "Read an incident directory (one subdirectory per process: pyspy.json, flight-recorder.pkl, "
-                  "symbolized.json, ...) and say what each rank was doing and which one diverged.",
+                  "symbolized.json, ...) and say what each rank was doing and which one diverged. With --store and "
+                  "--job, fetch the job's newest incident from every node and explain it as one.",
                   ["hangwatchd analyze /var/lib/hangwatchd/incidents/20261129T192301Z-854e77",
-                   "hangwatchd analyze ./by-hand --json"],
+                   "hangwatchd analyze ./by-hand --json",
+                   "hangwatchd analyze --store s3://hangwatchd-incidents/prod --job llama --json"],
                   [as_json])
-    an.add_argument("dir", metavar="DIR", help="an incident directory (also one put together by hand)")
+    an.add_argument("dir", metavar="DIR", nargs="?", help="an incident directory (also one put together by hand)")
+    an.add_argument("--store", metavar="s3://BUCKET/PREFIX",
+                   help="analyse a job across nodes from this shared store, with --job (default: none, read DIR)")
+    an.add_argument("--job", help="the job whose newest incident to fetch from every node, with --store (default: none)")
 
     ck = _command(sub, "check", cmd_check, "can this node do the job? ptrace, py-spy, nvdisasm, NVML, dirs, port, inotify",
                   "Check what the daemon needs on this node and say how to fix what is missing. "

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import re
+import socket
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -149,13 +150,25 @@ def _one_of(*allowed: str) -> Callable[[Any], str]:
     return parse
 
 
-STEP_NAMES = ("proc", "pyspy", "nvml", "nccl_ras", "flight_recorder", "cuda_dump")
+STEP_NAMES = ("proc", "progress", "pyspy", "nvml", "nccl_ras", "flight_recorder", "cuda_dump")
 
 
 def _steps(v: Any) -> tuple[str, ...]:
     if isinstance(v, list) and v and all(s in STEP_NAMES for s in v) and len(set(v)) == len(v):
         return tuple(v)
     raise Invalid("a list of capture steps without repeats, from: " + ", ".join(STEP_NAMES))
+
+
+def _store_url(v: Any) -> str:
+    if v == "":
+        return v
+    from .fleet.url import StoreURLError, parse  # the URL's own rules, kept beside the code that uses them
+
+    try:
+        parse(v)
+    except StoreURLError:
+        raise Invalid("s3://BUCKET/PREFIX, or \"\" for no shared store") from None
+    return str(v)
 
 
 def _bool(v: Any) -> bool:
@@ -234,6 +247,12 @@ KEYS: dict[str, Key] = {
     "incident_max_age_days": Key(90.0, _days, "incidents older than this are deleted, report and index entry too"),
     "max_registrations_per_uid": Key(64, _count, "processes one non-root user may have watched at once; more registrations are refused"),
     "pyspy_samples_per_uid": Key(4.0, _factor, "py-spy samples per second the daemon takes of one non-root user's processes (bursts of 2 s worth)"),
+    "store": Key("", _store_url, "shared S3-compatible store for job incidents across nodes, s3://BUCKET/PREFIX "
+                  "(endpoint and credentials from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ..., or a role); \"\" for none"),
+    "node_name": Key("", _optional_path, "this node's name in the store, records and metrics; \"\" means the host name"),
+    "store_poll_interval": Key(2.0, _seconds, "seconds between polls of the store for capture requests, per watched job"),
+    "store_spool_max": Key(1000, _count, "uploads kept queued on disk while the store is down (the oldest dropped first)"),
+    "job_incident_window": Key(300.0, _seconds, "seconds during which a job's hang reported by any node is the same job incident"),
     "log_format": Key("json", _one_of("json", "console"), "json: one JSON object a line; console: for a person"),
     "log_level": Key("info", _one_of("debug", "info", "warning", "error"), "the least severe events logged"),
 }
@@ -277,12 +296,21 @@ class Config:
     incident_max_age_days: float = KEYS["incident_max_age_days"].default
     max_registrations_per_uid: int = KEYS["max_registrations_per_uid"].default
     pyspy_samples_per_uid: float = KEYS["pyspy_samples_per_uid"].default
+    store: str = KEYS["store"].default
+    node_name: str = KEYS["node_name"].default
+    store_poll_interval: float = KEYS["store_poll_interval"].default
+    store_spool_max: int = KEYS["store_spool_max"].default
+    job_incident_window: float = KEYS["job_incident_window"].default
     log_format: str = KEYS["log_format"].default
     log_level: str = KEYS["log_level"].default
 
     @property
     def dumps(self) -> Path:
         return Path(self.dump_dir) if self.dump_dir else Path(self.state_dir) / "dumps"
+
+    @property
+    def node(self) -> str:
+        return self.node_name or os.environ.get("NODE_NAME") or socket.gethostname()
 
     @property
     def registrations(self) -> Path:

@@ -34,6 +34,7 @@ from .capture import capture_incident, make_steps
 from .config import Config
 from .detect import HeartbeatDetector
 from .detect.stack import BLOCKING, IDLE, classify, take_sample
+from .fleet.agent import Agent
 from .metrics import Metrics, create, serve
 from .model import Registration, State, Suspicion
 from .notify import notify, watchdog_interval
@@ -47,6 +48,7 @@ log = structlog.get_logger("hangwatchd.daemon")
 
 STATUS_EVERY = 2.0
 RETENTION_EVERY = 600.0
+CLOCK_SKEW = 30.0  # seconds two nodes' clocks may differ by, comparing one's request to the other's registrations
 
 
 class SetupError(Exception):
@@ -59,16 +61,21 @@ class _Capture:
     suspicion: Suspicion
     started: float
     future: concurrent.futures.Future[str | None]
+    job_incident: str | None = None
 
 
 @dataclass
 class Daemon:
     config: Config
-    metrics: Metrics = field(default_factory=create)
+    metrics: Metrics = field(default=None)  # type: ignore[assignment]  # made with the node's name below
     watched: dict[registry.ProcessId, Watched] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.metrics = self.metrics or create(node=self.config.node)
         self.store = Store(self.config.state_dir, pages=html.pages)
+        cfg = self.config
+        self.fleet = Agent(cfg.store, cfg.node, Path(cfg.state_dir), cfg.store_poll_interval, cfg.job_incident_window,
+                           cfg.store_spool_max, self._wake, self._count_sends) if cfg.store else None
         cfg = self.config
         self.detector = HeartbeatDetector(cfg.startup_grace, cfg.learn_timeouts, cfg.learned_timeout_factor,
                                           cfg.learned_timeout_min, cfg.learned_timeout_max, int(cfg.learn_min_beats))
@@ -114,6 +121,8 @@ class Daemon:
         sandbox.start()  # warm before the first dump arrives
         for incident_id in self.store.recover():
             log.warning("incident_recovered", incident=incident_id)
+        if self.fleet:
+            self.fleet.start()
         registry.prepare_dirs(Path(cfg.runtime_dir))
         cfg.dumps.mkdir(parents=True, exist_ok=True)
         if os.stat(cfg.dumps).st_uid == os.geteuid():
@@ -162,6 +171,8 @@ class Daemon:
             log.info("daemon_stopping", captures_in_flight=len(self.captures))
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.sampler.shutdown(wait=True, cancel_futures=True)
+            if self.fleet:
+                self.fleet.stop()
             for s, h in old.items():
                 signal.signal(s, h)
             for name in (DAEMON_FILE, STATUS_FILE):
@@ -195,6 +206,7 @@ class Daemon:
                     self._on_exit(key.data)
             now = time.monotonic()
             self._collect_captures()
+            self._serve_requests()
             self._collect_samples(now)
             for w in list(self.watched.values()):
                 if w.next_check <= now:
@@ -600,14 +612,45 @@ class Daemon:
         for x in mates:
             x.suspicion = None
             self._set_state(x, State.HUNG)
-        group = [w] + mates
+        job = w.registration.job
+        # Every other node watching a rank of this job captures it too, under one job incident id.
+        job_incident = self.fleet.declare(job, suspicion.reason, suspicion.detail) if self.fleet and job else None
+        self._start_capture([w] + mates, suspicion, job_incident)
+
+    def _start_capture(self, group: list[Watched], suspicion: Suspicion, job_incident: str | None) -> None:
         self.dumping.update(x.process.pid for x in group)
+        w = group[0]
         gone = self.departures.of_job(w.registration.job, w.registration.registered_at)  # job-mates that exited: often the cause
         if gone:
             log.info("exited_job_mates", job=w.registration.job, pids=[d.registration.process.pid for d in gone])
-        future = self.pool.submit(self._capture, group, suspicion, gone)
+        future = self.pool.submit(self._capture, group, suspicion, gone, job_incident)
         future.add_done_callback(self._wake)
-        self.captures.append(_Capture(group, suspicion, time.monotonic(), future))
+        self.captures.append(_Capture(group, suspicion, time.monotonic(), future, job_incident))
+
+    def _count_sends(self, outcome: str, spooled: int) -> None:  # on the uploader's thread
+        self.metrics.store_sends.labels(**self.metrics.labels(outcome=outcome)).inc()
+        self.metrics.store_spooled.labels(**self.metrics.const).set(spooled)
+
+    def _serve_requests(self) -> None:
+        """Another node declared a job hung: capture this node's ranks of it now, whatever they look like here."""
+        if self.fleet is None:
+            return
+        self.fleet.jobs = frozenset(w.registration.job for w in self.watched.values() if w.registration.job)
+        for req in self.fleet.pending():
+            # A rank registered after the request belongs to a restarted job of the same name, not this hang
+            # (give or take the skew between two nodes' clocks).
+            group = [w for w in self.watched.values() if w.registration.job == req.job and w.role != "launcher"
+                     and w.state in (State.STARTING, State.HEALTHY, State.SUSPECT)
+                     and w.registration.registered_at <= req.time + CLOCK_SKEW]
+            if not group or not self.fleet.accept(req):
+                continue
+            log.warning("job_capture_requested", job=req.job, job_incident=req.job_incident, by=req.node,
+                        pids=[w.process.pid for w in group])
+            for x in group:
+                x.suspicion = None
+                self._set_state(x, State.HUNG)
+            why = Suspicion("job-request", f"node {req.node} declared job {req.job} hung ({req.reason}: {req.detail})", req.time)
+            self._start_capture(group, why, req.job_incident)
 
     def _gate(self, outdir: Path, signals: tuple[str, ...] = ()) -> str | None:
         """May this capture take a GPU dump (which ends the process)? None means yes."""
@@ -628,14 +671,16 @@ class Daemon:
 
     # -- capture (on worker threads) -------------------------------------
 
-    def _capture(self, group: list[Watched], suspicion: Suspicion, gone: list[exits.Departed]) -> str | None:
+    def _capture(self, group: list[Watched], suspicion: Suspicion, gone: list[exits.Departed],
+                 job_incident: str | None = None) -> str | None:
         first = str(group[0].process.pid)
 
         def gate(outdir: Path) -> str | None:  # a job-mate's GPU dump needs its own evidence
             return self._gate(outdir, suspicion.signals if outdir.name == first else ())
 
         return capture_incident(self.store, self.steps, [w.registration for w in group], suspicion,
-                                self.config.capture_timeout, self.metrics, gate, group[0].notify_status(), gone)
+                                self.config.capture_timeout, self.metrics, gate, group[0].notify_status(), gone,
+                                self.config.node, job_incident)
 
     def _collect_captures(self) -> None:
         for c in [c for c in self.captures if c.future.done()]:
@@ -652,6 +697,9 @@ class Daemon:
                 self.metrics.incident_stored(incident_id, c.suspicion.reason, c.watched[0].registration.job if c.watched else None, time.time())
                 log.warning("incident_stored", incident=incident_id, reason=c.suspicion.reason,
                             pids=[w.process.pid for w in c.watched], seconds=round(time.monotonic() - c.started, 3))
+                if self.fleet and incident_id:
+                    job = next((w.registration.job for w in c.watched if w.registration.job), None)
+                    self.fleet.stored(incident_id, self.store.dir / incident_id, job, c.job_incident)
             for w in c.watched:
                 self.dumping.discard(w.process.pid)
                 w.incident = incident_id

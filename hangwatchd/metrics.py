@@ -42,6 +42,8 @@ class Metrics:
     registration_errors: Counter
     incidents: Counter
     gpu_exceptions: Counter
+    store_sends: Counter
+    store_spooled: Gauge
     info: Info
     last_incident: Gauge
     const: dict[str, str]
@@ -69,9 +71,11 @@ class Metrics:
         self.last_incident.labels(**self.labels(incident=incident, reason=reason, job=job or "")).set(when)
 
 
-def create(registry: CollectorRegistry | None = None) -> Metrics:
+def create(registry: CollectorRegistry | None = None, node: str | None = None) -> Metrics:
     reg = registry or CollectorRegistry()
     const = constant_labels()
+    if node:
+        const["node"] = node  # the name this node has in the shared store and its incidents
     names = list(const)
 
     def labels(*extra: str) -> list[str]:
@@ -100,6 +104,11 @@ def create(registry: CollectorRegistry | None = None) -> Metrics:
         incidents=Counter("hangwatchd_incidents_total", "Incidents stored, by reason.", labels("reason"), registry=reg),
         gpu_exceptions=Counter("hangwatchd_gpu_exceptions_total", "GPU exceptions reported by the CUDA driver, by type.",
                                labels("type"), registry=reg),
+        store_sends=Counter("hangwatchd_store_sends_total", "Incidents and capture requests sent to the shared store "
+                            "(outcome ok), and tries that failed (outcome failed, retried with backoff).",
+                            labels("outcome"), registry=reg),
+        store_spooled=Gauge("hangwatchd_store_spooled", "Incidents and requests queued on disk for the shared store.",
+                            names, registry=reg),
         info=Info("hangwatchd_build", "Version of hangwatchd.", registry=reg),
         last_incident=Gauge("hangwatchd_last_incident_timestamp_seconds",
                             "Unix time of the latest incident stored for a reason and job; its id is the incident label.",

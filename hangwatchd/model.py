@@ -91,3 +91,5 @@ class Incident:
     signals: tuple[str, ...] = ()
     notify_status: str | None = None  # the workload's last sd_notify STATUS=
     since: float | None = None  # wall-clock time of the hung process's last sign of progress
+    node: str | None = None  # the node's name (config node_name), as in the shared store
+    job_incident: str | None = None  # shared by every node's part of one job hang

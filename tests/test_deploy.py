@@ -59,7 +59,7 @@ def test_promtool_checks_and_tests_the_alert_rules() -> None:
 def test_the_kubernetes_example_holds_every_piece() -> None:
     docs = list(yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "pod.yaml").read_text()))
     kinds = {d["kind"]: d for d in docs}
-    assert set(kinds) == {"Pod", "PersistentVolumeClaim", "ConfigMap", "Service"}
+    assert set(kinds) == {"Pod", "PersistentVolumeClaim", "ConfigMap", "Service", "Secret"}
     pod = kinds["Pod"]
     assert pod["apiVersion"] == "v1" and pod["spec"]["shareProcessNamespace"] is True
     (sidecar,) = pod["spec"]["initContainers"]

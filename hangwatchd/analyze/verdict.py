@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import patterns
-from . import evidence, flight, ras, ras_blame, stream_deadlock
+from . import evidence, flight, lockstep, ras, ras_blame, stream_deadlock
 from .stacks import is_user_frame, library_frames
 
 
@@ -27,6 +27,7 @@ class RankVerdict:
     location: str | None  # "function (file:line)"
     collective: str | None = None
     last_collective: tuple[str, int] | None = None  # (pg, seq) last entered, from the flight recorder
+    node: str | None = None  # the node it ran on (proc.json), for a job merged from many nodes
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ def judge_evidence(pdir: Path, ev: evidence.Evidence, known: dict[str, Any] | No
     gpu_busy = f", GPU {max(known_busy)}% busy" if known_busy and max(known_busy) else ""
 
     def verdict(kind: str, detail: str, loc: str | None = location, coll: str | None = None) -> RankVerdict:
-        return RankVerdict(rank, pid, kind, detail, loc, coll, last)
+        return RankVerdict(rank, pid, kind, detail, loc, coll, last, proc.get("node"))
 
     for e in evidence.dicts(sym.get("exceptions")):
         frame = next((f for f in evidence.dicts(e.get("frames")) if f.get("file")), None)
@@ -182,6 +183,8 @@ def analyze(incident: Path) -> Analysis:
         summary = f"Ranks disagree on {c.name} #{c.seq} (process group {c.pg}): {c.mismatch}."
         culprits = [Culprit(r, by_rank[r].pid if r in by_rank else None, c.mismatch or "", by_rank[r].location if r in by_rank else None)
                     for r in c.ranks_entered]
+    elif lockstep.left_the_lockstep(process_dirs(incident))[0]:
+        culprits, summary = lockstep.explain(process_dirs(incident), ranks, Culprit)
     else:
         odd = _odd_one_out(ranks)
         lost = [v for v in ranks if v.verdict in ("dead", "unknown")]
@@ -206,6 +209,8 @@ def analyze(incident: Path) -> Analysis:
             summary = "Nothing was captured that can be analysed."
     views = _own_job_views([(v.pid, ev.ras) for v, ev in zip(ranks, found) if ev.ras is not None], problems)
     summary, culprits = _with_ras(views, ranks, summary, culprits, from_trace=bool(diverged or mismatched))
+    nodes = {(v.rank, v.pid): v.node for v in ranks}
+    culprits = [replace(c, node=c.node or nodes.get((c.rank, c.pid))) for c in culprits]
     rests_on = tuple(f"{_who(v).lower() if v.rank is None else _who(v)}: {', '.join(ev.used) or 'nothing readable'}"
                      for v, ev in zip(ranks, found))
     unreadable = tuple(problems) + tuple(p for ev in found for p in ev.problems)

@@ -12,13 +12,15 @@ from .nccl_ras import NcclRasStep
 from .nvml import NvmlStep
 from .pipeline import capture_incident, run_steps
 from .proc import ProcStep
+from .progress import ProgressStep
 from .pyspy import PySpyStep
 
 
 def make_steps(config: Config) -> list[tuple[Step, float]]:
     """The configured steps with their timeouts: cheapest and least destructive first, the GPU dump last."""
     factories: dict[str, Callable[[], tuple[Step, float]]] = {
-        "proc": lambda: (ProcStep(), 5.0),
+        "proc": lambda: (ProcStep(node=config.node), 5.0),
+        "progress": lambda: (ProgressStep(), 5.0),
         "pyspy": lambda: (PySpyStep(native=config.pyspy_native), config.pyspy_timeout),
         "nvml": lambda: (NvmlStep(), config.nvml_timeout),
         "nccl_ras": lambda: (NcclRasStep(), config.nccl_ras_timeout),

@@ -15,6 +15,7 @@ from ..model import Incident, ProcessCapture, Registration, StepResult, Suspicio
 from ..analyze.verdict import analyze
 from ..store import Store
 from .base import Step, StepFailed, StepNotApplicable
+from .parallel import run_across
 
 log = structlog.get_logger("hangwatchd.capture")
 
@@ -81,6 +82,8 @@ def capture_incident(
     gate: Callable[[Path], str | None] | None = None,
     notify_status: str | None = None,
     gone: Sequence[exits.Departed] = (),
+    node: str | None = None,
+    job_incident: str | None = None,
 ) -> str:
     """Capture every target into one new incident and store it; return the incident's id.
 
@@ -92,10 +95,10 @@ def capture_incident(
     # like torchrun then tears down the other ranks before they could be read.
     gentle = [(s, t) for s, t in steps if not getattr(s, "destructive", False)]
     last = [(s, t) for s, t in steps if getattr(s, "destructive", False)]
-    first_pass = [run_steps(gentle, t, draft.path / str(t.process.pid), budget, metrics, gate) for t in targets]
-    captures = [ProcessCapture(pc.registration, pc.steps + run_steps(last, pc.registration, draft.path / str(pc.registration.process.pid),
-                                                                      budget, metrics, gate).steps) if last else pc
-                for pc in first_pass]
+    def one(ss: Sequence[tuple[Step, float]], t: Registration, outdir: Path, left: float) -> ProcessCapture:
+        return run_steps(ss, t, outdir, left, metrics, gate)
+
+    captures = run_across(gentle + last, targets, lambda t: draft.path / str(t.process.pid), budget, one)
     exits.write_into(draft.path, list(gone), targets[0] if targets else None, suspicion.since)
     try:
         analysis = analyze(draft.path)
@@ -105,6 +108,7 @@ def capture_incident(
         verdict, analysis_dict = f"the analysis failed ({type(exc).__name__}: {exc}); the evidence is kept", None
     incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason=suspicion.reason,
                         detail=suspicion.detail, job=job, processes=tuple(captures), signals=suspicion.signals,
-                        notify_status=notify_status, verdict=verdict, since=suspicion.since)
+                        notify_status=notify_status, verdict=verdict, since=suspicion.since, node=node,
+                        job_incident=job_incident)
     store.commit(draft, incident, f"{verdict} ({suspicion.detail})", analysis_dict)
     return draft.id

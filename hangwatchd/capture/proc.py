@@ -22,6 +22,7 @@ IDENTITY_KEYS = frozenset({
 @dataclass
 class ProcStep:
     name: str = "proc"
+    node: str | None = None  # the node's name in the shared store (config node_name)
 
     def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
         p = target.process
@@ -38,6 +39,7 @@ class ProcStep:
             "local_rank": target.local_rank,
             "world_size": target.world_size,
             "hostname": socket.gethostname(),
+            "node": self.node or socket.gethostname(),
             "uid": target.uid,
             "state": status.get("State"),
             "threads_count": status.get("Threads"),

@@ -69,6 +69,7 @@ def render_analysis(a: dict[str, Any]) -> str:
         for r in a["ranks"]:
             last = f"; last collective {r['last_collective'][0]}#{r['last_collective'][1]}" if r.get("last_collective") else ""
             who = f"rank {r['rank']} pid {r['pid']}" if r.get("rank") is not None else f"pid {r['pid']}"
+            who += f" on node {r['node']}" if r.get("node") else ""
             out.append(f"  {who}: {r['verdict']} - {r['detail']}"
                        + (f" at {r['location']}" if r.get("location") else "") + last)
     if a.get("collectives"):
@@ -93,7 +94,8 @@ def render_text(data: dict[str, Any]) -> str:
     out += [f"Incident {data.get('id')} ({state})",
            f"  {stamp} on {data.get('host', '?')}: {data.get('reason', '?')} - {data.get('detail') or data.get('note') or ''}"]
     if data.get("job"):
-        out.append(f"  job {data['job']}")
+        out.append(f"  job {data['job']}" + (f", job incident {data['job_incident']} (node {data.get('node')})"
+                                              if data.get("job_incident") else ""))
     if data.get("signals"):
         out.append(f"  signals that agreed: {', '.join(data['signals'])}")
     if data.get("notify_status"):

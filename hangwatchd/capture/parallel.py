@@ -1,0 +1,62 @@
+"""Every rank on a node at once: the gentle steps run beside each other, the flight recorders are
+triggered together, and only then the GPU dumps (which end the processes).
+
+One rank after another, eight ranks took eight times the slowest rank's time
+(the flight recorder alone took 4.6 s for one rank on an H200), and the ranks
+read last had moved on, or been torn down, by the time they were read.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ..model import ProcessCapture, Registration, StepResult
+from .base import Step
+
+# Steps whose moment matters across ranks: they start on every rank together, after a barrier.
+TOGETHER = frozenset({"flight_recorder"})
+
+RunSteps = Callable[[Sequence[tuple[Step, float]], Registration, Path, float], ProcessCapture]
+
+
+def phases(steps: Sequence[tuple[Step, float]]) -> list[list[tuple[Step, float]]]:
+    """Split the steps at each step that must start together on every rank (and at the GPU dump)."""
+    out: list[list[tuple[Step, float]]] = [[]]
+    for step, timeout in steps:
+        alone = step.name in TOGETHER or getattr(step, "destructive", False)
+        if alone and out[-1]:
+            out.append([])
+        out[-1].append((step, timeout))
+        if alone:
+            out.append([])
+    return [p for p in out if p]
+
+
+def run_across(
+    steps: Sequence[tuple[Step, float]],
+    targets: Sequence[Registration],
+    outdir_of: Callable[[Registration], Path],
+    budget: float,
+    run_steps: RunSteps,
+) -> list[ProcessCapture]:
+    """Run ``steps`` on every target, a thread per target, phase by phase; the results in targets' order."""
+    results: list[list[StepResult]] = [[] for _ in targets]
+    end = time.monotonic() + budget
+    if not targets:
+        return []
+    beside = max((sum(1 for s, _ in p if getattr(s, "beside", False)) for p in phases(steps)), default=0)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(targets) * (1 + beside), thread_name_prefix="rank") as pool:
+        for phase in phases(steps):
+            left = max(0.0, end - time.monotonic())
+            # A step that only watches over a window (``beside = True``) runs beside the rank's other steps.
+            lanes = [[x for x in phase if not getattr(x[0], "beside", False)]] + [[x] for x in phase if getattr(x[0], "beside", False)]
+            lanes = [lane for lane in lanes if lane]
+            futures = [[pool.submit(run_steps, lane, t, outdir_of(t), left) for lane in lanes] for t in targets]
+            order = {step.name: k for k, (step, _) in enumerate(phase)}
+            for i, fs in enumerate(futures):
+                done = [r for f in fs for r in f.result().steps]
+                results[i].extend(sorted(done, key=lambda r: order.get(r.step, len(order))))
+    return [ProcessCapture(t, tuple(r)) for t, r in zip(targets, results)]

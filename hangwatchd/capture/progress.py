@@ -1,0 +1,74 @@
+"""Is the process still making progress while it is captured? Its beats and its stack, looked at twice.
+
+A rank of a job that is hung everywhere else but still beats, or whose stack
+still moves, has left the lockstep: the job-wide analysis names it. This step
+looks over a short window (it runs beside the other ranks' steps, so the
+window costs no time on a node): the beat counter twice, and, for a process
+that never beats, two non-pausing stack samples.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import heartbeat, subproc
+from ..model import Registration
+from ..runtime import write_json
+from ..samples import signature_of
+from .base import StepFailed
+from .pyspy import find_pyspy
+
+WINDOW = 1.0
+
+
+def _beats(target: Registration) -> heartbeat.Reading | None:
+    if not target.beat_file:
+        return None
+    try:
+        return heartbeat.read(target.beat_file)
+    except heartbeat.SegmentError:
+        return None
+
+
+def _stack(pid: int, timeout: float) -> tuple[object, ...] | None:
+    tool = find_pyspy()
+    if tool is None:
+        return None
+    res = subproc.run([tool, "dump", "--json", "--nonblocking", "--pid", str(pid)], timeout=timeout)
+    if not res.ok:
+        return None
+    try:
+        return signature_of(json.loads(res.stdout))
+    except (ValueError, AttributeError):
+        return None
+
+
+@dataclass
+class ProgressStep:
+    name: str = "progress"
+    window: float = WINDOW
+    beside: bool = True  # it only watches: the pipeline runs it beside the rank's other steps
+
+    def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
+        window = max(0.1, min(self.window, timeout / 3))
+        pid = target.process.pid
+        before = _beats(target)
+        if before is not None:
+            time.sleep(window)
+            after = _beats(target)
+            beats = (after.count - before.count) if after else 0
+            data = {"window_seconds": window, "beats": beats, "beating": beats > 0,
+                    "last_beat_age_seconds": after.age() if after else None, "stack_moved": None}
+        else:
+            first = _stack(pid, timeout / 3)
+            time.sleep(window)
+            second = _stack(pid, timeout / 3)
+            if first is None or second is None:
+                raise StepFailed("no beat segment and no readable stack: progress unknown")
+            data = {"window_seconds": window, "beats": None, "beating": None, "stack_moved": first != second}
+        data["progressing"] = bool(data["beating"] or data["stack_moved"])
+        write_json(outdir / "progress.json", data)
+        return ("progress.json",)

@@ -1,0 +1,196 @@
+"""The node's side of the shared store: job incident ids, capture requests in and out, uploads.
+
+No node listens on a port. A node that declares a job hung writes a request
+object; every node polls, for each job it watches, one small object
+(``requests/JOB/latest.json``) with a conditional GET (``If-None-Match``), so an
+idle poll costs one request and no body. One job hang is one job incident:
+a node that finds a fresh request for the job adopts its id instead of asking
+again, and a node already capturing that job does not capture it twice.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from . import layout, s3
+from .spool import Spool, Task
+from .uploader import Uploader
+from .url import StoreURL, parse
+
+log = structlog.get_logger("hangwatchd.fleet")
+
+
+@dataclass(frozen=True)
+class CaptureRequest:
+    """Another node (or this one) declared ``job`` hung: capture its ranks here under ``job_incident``."""
+
+    job: str
+    job_incident: str
+    node: str
+    time: float
+    reason: str
+    detail: str
+
+
+def new_job_incident(now: float) -> str:
+    return "job-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + secrets.token_hex(4)
+
+
+class Agent:
+    def __init__(self, url: str, node: str, state_dir: Path, poll_interval: float, window: float,
+                 spool_max: int, wake: Callable[[], None] = lambda: None,
+                 counted: Callable[[str, int], None] = lambda outcome, spooled: None) -> None:
+        self.url: StoreURL = parse(url)
+        self.node = node
+        self.poll_interval = poll_interval
+        self.window = window  # requests older than this are a past hang, not this one
+        self.wake = wake
+        self.spool = Spool(state_dir / "store-spool", spool_max)
+        self._s3: Any = None
+        self._lock = threading.Lock()
+        self.jobs: frozenset[str] = frozenset()  # the jobs this node watches, set by the daemon
+        self.current: dict[str, tuple[str, float]] = {}  # job -> (job incident, monotonic time) in hand here
+        self.alias: dict[str, str] = {}  # our job incident id -> the one another node asked first
+        self.etags: dict[str, str] = {}
+        self.requests: queue.SimpleQueue[CaptureRequest] = queue.SimpleQueue()
+        self.polls = 0
+        self._stop = threading.Event()
+        self.uploader = Uploader(self.url, node, self.spool, self.client, self._resolve, self._post, counted)
+        self.requester = Uploader(self.url, node, self.spool, self.client, self._resolve, self._post, counted, kind="request")
+        self.requester.then = self.uploader.kick
+        self.poller = threading.Thread(target=self._poll_loop, name="store-poll", daemon=True)
+
+    def client(self) -> Any:
+        with self._lock:
+            if self._s3 is None:
+                self._s3 = s3.client()
+            return self._s3
+
+    def start(self) -> None:
+        self.spool.open()
+        self.uploader.start()
+        self.requester.start()
+        self.poller.start()
+        self.uploader.kick()  # what a previous run left spooled
+        self.requester.kick()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.uploader.stop()
+        self.requester.stop()
+        self.poller.join(5)
+
+    # -- on the daemon's thread: never touches the network ----------------
+
+    def declare(self, job: str, reason: str, detail: str) -> str:
+        """This node declares ``job`` hung: the job incident id to tag the capture with, and a request queued."""
+        now = time.monotonic()
+        with self._lock:
+            held = self.current.get(job)
+            if held and now - held[1] < self.window:
+                return held[0]
+            job_incident = new_job_incident(time.time())
+            self.current[job] = (job_incident, now)
+        self.spool.put(Task("request", job, job_incident, detail={
+            "job": job, "job_incident": job_incident, "node": self.node, "time": time.time(),
+            "reason": reason, "detail": detail}))
+        self.requester.kick()
+        return job_incident
+
+    def accept(self, request: CaptureRequest) -> bool:
+        """Whether this node should capture for ``request`` (False: it already has this hang in hand)."""
+        now = time.monotonic()
+        with self._lock:
+            held = self.current.get(request.job)
+            if held and now - held[1] < self.window:
+                if held[0] != request.job_incident:
+                    self.alias[held[0]] = request.job_incident
+                return False
+            self.current[request.job] = (request.job_incident, now)
+            return True
+
+    def stored(self, incident: str, directory: Path, job: str | None, job_incident: str | None) -> None:
+        """A local incident is complete: queue it for the store."""
+        self.spool.put(self._resolve(Task("incident", job, job_incident or incident, incident=incident, dir=str(directory))))
+        self.uploader.kick()
+
+    def pending(self) -> list[CaptureRequest]:
+        out = []
+        while True:
+            try:
+                out.append(self.requests.get_nowait())
+            except queue.Empty:
+                return out
+
+    # -- on the uploader's thread ------------------------------------------
+
+    def _resolve(self, task: Task) -> Task:
+        canonical = self.alias.get(task.job_incident)
+        if canonical and task.kind == "incident":  # the manifest keeps the id this node first gave it, as declared_as
+            return Task(**{**task.__dict__, "job_incident": canonical, "detail": {"declared_as": task.job_incident}})
+        return task
+
+    def _post(self, task: Task) -> Task:
+        """Write the request, unless another node's fresh request for the job is there: then adopt it."""
+        assert task.job
+        theirs = self._get_latest(task.job, conditional=False)
+        if theirs and theirs.job_incident != task.job_incident and time.time() - theirs.time < self.window:
+            self.alias[task.job_incident] = theirs.job_incident
+            with self._lock:
+                self.current[task.job] = (theirs.job_incident, time.monotonic())
+            for spooled in self.spool.tasks():  # already spooled under our id: rewritten, so a restart keeps theirs
+                if spooled.kind == "incident" and spooled.job_incident == task.job_incident:
+                    self.spool.put(self._resolve(spooled))
+            log.info("store_request_adopted", job=task.job, ours=task.job_incident, theirs=theirs.job_incident, node=theirs.node)
+            return task
+        body = json.dumps(task.detail).encode()
+        c = self.client()
+        c.put_object(Bucket=self.url.bucket, Key=self.url.key(layout.request(task.job, task.job_incident)), Body=body)
+        c.put_object(Bucket=self.url.bucket, Key=self.url.key(layout.latest_request(task.job)), Body=body)
+        log.info("store_request_posted", job=task.job, job_incident=task.job_incident)
+        return task
+
+    # -- on the poller's thread --------------------------------------------
+
+    def _poll_loop(self) -> None:
+        while not self._stop.wait(self.poll_interval):
+            for job in sorted(self.jobs):
+                try:
+                    req = self._get_latest(job, conditional=True)
+                except Exception as exc:  # noqa: BLE001 - the store is down: try again next round
+                    log.debug("store_poll_failed", job=job, error=f"{type(exc).__name__}: {exc}")
+                    continue
+                if req and req.node != self.node and time.time() - req.time < self.window:
+                    self.requests.put(req)
+                    self.wake()
+
+    def _get_latest(self, job: str, conditional: bool) -> CaptureRequest | None:
+        key = self.url.key(layout.latest_request(job))
+        args: dict[str, Any] = {"Bucket": self.url.bucket, "Key": key}
+        if conditional and job in self.etags:
+            args["IfNoneMatch"] = self.etags[job]
+        self.polls += 1
+        try:
+            resp = self.client().get_object(**args)
+        except Exception as exc:  # noqa: BLE001
+            if s3.not_modified(exc) or s3.is_missing(exc):
+                return None
+            raise
+        self.etags[job] = resp["ETag"]
+        try:
+            d = json.loads(resp["Body"].read())
+            return CaptureRequest(str(d["job"]), str(d["job_incident"]), str(d["node"]), float(d["time"]),
+                                  str(d.get("reason", "")), str(d.get("detail", "")))
+        except (ValueError, KeyError, TypeError):
+            log.warning("store_request_unreadable", key=key)
+            return None
