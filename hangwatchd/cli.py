@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 from .config import ConfigError, client_runtime_dir
 from .cudacore.errors import CoreDumpError
 from .metrics import AddressError
+from .store import StoreError
 
 
 class UsageError(Exception):
@@ -304,6 +305,20 @@ def _store_incidents(args: argparse.Namespace) -> int:
                      ",".join(i["nodes"]), ",".join(map(str, i["ranks"])) or "-", i["reason"] or "-"))
     _table(rows)
     return 0
+def _list(store: Any) -> list[dict[str, Any]]:
+    from .store import StoreError
+
+    try:
+        return store.list()  # type: ignore[no-any-return]
+    except StoreError as exc:  # a full or broken disk: one line, not a traceback
+        raise Failure(str(exc)) from None
+
+
+def _pending(args: argparse.Namespace) -> Any:
+    """The daemon's spool of reports waiting for room in the state dir."""
+    from .spool import SPOOL_DIR, Spool
+
+    return Spool((Path(args.runtime_dir) if getattr(args, "runtime_dir", None) else client_runtime_dir()) / SPOOL_DIR)
 
 
 def cmd_incidents(args: argparse.Namespace) -> int:
@@ -312,7 +327,15 @@ def cmd_incidents(args: argparse.Namespace) -> int:
     if args.store:
         return _store_incidents(args)
     store = _store(args)
-    items = store.list()
+    items = _list(store)
+    waiting = _pending(args).pending()
+    note = (f"{len(waiting)} incidents wait for room in {store.root} (kept in {waiting[0].parent}); "
+            "they are listed once it has room") if waiting else ""
+    if note and not items and not args.json:
+        print(f"no incidents stored in {store.root}; {note}")
+        return 0
+    if note:  # on stderr: --json and the table stay what they are
+        print(f"hangwatchd: {note}", file=sys.stderr)
     if args.json:
         _print_json(items)
         return 0
@@ -330,7 +353,11 @@ def cmd_incidents(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     store = _store(args)
+    _list(store)  # an unreadable index says so in one line
     path = store.path_of(args.id)
+    if path is None and _pending(args).find(args.id):
+        raise Failure(f"incident {args.id} waits for room in the state dir {store.root} (its report is kept in "
+                      f"{_pending(args).find(args.id)}); it is stored, and shown here, once the disk has room")
     if path is None:
         raise UsageError(f"no incident '{args.id}' in {store.root}; 'hangwatchd incidents' lists them")
     return _print_incident(args, path)
@@ -535,7 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CoreDumpError, UsageError, ConfigError, AddressError) as exc:
         print(f"hangwatchd: {exc}", file=sys.stderr)
         return 2
-    except Failure as exc:
+    except (Failure, StoreError) as exc:
         print(f"hangwatchd: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -11,6 +11,7 @@ run on worker threads with their own deadlines.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import queue
 import re
 import os
@@ -26,7 +27,10 @@ import structlog
 from inotify_simple import INotify
 from inotify_simple import flags as inflags
 
-from . import __version__, dump_ingest, exits, gpudump, procfs, ranks, registry, untrusted
+from . import __version__, dump_ingest, dumpscan, exits, gpudump, procfs, ranks, registry, untrusted
+from .detect import rearm
+from .instance_lock import AlreadyRunning, InstanceLock
+from .spool import SPOOL_DIR, Spool
 from .analyze.stacks import gpu_wait
 from .cudacore import sandbox
 from .runtime import DAEMON_FILE, STATUS_FILE, write_json
@@ -41,7 +45,7 @@ from .notify import notify, watchdog_interval
 from .registry import RegistrationError, Watched
 from .report import html
 from .samples import Sample
-from .store import Store
+from .store import Store, StoreWriteError
 from .user_limits import UserLimits
 
 log = structlog.get_logger("hangwatchd.daemon")
@@ -49,6 +53,8 @@ log = structlog.get_logger("hangwatchd.daemon")
 STATUS_EVERY = 2.0
 RETENTION_EVERY = 600.0
 CLOCK_SKEW = 30.0  # seconds two nodes' clocks may differ by, comparing one's request to the other's registrations
+SPOOL_RETRY_EVERY = 5.0  # how soon a report kept in the spool is tried again once the state dir has room
+ERROR_BACKOFF = 5.0  # a process whose handling raised is looked at again after this, not at once
 
 
 class SetupError(Exception):
@@ -93,6 +99,11 @@ class Daemon:
         self.dumping: set[int] = set()  # pids whose GPU dump a capture is taking: not exception dumps
         self.ingested: set[str] = set()  # dump files already made into incidents
         self.recent: dict[int, tuple[Registration, float]] = {}  # exited processes, to link late dumps
+        self.marks: dict[registry.ProcessId, rearm.ProgressMark] = {}  # where each captured process stood
+        self.spool = Spool(Path(self.config.runtime_dir) / SPOOL_DIR)
+        self.lock = InstanceLock(Path(self.config.runtime_dir))
+        self.rescan_due = False  # the inotify queue overflowed: events were lost
+        self.next_dump_scan = float("inf")  # a scan found dumps still being written: look again then
         self.departures = exits.Departures(Path(cfg.runtime_dir), cfg.exited_keep)  # for job-mates' incidents
         self.stopping = False
         self.metrics_address = ""
@@ -106,6 +117,8 @@ class Daemon:
         """Everything that can fail on bad setup, before READY=1."""
         try:
             self._prepare()
+        except AlreadyRunning as exc:
+            raise SetupError(str(exc)) from None
         except OSError as exc:
             where = exc.filename or self.config.runtime_dir
             if exc.errno == 98:
@@ -116,11 +129,20 @@ class Daemon:
 
     def _prepare(self) -> None:
         cfg = self.config
-        self.store.open()
+        Path(cfg.runtime_dir).mkdir(parents=True, exist_ok=True)
+        self.lock.acquire()  # first: a second daemon must not touch the first one's store or files
+        full = self.store.open()
+        if full:
+            log.error("store_write_failed", error=full)
         sandbox.configure(sandbox.Limits(cfg.symbolize_cpu_seconds, int(cfg.symbolize_memory_mb), cfg.symbolize_timeout))
         sandbox.start()  # warm before the first dump arrives
-        for incident_id in self.store.recover():
-            log.warning("incident_recovered", incident=incident_id)
+        try:
+            for incident_id in self.store.recover():
+                log.warning("incident_recovered", incident=incident_id)
+        except StoreWriteError as exc:
+            log.error("recover_deferred", error=str(exc))
+        self.ingested |= self.store.ingested()
+        self.spool.clear_partials()
         if self.fleet:
             self.fleet.start()
         registry.prepare_dirs(Path(cfg.runtime_dir))
@@ -158,9 +180,13 @@ class Daemon:
 
     def run(self) -> int:
         self.prepare()
-        old = {s: signal.signal(s, self.stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        # SIGHUP stops cleanly like SIGTERM (README: Signals): a config reload would have to
+        # re-judge every watched process under new timeouts; a restart does that plainly.
+        old = {s: signal.signal(s, self.stop) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         try:
+            self._flush_spool()
             self.rescan()
+            self._scan_dumps()
             notify("READY=1")
             self._status(f"watching {len(self.watched)} processes")
             log.info("daemon_ready", state_dir=self.config.state_dir, runtime_dir=self.config.runtime_dir,
@@ -177,6 +203,7 @@ class Daemon:
                 signal.signal(s, h)
             for name in (DAEMON_FILE, STATUS_FILE):
                 (Path(self.config.runtime_dir) / name).unlink(missing_ok=True)
+            self.lock.release()
         return 0
 
     # -- the loop --------------------------------------------------------
@@ -188,9 +215,10 @@ class Daemon:
         next_ping = now
         next_status = now
         next_retention = now
+        next_spool = now + SPOOL_RETRY_EVERY
         while not self.stopping:
             now = time.monotonic()
-            timers = [next_rescan, next_status, next_retention]
+            timers = [next_rescan, next_status, next_retention, next_spool, self.next_dump_scan]
             timers += [min(w.next_check, w.next_sample) for w in self.watched.values()]
             if ping_every:
                 timers.append(next_ping)
@@ -199,27 +227,38 @@ class Daemon:
             started = time.monotonic()
             for key, _mask in events:
                 if key.data == "inotify":
-                    self._on_inotify()
+                    self._guarded("inotify", self._on_inotify)
                 elif key.data == "wake":
                     self._drain_wake()
                 elif isinstance(key.data, registry.ProcessId):
-                    self._on_exit(key.data)
+                    self._guarded("exit", self._on_exit, key.data)
             now = time.monotonic()
             self._collect_captures()
             self._serve_requests()
             self._collect_samples(now)
             for w in list(self.watched.values()):
-                if w.next_check <= now:
-                    self._observe(w, now)
+                if w.process not in self.watched:
+                    continue  # forgotten while handling an earlier one
+                if w.next_check <= now and not self._guarded("observe", self._observe, w, now, pid=w.process.pid):
+                    w.next_check = now + ERROR_BACKOFF
                 if w.process not in self.watched:
                     continue  # dropped for a tampered file
-                if w.next_sample <= now and not w.sampling:
-                    self._sample(w, now)
-            if now >= next_rescan:
-                self.rescan()
+                if w.next_sample <= now and not w.sampling and not self._guarded("sample", self._sample, w, now, pid=w.process.pid):
+                    w.next_sample = now + ERROR_BACKOFF
+            if now >= self.next_dump_scan:
+                self.next_dump_scan = float("inf")
+                self._guarded("scan_dumps", self._scan_dumps)
+            if now >= next_rescan or self.rescan_due:
+                if self.rescan_due:
+                    self._guarded("scan_dumps", self._scan_dumps)
+                self.rescan_due = False
+                self._guarded("rescan", self.rescan)
                 next_rescan = now + self.config.rescan_interval
+            if now >= next_spool:
+                self._guarded("spool", self._flush_spool)
+                next_spool = now + SPOOL_RETRY_EVERY
             if now >= next_status:
-                self._write_status()
+                self._guarded("status", self._write_status)
                 next_status = now + STATUS_EVERY
             if now >= next_retention and not self.captures:
                 self.pool.submit(self._retention)
@@ -229,6 +268,16 @@ class Daemon:
                     notify("WATCHDOG=1")
                 next_ping = now + ping_every
             self.metrics.loop_duration.labels(**self.metrics.const).observe(time.monotonic() - started)
+
+    def _guarded(self, where: str, fn: Any, *args: Any, pid: int | None = None) -> bool:
+        """Run one piece of the loop's work; an exception is logged and counted, and the loop goes on."""
+        try:
+            fn(*args)
+            return True
+        except Exception as exc:  # noqa: BLE001 - one process's, file's or dump's trouble never stops the loop
+            self.metrics.loop_errors.labels(**self.metrics.labels(where=where)).inc()
+            log.exception("loop_error", where=where, pid=pid, error=f"{type(exc).__name__}: {exc}")
+            return False
 
     def _healthy(self, now: float) -> bool:
         """The loop runs (we are in it) and no capture worker is wedged past all its deadlines."""
@@ -246,22 +295,30 @@ class Daemon:
 
     def _on_inotify(self) -> None:
         for event in self.inotify.read(timeout=0):
-            name = event.name
-            if not name or name.startswith("."):
+            if event.mask & inflags.Q_OVERFLOW:
+                # Events were dropped: registrations and dumps may have come and gone unseen.
+                log.warning("inotify_overflow", action="rescanning registrations and dumps")
+                self.rescan_due = True
                 continue
-            if event.wd == self.dump_wd:
-                self._dump_appeared(name)
-                continue
-            path = self.config.registrations / name
-            if event.mask & (inflags.DELETE | inflags.MOVED_FROM):
-                self._unregistered(name)
-            elif event.mask & inflags.CREATE:
-                # A regular file is read at CLOSE_WRITE, once complete; a symlink or
-                # directory never gets one, so it is judged (and refused) now.
-                if path.is_symlink() or path.is_dir():
-                    self._consider(path)
-            else:
+            self._guarded("inotify_event", self._on_event, event)
+
+    def _on_event(self, event: Any) -> None:
+        name = event.name
+        if not name or name.startswith("."):
+            return
+        if event.wd == self.dump_wd:
+            self._dump_appeared(name)
+            return
+        path = self.config.registrations / name
+        if event.mask & (inflags.DELETE | inflags.MOVED_FROM):
+            self._unregistered(name)
+        elif event.mask & inflags.CREATE:
+            # A regular file is read at CLOSE_WRITE, once complete; a symlink or
+            # directory never gets one, so it is judged (and refused) now.
+            if path.is_symlink() or path.is_dir():
                 self._consider(path)
+        else:
+            self._consider(path)
 
     def rescan(self) -> None:
         """The safety net under inotify: pick up anything missed, drop what vanished."""
@@ -271,7 +328,7 @@ class Daemon:
             log.error("rescan_failed", dir=str(self.config.registrations), error=str(exc))
             return
         for name in names:
-            self._consider(self.config.registrations / name)
+            self._guarded("registration", self._consider, self.config.registrations / name)
         for pid_key, w in list(self.watched.items()):
             if w.registration.source != "discovered" and registry.file_name(pid_key) not in names:
                 self._unregistered(registry.file_name(pid_key))
@@ -423,9 +480,8 @@ class Daemon:
         if w.beat is not None and w.beat.count:
             self.metrics.last_beat.labels(**labels).set(w.beat.wall_time() or 0)
         if w.state in (State.HUNG, State.CAPTURED):
-            if obs.state is State.HEALTHY and w.state is State.CAPTURED:
-                log.info("process_recovered", pid=r.process.pid, incident=w.incident)
-                self._set_state(w, State.HEALTHY)
+            if w.state is State.CAPTURED and self._rearm_if_progressed(w):
+                pass
             else:
                 w.next_check = now + min(w.timeout, 5.0)  # look again later in case it recovers
             return
@@ -566,8 +622,10 @@ class Daemon:
             return
         if not w.watched_by_stack or w.state in (State.HUNG, State.CAPTURED):
             w.next_sample = float("inf") if not w.watched_by_stack else now + self.config.stack_interval
-            if w.state is State.CAPTURED and len(w.history.samples) == 1:
-                self._set_state(w, State.HEALTHY)  # its stack moved on: not hung any more
+            if w.process in self.marks:
+                self.marks[w.process] = rearm.with_sample(self.marks[w.process], sample)
+            if w.state is State.CAPTURED:
+                self._rearm_if_progressed(w)
             return
         window = w.stack_timeout or self.config.stack_window
         if len(w.history.samples) == 1:
@@ -580,6 +638,18 @@ class Daemon:
             w.next_sample = now  # the native look
         else:
             w.next_sample = now + self.config.stack_interval
+
+    def _rearm_if_progressed(self, w: Watched) -> bool:
+        """A captured process is watched for a new hang only once it shows progress again."""
+        m = self.marks.get(w.process)
+        why = rearm.progressed(w, m) if m is not None else "no mark"
+        if why is None:
+            return False
+        self.marks.pop(w.process, None)
+        log.info("process_recovered", pid=w.process.pid, incident=w.incident, why=why)
+        w.history = type(w.history)()
+        self._set_state(w, State.HEALTHY)
+        return True
 
     def _set_state(self, w: Watched, state: State) -> None:
         old = w.state
@@ -618,6 +688,8 @@ class Daemon:
         self._start_capture([w] + mates, suspicion, job_incident)
 
     def _start_capture(self, group: list[Watched], suspicion: Suspicion, job_incident: str | None) -> None:
+        for x in group:
+            self.marks[x.process] = rearm.mark(x)
         self.dumping.update(x.process.pid for x in group)
         w = group[0]
         gone = self.departures.of_job(w.registration.job, w.registration.registered_at)  # job-mates that exited: often the cause
@@ -679,7 +751,7 @@ class Daemon:
             return self._gate(outdir, suspicion.signals if outdir.name == first else ())
 
         return capture_incident(self.store, self.steps, [w.registration for w in group], suspicion,
-                                self.config.capture_timeout, self.metrics, gate, group[0].notify_status(), gone,
+                                self.config.capture_timeout, self.metrics, gate, group[0].notify_status(), self.spool, gone,
                                 self.config.node, job_incident)
 
     def _collect_captures(self) -> None:
@@ -688,22 +760,35 @@ class Daemon:
             try:
                 incident_id = c.future.result()
             except Exception as exc:  # noqa: BLE001 - a failed capture must never stop the loop
-                log.error("capture_failed", pids=[w.process.pid for w in c.watched], error=f"{type(exc).__name__}: {exc}")
+                log.exception("capture_failed", pids=[w.process.pid for w in c.watched], error=f"{type(exc).__name__}: {exc}")
+                self.metrics.loop_errors.labels(**self.metrics.labels(where="capture")).inc()
                 incident_id = None
             else:
                 if incident_id is None:
                     continue  # a refused dump: counted and logged already
                 self.metrics.incidents.labels(**self.metrics.labels(reason=c.suspicion.reason)).inc()
                 self.metrics.incident_stored(incident_id, c.suspicion.reason, c.watched[0].registration.job if c.watched else None, time.time())
-                log.warning("incident_stored", incident=incident_id, reason=c.suspicion.reason,
-                            pids=[w.process.pid for w in c.watched], seconds=round(time.monotonic() - c.started, 3))
-                if self.fleet and incident_id:
+                pending = self.spool.find(incident_id) is not None if incident_id else False
+                log.warning("incident_pending" if pending else "incident_stored", incident=incident_id,
+                            reason=c.suspicion.reason, pids=[w.process.pid for w in c.watched],
+                            seconds=round(time.monotonic() - c.started, 3))
+                if pending:
+                    self.metrics.incidents_pending.labels(**self.metrics.const).set(len(self.spool.pending()))
+                elif self.fleet and incident_id:
                     job = next((w.registration.job for w in c.watched if w.registration.job), None)
                     self.fleet.stored(incident_id, self.store.dir / incident_id, job, c.job_incident)
             for w in c.watched:
                 self.dumping.discard(w.process.pid)
                 w.incident = incident_id
-                if w.process in self.watched and w.state is State.HUNG:
+                if w.process not in self.watched or w.state is not State.HUNG:
+                    continue
+                if incident_id is None:
+                    # No incident to show for it: watch it as before, so the hang is captured again
+                    # (after a pause, so a capture that always fails does not spin).
+                    self.marks.pop(w.process, None)
+                    self._set_state(w, State.HEALTHY)
+                    w.next_check = time.monotonic() + ERROR_BACKOFF
+                else:
                     self._set_state(w, State.CAPTURED)
 
     def _retention(self) -> None:
@@ -731,7 +816,7 @@ class Daemon:
         if pid is not None and pid in self.dumping:
             return  # a capture asked for this one and takes it itself
         self.ingested.add(name)
-        reg = self._registration_of(pid)
+        reg = self._registration_of(pid)  # here on the loop, which owns self.watched; the worker gets the answer
         future = self.pool.submit(self._ingest, self.config.dumps / name, pid, reg)
         future.add_done_callback(self._wake)
         fake = Watched(reg, State.CAPTURED, seen_at=time.monotonic(), timeout=0) if reg else None
@@ -746,12 +831,36 @@ class Daemon:
                 return w.registration
         return self.recent.get(pid, (None, 0.0))[0]
 
+    def _scan_dumps(self) -> None:
+        """Dumps that appeared while nobody watched (the daemon down, an inotify overflow)."""
+        try:
+            found = dumpscan.scan(self.config.dumps, self.ingested)
+        except OSError as exc:
+            log.error("dump_scan_failed", dir=str(self.config.dumps), error=str(exc))
+            return
+        if found.busy:  # perhaps still being written: never ingest half a dump
+            self.next_dump_scan = min(self.next_dump_scan, time.monotonic() + dumpscan.QUIET_S)
+        for name in found.ready:
+            self._guarded("dump", self._dump_appeared, name)
+
+    def _flush_spool(self) -> None:
+        """Reports kept while the state dir had no room: stored and indexed once it has."""
+        pending = self.spool.pending()
+        if pending:
+            for incident_id in self.spool.flush(self.store):
+                log.warning("incident_stored", incident=incident_id, from_spool=True)
+                if self.fleet:  # the store's copy waited for the local one
+                    meta = json.loads((self.store.dir / incident_id / "incident.json").read_text())
+                    self.fleet.stored(incident_id, self.store.dir / incident_id, meta.get("job"), meta.get("job_incident"))
+        self.metrics.incidents_pending.labels(**self.metrics.const).set(len(self.spool.pending()) if pending else 0)
+
     def _ingest(self, path: Path, pid: int | None, claimed: Registration | None) -> str | None:
         """One dump (or driver report without a dump), one incident; a refused file, none."""
         def count(exc_type: str) -> None:
             self.metrics.gpu_exceptions.labels(**self.metrics.labels(type=exc_type)).inc()
         try:
-            return dump_ingest.ingest(self.store, path, pid, claimed, self.config.driver_logs, count)
+            return dump_ingest.ingest(self.store, path, pid, claimed, self.config.driver_logs, count,
+                                      self.spool, self.metrics)
         except untrusted.Refused as exc:
             reason = f"dump_{exc.reason}"
             self.metrics.registration_errors.labels(**self.metrics.labels(reason=reason)).inc()

@@ -1,15 +1,16 @@
 """The README's first command: the daemon watching a workload that beats, then hangs.
 
-No GPU and no root needed: the state and runtime dirs live under the user's
-own ~/.local/state/hangwatchd-demo. Ends by printing the stored incident and
-the hang counter as Prometheus scrapes it.
+No GPU and no root needed: each run gets a fresh directory of its own under
+~/.local/state/hangwatchd-demo/ (earlier runs are kept, and two demos at once
+do not meet). Ends by printing the stored incident and the hang counter as
+Prometheus scrapes it.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
+import tempfile
 import subprocess
 import sys
 import time
@@ -48,10 +49,10 @@ def wait_for(what: str, check, seconds: float):  # type: ignore[no-untyped-def]
 
 
 def main() -> int:
-    base = demo_dir()
-    shutil.rmtree(base, ignore_errors=True)
+    demo_dir().mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ-", time.gmtime())
+    base = Path(tempfile.mkdtemp(prefix=stamp, dir=demo_dir()))  # fresh and unique, even for two at once
     state, run_dir = base / "state", base / "run"
-    base.mkdir(parents=True)
     py = sys.executable
     print(f"demo: state and runtime dirs under {base}")
     with open(base / "daemon.log", "w") as daemon_log:

@@ -19,7 +19,9 @@ from pathlib import Path
 
 from . import gpudump, procfs, untrusted
 from .cudacore import driverlog
+from .metrics import Metrics
 from .model import Incident, ProcessCapture, ProcessId, Registration, StepResult
+from .spool import Spool, begin_draft, finish_draft
 from .store import Store
 
 
@@ -51,9 +53,12 @@ def attribute(owner: int, pid: int | None, claimed: Registration | None) -> Attr
 
 
 def ingest(store: Store, path: Path, pid: int | None, claimed: Registration | None, driver_logs: Path,
-           count: Callable[[str], None]) -> str:
+           count: Callable[[str], None], spool: Spool | None = None, metrics: Metrics | None = None) -> str:
     """Make ``path`` into an incident and return its id; ``count(type)`` is called for a linked
-    exception. Raises untrusted.Refused (nothing is filed) when the file is not a regular file."""
+    exception. Raises untrusted.Refused (nothing is filed) when the file is not a regular file.
+
+    With a ``spool``, a state dir without room keeps the report there (and the raw dump
+    where it lies) until it has room."""
     start = time.monotonic()
     is_log = path.name.endswith(gpudump.DRIVER_LOG_SUFFIX)
     fd = untrusted.open_fd(path, None, max_size=gpudump.MAX_TEXT if is_log else gpudump.MAX_DUMP)
@@ -62,7 +67,7 @@ def ingest(store: Store, path: Path, pid: int | None, claimed: Registration | No
         who = attribute(st.st_uid, pid, claimed)
         reg = who.registration
         linked_pid = reg.process.pid if who.linked and reg.process.pid else None
-        draft = store.begin("gpu-exception", reg.job, [linked_pid] if linked_pid else [])
+        draft = begin_draft(store, spool, "gpu-exception", reg.job, [linked_pid] if linked_pid else [], metrics)
         outdir = draft.path / str(linked_pid or "unknown")
         outdir.mkdir(parents=True)
         if is_log:
@@ -74,7 +79,7 @@ def ingest(store: Store, path: Path, pid: int | None, claimed: Registration | No
             detail = f"the driver reported {report.summary()} but wrote no dump"
             exc_type = report.exception or "UNKNOWN"
         else:
-            stored = gpudump.store_fd(fd, path, outdir, remove_source=True)
+            stored = gpudump.store_fd(fd, path, outdir, remove_source=True, keep_dump=not draft.spooled)
             files = list(stored.files)
             # The launcher's record of this pid's driver lines, only when it is the same user's.
             if linked_pid and gpudump.copy_text(driver_logs / f"{linked_pid}.log", outdir / "driver.log", reg.uid):
@@ -90,7 +95,11 @@ def ingest(store: Store, path: Path, pid: int | None, claimed: Registration | No
         detail = f"{detail} ({who.note})" if who.note else detail
     incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason="gpu-exception",
                         detail=detail, job=reg.job, processes=(ProcessCapture(reg, (step,)),))
-    store.commit(draft, incident, f"gpu-exception: {detail}")
+    finish_draft(store, spool, draft, incident, f"gpu-exception: {detail}", metrics=metrics)
+    try:
+        store.mark_ingested(path.name)
+    except Exception:  # noqa: BLE001 - remembered in the daemon's memory for this run; a full index forgets it
+        pass
     return draft.id
 
 

@@ -17,13 +17,12 @@ import json
 import os
 import signal
 import socket
-import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from . import heartbeat
+from . import heartbeat, untrusted
 from .model import ProcessId, Registration
 from .registry import Watched
 
@@ -92,20 +91,10 @@ def read(runtime_dir: Path, process: ProcessId, uid: int) -> ExitRecord | None:
     Only a regular file of at most MAX_FILE bytes, owned by ``uid`` (the
     process's user) or root, naming that very process, is believed.
     """
-    path = runtime_dir / DIR / file_name(process)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
+        raw = untrusted.read_bytes(runtime_dir / DIR / file_name(process), uid, MAX_FILE)
+    except untrusted.Refused:
         return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, uid) or st.st_size > MAX_FILE:
-            return None
-        raw = os.read(fd, MAX_FILE + 1)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):

@@ -66,21 +66,22 @@ def open_dump(dump: Path, uid: int | None) -> int:
     return untrusted.open_fd(dump, uid, allow_root=uid == 0, max_size=MAX_DUMP)
 
 
-def store(dump: Path, outdir: Path, uid: int | None, remove_source: bool = True) -> Stored:
+def store(dump: Path, outdir: Path, uid: int | None, remove_source: bool = True, keep_dump: bool = True) -> Stored:
     """Symbolise ``dump`` into outdir/symbolized.json and keep it as outdir/coredump.nvcudmp.zst.
 
     ``dump`` is opened once through ``untrusted`` (raises untrusted.Refused) and only that
     open file is read. A full disk drops the compressed dump but keeps the symbolised
-    report, and says so.
+    report, and says so; ``keep_dump=False`` (the report goes to the spool: no room)
+    leaves the dump where it is.
     """
     fd = open_dump(dump, uid)
     try:
-        return store_fd(fd, dump, outdir, remove_source)
+        return store_fd(fd, dump, outdir, remove_source, keep_dump)
     finally:
         os.close(fd)
 
 
-def store_fd(fd: int, dump: Path, outdir: Path, remove_source: bool) -> Stored:
+def store_fd(fd: int, dump: Path, outdir: Path, remove_source: bool, keep_dump: bool = True) -> Stored:
     files: list[str] = []
     notes: list[str] = []
     result: Symbolized | None = None
@@ -96,6 +97,9 @@ def store_fd(fd: int, dump: Path, outdir: Path, remove_source: bool) -> Stored:
     except CoreDumpError as exc:
         notes.append(str(exc).replace(opened, str(dump)))
     target = outdir / "coredump.nvcudmp.zst"
+    if not keep_dump:
+        notes.append(f"the disk is full: the dump was not copied (it stays as {dump}); the report is kept")
+        return Stored(tuple(files), result, "; ".join(notes))
     try:
         _compress(fd, dump, target)
         files.append(target.name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import exits, gpudump, heartbeat, procfs, registry, runtime
+from . import exits, gpudump, heartbeat, pdeathsig, procfs, registry, runtime
 from .client import BEAT_FILE_ENV, JOB_ENV, STACK_TIMEOUT_ENV, TIMEOUT_ENV
 from .cudacore import driverlog
 from .config import RUNTIME_DIR_ENV, Config
@@ -126,20 +127,30 @@ def run(launch: Launch) -> int:
         env["NOTIFY_SOCKET"] = str(notify.address)
         if launch.heartbeat_timeout and "WATCHDOG_USEC" not in env:
             env["WATCHDOG_USEC"] = str(int(launch.heartbeat_timeout * 1e6))
-    except OSError:
+    except OSError as exc:
+        if info is not None:  # with no daemon, the line above said it already
+            print(f"hangwatchd: cannot prepare the beat segment or notify socket under {launch.runtime_dir} "
+                  f"({exc.strerror or exc}); the workload runs unwatched", file=sys.stderr)
         beat_file = None  # no runtime dir we can write: run unwatched
 
-    def claim_segment() -> None:  # in the child, before exec: the segment is the child's own
+    launcher_pid = os.getpid()
+
+    def prepare_child() -> None:  # in the child, before exec
+        # The workload dies with us, even when we are SIGKILLed: nobody would watch it otherwise.
+        pdeathsig.die_with_parent(launcher_pid)
         if beat_file is not None:
-            heartbeat.set_owner(str(beat_file), os.getpid())
+            heartbeat.set_owner(str(beat_file), os.getpid())  # the segment is the child's own
 
     try:
-        child = subprocess.Popen(list(launch.command), env=env, preexec_fn=claim_segment, stderr=subprocess.PIPE)
+        child = subprocess.Popen(list(launch.command), env=env, preexec_fn=prepare_child, stderr=subprocess.PIPE)
     except FileNotFoundError:
         _cleanup(beat_file, None, launch.runtime_dir)
         raise LaunchError(f"{launch.command[0]}: command not found") from None
     except PermissionError:
         _cleanup(beat_file, None, launch.runtime_dir)
+        # execvp reports EACCES when some PATH entry is unreadable, even if the command is nowhere.
+        if "/" not in launch.command[0] and shutil.which(launch.command[0], mode=os.F_OK, path=env.get("PATH")) is None:
+            raise LaunchError(f"{launch.command[0]}: command not found") from None
         raise LaunchError(f"{launch.command[0]}: permission denied") from None
     tee = StderrTee(child, launch.runtime_dir / "driver-logs" / f"{child.pid}.log")
     tee.start()

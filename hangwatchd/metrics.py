@@ -44,6 +44,9 @@ class Metrics:
     gpu_exceptions: Counter
     store_sends: Counter
     store_spooled: Gauge
+    store_write_failures: Counter
+    incidents_pending: Gauge
+    loop_errors: Counter
     info: Info
     last_incident: Gauge
     const: dict[str, str]
@@ -109,6 +112,14 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
                             labels("outcome"), registry=reg),
         store_spooled=Gauge("hangwatchd_store_spooled", "Incidents and requests queued on disk for the shared store.",
                             names, registry=reg),
+        store_write_failures=Counter("hangwatchd_store_write_failures_total",
+                                     "Incidents the state dir could not take (full disk): kept in the spool instead.",
+                                     names, registry=reg),
+        incidents_pending=Gauge("hangwatchd_incidents_pending", "Incident reports in the spool waiting for room in the state dir.",
+                                names, registry=reg),
+        loop_errors=Counter("hangwatchd_loop_errors_total",
+                            "Errors the daemon's loop caught while handling one registration, process or dump.",
+                            labels("where"), registry=reg),
         info=Info("hangwatchd_build", "Version of hangwatchd.", registry=reg),
         last_incident=Gauge("hangwatchd_last_incident_timestamp_seconds",
                             "Unix time of the latest incident stored for a reason and job; its id is the incident label.",
@@ -118,6 +129,8 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
     for metric in (m.hangs, m.incidents):
         metric.labels(**m.labels(reason="heartbeat"))  # present at 0 from the start, so increase() works
     m.loop_duration.labels(**const)
+    m.store_write_failures.labels(**const)
+    m.incidents_pending.labels(**const)
     return m
 
 

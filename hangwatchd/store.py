@@ -46,6 +46,10 @@ CREATE TABLE IF NOT EXISTS incidents (
     summary TEXT
 );
 CREATE INDEX IF NOT EXISTS incidents_time ON incidents(time);
+CREATE TABLE IF NOT EXISTS ingested (   -- exception dumps already made into incidents, across restarts
+    name TEXT PRIMARY KEY,
+    time REAL NOT NULL
+);
 """
 
 
@@ -53,15 +57,41 @@ class StoreError(Exception):
     """The state dir cannot be used: the message says which and what to do."""
 
 
+class StoreWriteError(StoreError):
+    """Writing an incident failed (a full disk, most often): the caller keeps the report elsewhere."""
+
+
+def _write_failure(root: Path, exc: BaseException) -> StoreWriteError:
+    return StoreWriteError(f"cannot write to the state dir {root} ({exc}); is it full? (df {root})")
+
+
 @dataclass(frozen=True)
 class Draft:
     id: str
     time: float
     path: Path
+    reason: str = ""
+    job: str | None = None
+    pids: tuple[int, ...] = ()
+    spooled: bool = False  # assembled in the runtime dir's spool: the state dir had no room
 
 
 def new_id(now: float) -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + secrets.token_hex(3)
+
+
+def write_incident_json(directory: Path, data: dict[str, Any]) -> None:
+    """incident.json, written whole or not at all."""
+    tmp = directory / ".incident.json.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(directory / "incident.json")
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a half-written temp file holds space a full disk needs back
+        raise
 
 
 def incident_to_json(incident: Incident) -> dict[str, Any]:
@@ -85,16 +115,30 @@ class Store:
         self.dir = self.root / "incidents"
         self.index = self.root / "index.sqlite"
 
-    def open(self) -> None:
-        """Create the layout (or check it is usable) and the index."""
+    def open(self) -> str | None:
+        """Create the layout (or check it is usable) and the index.
+
+        A state dir that is only full (its index there and readable) is usable: what
+        cannot be written waits in the spool. Returns a warning to log then, else None."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             with self._db() as db:
                 db.executescript(SCHEMA)
         except (OSError, sqlite3.Error) as exc:
+            if self._readable() and os.access(self.dir, os.W_OK):
+                return f"state dir {self.root} cannot be written now ({exc}); reports wait in the spool until it can"
             raise StoreError(f"state dir {self.root} is not usable ({exc}); pass --state-dir with a writable directory") from None
         if not os.access(self.dir, os.W_OK):
             raise StoreError(f"state dir {self.root} is not writable; pass --state-dir with a writable directory")
+        return None
+
+    def _readable(self) -> bool:
+        """An index is there (its header says SQLite): a state dir that fails only for want of room."""
+        try:
+            with open(self.index, "rb") as f:
+                return f.read(16) == b"SQLite format 3\0"
+        except OSError:
+            return False
 
     @contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
@@ -135,37 +179,102 @@ class Store:
     # -- writing ---------------------------------------------------------
 
     def begin(self, reason: str, job: str | None, pids: list[int], now: float | None = None) -> Draft:
+        """A new draft in the state dir, indexed as 'capturing'; StoreWriteError when it cannot be written."""
         now = time.time() if now is None else now
         incident_id = new_id(now)
-        draft = Draft(incident_id, now, self.dir / f".partial-{incident_id}")
-        draft.path.mkdir(parents=True, mode=0o700)  # root's alone until commit opens it to its owner
-        with self._db() as db:
-            db.execute(
-                "INSERT INTO incidents (id, time, host, reason, job, status, processes) VALUES (?,?,?,?,?,?,?)",
-                (draft.id, now, socket.gethostname(), reason, job, "capturing", json.dumps(pids)),
-            )
+        draft = Draft(incident_id, now, self.dir / f".partial-{incident_id}", reason, job, tuple(pids))
+        try:
+            draft.path.mkdir(parents=True, mode=0o700)  # root's alone until commit opens it to its owner
+            with self._db() as db:
+                db.execute(
+                    "INSERT INTO incidents (id, time, host, reason, job, status, processes) VALUES (?,?,?,?,?,?,?)",
+                    (draft.id, now, socket.gethostname(), reason, job, "capturing", json.dumps(pids)),
+                )
+        except (OSError, sqlite3.Error) as exc:
+            shutil.rmtree(draft.path, ignore_errors=True)
+            raise _write_failure(self.root, exc) from exc
         return draft
 
     def commit(self, draft: Draft, incident: Incident, summary: str, analysis: dict[str, Any] | None = None) -> Path:
-        """Write incident.json, move the directory into place, mark it complete."""
+        """Write incident.json, move the directory into place, mark it complete.
+
+        StoreWriteError when the state dir cannot take it; the draft is then left as it is."""
         data = incident_to_json(incident)
         if analysis is not None:
             data["analysis"] = analysis
-        tmp = draft.path / ".incident.json.tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=2, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(draft.path / "incident.json")
-        self._write_pages(draft.path)
-        incident_access.restrict(draft.path, [pc.registration.uid for pc in incident.processes])
-        final = self.dir / draft.id
-        draft.path.replace(final)
-        self._fsync_dir(self.dir)
-        with self._db() as db:
-            db.execute("UPDATE incidents SET status=?, summary=? WHERE id=?",
-                       ("complete" if incident.complete else "incomplete", summary, draft.id))
+        try:
+            write_incident_json(draft.path, data)
+            self._write_pages(draft.path)
+            incident_access.restrict(draft.path, [pc.registration.uid for pc in incident.processes])
+            final = self.dir / draft.id
+            draft.path.replace(final)
+            self._fsync_dir(self.dir)
+        except OSError as exc:
+            raise _write_failure(self.root, exc) from exc
+        try:
+            with self._db() as db:
+                db.execute("UPDATE incidents SET status=?, summary=? WHERE id=?",
+                           ("complete" if incident.complete else "incomplete", summary, draft.id))
+        except sqlite3.Error as exc:
+            final.replace(draft.path)  # not indexed: back to a draft, for the caller to keep elsewhere
+            raise _write_failure(self.root, exc) from exc
         return final
+
+    def abandon(self, draft: Draft) -> None:
+        """Drop a draft whose report went elsewhere: its directory, and its index row where the index takes it."""
+        shutil.rmtree(draft.path, ignore_errors=True)
+        try:
+            with self._db() as db:
+                db.execute("DELETE FROM incidents WHERE id=? AND status='capturing'", (draft.id,))
+        except sqlite3.Error:
+            pass  # a row left 'capturing' is never listed; adopt() or recover() settles it
+
+    def adopt(self, src: Path, row: dict[str, Any]) -> Path:
+        """Store a report assembled elsewhere (the spool): copy it in, then index it, all or nothing."""
+        incident_id = row["id"]
+        partial = self.dir / f".partial-{incident_id}"
+        final = self.dir / incident_id
+        try:
+            shutil.rmtree(partial, ignore_errors=True)
+            shutil.copytree(src, partial, symlinks=True)
+            self._write_pages(partial)
+            incident_access.restrict(partial, row.get("uids") or [])
+            partial.replace(final)
+            self._fsync_dir(self.dir)
+            with self._db() as db:
+                db.execute(
+                    "INSERT OR REPLACE INTO incidents (id, time, host, reason, job, status, processes, summary) "
+                    "VALUES (?,?,?,?,?,?,?,?)",
+                    (incident_id, row["time"], row.get("host") or socket.gethostname(), row["reason"], row.get("job"),
+                     "complete" if row.get("complete", True) else "incomplete", json.dumps(row.get("pids") or []),
+                     row.get("summary")))
+        except (OSError, sqlite3.Error) as exc:
+            shutil.rmtree(partial, ignore_errors=True)
+            if final.exists() and not self._indexed(incident_id):
+                shutil.rmtree(final, ignore_errors=True)
+            raise _write_failure(self.root, exc) from exc
+        return final
+
+    def _indexed(self, incident_id: str) -> bool:
+        try:
+            with self._db() as db:
+                return db.execute("SELECT 1 FROM incidents WHERE id=? AND status != 'capturing'",
+                                  (incident_id,)).fetchone() is not None
+        except sqlite3.Error:
+            return False
+
+    # -- exception dumps already ingested (remembered across restarts) ----
+
+    def ingested(self) -> set[str]:
+        try:
+            with self._db() as db:
+                return {r[0] for r in db.execute("SELECT name FROM ingested").fetchall()}
+        except sqlite3.Error:
+            return set()
+
+    def mark_ingested(self, name: str) -> None:
+        with self._db() as db:
+            db.execute("INSERT OR IGNORE INTO ingested (name, time) VALUES (?, ?)", (name, time.time()))
 
     def _write_pages(self, path: Path) -> None:
         """The pages a person opens (report.html), inside the draft so they arrive with it.
@@ -190,7 +299,15 @@ class Store:
             os.close(fd)
 
     def recover(self) -> list[str]:
-        """Finish or mark incomplete what a crash left half-done; return the ids touched."""
+        """Finish or mark incomplete what a crash left half-done; return the ids touched.
+
+        StoreWriteError when the state dir cannot be written (full): the rest waits for the next start."""
+        try:
+            return self._recover()
+        except (OSError, sqlite3.Error) as exc:
+            raise _write_failure(self.root, exc) from exc
+
+    def _recover(self) -> list[str]:
         touched = []
         with self._db() as db:
             rows = db.execute("SELECT id FROM incidents WHERE status='capturing'").fetchall()
@@ -267,13 +384,17 @@ class Store:
     # -- reading ---------------------------------------------------------
 
     def list(self, limit: int = 1000) -> list[dict[str, Any]]:
-        """Incidents newest first; never one still being captured."""
+        """Incidents newest first; never one still being captured. StoreError when the index cannot be read."""
         if not self.index.exists():
             return []
-        with self._reader() as db:
-            rows = db.execute(
-                "SELECT id, time, host, reason, job, status, processes, summary FROM incidents "
-                "WHERE status != 'capturing' ORDER BY time DESC, id DESC LIMIT ?", (limit,)).fetchall()
+        try:
+            with self._reader() as db:
+                rows = db.execute(
+                    "SELECT id, time, host, reason, job, status, processes, summary FROM incidents "
+                    "WHERE status != 'capturing' ORDER BY time DESC, id DESC LIMIT ?", (limit,)).fetchall()
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot read the incident index {self.index} ({exc}); "
+                             f"if the disk is full, free space there (df {self.root})") from None
         return [
             {"id": r[0], "time": r[1], "host": r[2], "reason": r[3], "job": r[4], "complete": r[5] == "complete",
              "processes": json.loads(r[6]), "summary": r[7], "dir": str(self.dir / r[0])}

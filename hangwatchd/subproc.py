@@ -14,6 +14,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from . import pdeathsig
+
 
 @dataclass(frozen=True)
 class Result:
@@ -43,12 +45,14 @@ def run(
 ) -> Result:
     """Run argv (never through a shell) and return what it did within ``timeout`` seconds."""
     start = time.monotonic()
+    me = os.getpid()
     proc = subprocess.Popen(
         list(argv),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
+        preexec_fn=lambda: pdeathsig.die_with_parent(me),  # a killed daemon leaves no py-spy behind
         env=dict(env) if env is not None else None,
         cwd=cwd,
     )

@@ -19,7 +19,7 @@ from hangwatchd.analyze.verdict import analyze
 from hangwatchd.cudacore.symbolize import symbolize
 from hangwatchd.testing import Daemon, wait_for
 
-from .conftest import FIXTURES, hangwatchd
+from .conftest import FIXTURES, extract, hangwatchd
 
 
 def fr(last: int, entries: list[tuple[int, str, list[list[int]]]], state_of_last: str = "started") -> dict:
@@ -176,10 +176,7 @@ def test_the_html_page_renders_in_a_real_headless_browser(tmp_path: Path) -> Non
 
 
 def test_the_real_diverged_job_from_an_h200_names_rank_1(tmp_path: Path) -> None:
-    import tarfile
-
-    with tarfile.open(FIXTURES.parent / "h200-diverged" / "incident.tar.xz") as tar:
-        tar.extractall(tmp_path, filter="data")
+    extract(FIXTURES.parent / "h200-diverged" / "incident.tar.xz", tmp_path)
     res = hangwatchd("analyze", str(tmp_path / "diverged-incident"), "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
@@ -194,10 +191,7 @@ def test_the_real_diverged_job_from_an_h200_names_rank_1(tmp_path: Path) -> None
 
 
 def test_the_real_size_mismatch_from_an_h200_is_flagged(tmp_path: Path) -> None:
-    import tarfile
-
-    with tarfile.open(FIXTURES.parent / "h200-size-mismatch" / "incident.tar.xz") as tar:
-        tar.extractall(tmp_path, filter="data")
+    extract(FIXTURES.parent / "h200-size-mismatch" / "incident.tar.xz", tmp_path)
     out = analyze(tmp_path / "diverged-incident").to_dict()
     assert out["summary"] == ("Ranks disagree on _all_gather_base #21 (process group 0): "
                               "different sizes: rank 0 [[1024]], rank 1 [[2048]].")

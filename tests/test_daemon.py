@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from hangwatchd.store import Store
 from hangwatchd.testing import Daemon, hangwatchd_argv, wait_for, workload_argv
 
 from .conftest import hangwatchd
@@ -198,7 +202,6 @@ def test_sigkill_during_a_capture_leaves_an_incomplete_incident_found_at_restart
     finally:
         stop(work)
         d.stop()
-        subprocess.run(["pkill", "-f", "sleep 3600"])  # what the SIGKILLed daemon's py-spy left
 
 
 def test_a_hanging_py_spy_is_killed_at_its_deadline(tmp_path: Path) -> None:
@@ -221,3 +224,188 @@ def test_a_hanging_py_spy_is_killed_at_its_deadline(tmp_path: Path) -> None:
         stop(work)
         d.stop()
 
+
+
+# -- one daemon per runtime dir, signals, restarts ----------------------------
+
+def test_a_second_daemon_on_the_same_runtime_dir_exits_2_naming_the_first(daemon: Daemon) -> None:
+    res = hangwatchd("daemon", "--state-dir", str(daemon.base / "state2"), "--runtime-dir", str(daemon.runtime_dir),
+                     "--metrics-address", "127.0.0.1:0", timeout=30)
+    assert res.returncode == 2
+    (line,) = res.stderr.strip().splitlines()
+    assert f"pid {daemon.proc.pid}" in line and str(daemon.runtime_dir) in line
+    st = hangwatchd("status", "--runtime-dir", str(daemon.runtime_dir))
+    assert st.returncode == 0 and daemon.proc.poll() is None  # the first one still looks alive
+
+
+def test_sighup_stops_the_daemon_cleanly(tmp_path: Path) -> None:
+    sock_path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    sock.settimeout(0.2)
+    try:
+        d = Daemon(tmp_path / "d", env={"NOTIFY_SOCKET": str(sock_path)})
+        d.proc.send_signal(signal.SIGHUP)
+        assert d.proc.wait(20) == 0
+        assert not (d.runtime_dir / "daemon.json").exists() and not (d.runtime_dir / "status.json").exists()
+        got = []
+        while True:
+            try:
+                got.append(sock.recv(4096).decode())
+            except TimeoutError:
+                break
+        assert "READY=1" in got and got[-1] == "STOPPING=1", got
+        assert d.stop() == 0
+        # The lock went with it: the next daemon starts on the same runtime dir.
+        Daemon(tmp_path / "d").stop()
+    finally:
+        sock.close()
+
+
+def raw_dump(dump_dir: Path, pid: int) -> Path:
+    import lzma
+
+    from .conftest import FIXTURES
+
+    path = dump_dir / f"core_{socket.gethostname()}.{pid}.1.nvcudmp"
+    tmp = dump_dir / f".{path.name}.tmp"
+    tmp.write_bytes(lzma.decompress((FIXTURES / "cpp_ima" / "coredump.nvcudmp.xz").read_bytes()))
+    tmp.replace(path)
+    return path
+
+
+def test_a_dump_written_while_the_daemon_was_down_is_ingested_at_start_and_only_once(tmp_path: Path) -> None:
+    Daemon(tmp_path).stop()
+    dump_dir = tmp_path / "state" / "dumps"
+    dump = raw_dump(dump_dir, 4242)
+    with Daemon(tmp_path) as d:
+        (inc,) = wait_for(d.store().list, 30, "the dump made into an incident")
+        assert inc["reason"] == "gpu-exception" and inc["processes"] == [4242]
+        assert "WARP_ILLEGAL_ADDRESS" in inc["summary"]
+    # The same dump again (restored from a backup, say): remembered across the restart, not ingested twice.
+    raw_dump(dump_dir, 4242)
+    with Daemon(tmp_path) as d:
+        time.sleep(3)
+        assert len(d.store().list()) == 1
+        assert dump.exists()
+
+
+def test_an_inotify_overflow_rescans_registrations_and_dumps(tmp_path: Path) -> None:
+    limit = int(Path("/proc/sys/fs/inotify/max_queued_events").read_text())
+    with Daemon(tmp_path, config={"rescan_interval": 3600.0}) as d:
+        noise = d.runtime_dir / "registrations"
+        d.proc.send_signal(signal.SIGSTOP)
+        try:
+            for i in range(limit // 2 + 500):  # CREATE and CLOSE_WRITE each: past the queue's limit
+                (noise / f".noise-{i}").touch()
+            raw_dump(d.state_dir / "dumps", 4343)  # its event is one of those dropped
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+        (inc,) = wait_for(d.store().list, 30, "the dump found by the rescan")
+        assert inc["processes"] == [4343]
+        assert any(e.get("event") == "inotify_overflow" for e in d.logs())
+
+
+# -- one hang, one incident ---------------------------------------------------
+
+WOBBLE = """
+import sys, time, hangwatchd
+def a(): time.sleep(0.2)
+def b(): time.sleep(0.2)
+for _ in range(10):
+    hangwatchd.beat(); time.sleep(0.05)
+print("silent", flush=True)
+end = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:  # no beats, but the stack keeps moving
+    a(); b()
+print("beating again", flush=True)
+for _ in range(20):
+    hangwatchd.beat(); time.sleep(0.05)
+print("stopped", flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def test_a_captured_hang_rearms_only_after_the_process_beats_again(tmp_path: Path) -> None:
+    with Daemon(tmp_path, config={"stack_interval": 0.5, "gpu_dump": "never"}) as d:
+        work = d.run([sys.executable, "-c", WOBBLE, "12"], "--heartbeat-timeout", "1", "--stack-timeout", "60",
+                     stdout=subprocess.PIPE)
+        try:
+            assert work.stdout is not None
+            assert work.stdout.readline().strip() == b"silent"
+            assert work.stdout.readline().strip() == b"beating again"
+            # Twelve silent seconds with a moving stack: one hang, one incident.
+            assert len(d.store().list()) == 1
+            assert work.stdout.readline().strip() == b"stopped"
+            incs = wait_for(lambda: (lambda x: x if len(x) == 2 else None)(d.store().list()), 15, "the second hang's incident")
+            assert all(i["reason"] == "heartbeat" for i in incs)
+            recovered = [e for e in d.logs() if e.get("event") == "process_recovered"]
+            assert len(recovered) == 1 and "new beats" in str(recovered[0]["why"])
+            time.sleep(3)
+            assert len(d.store().list()) == 2
+        finally:
+            stop(work)
+
+
+# -- the loop never dies of one process's trouble ------------------------------
+
+def test_a_beat_file_swapped_for_a_directory_does_not_stop_the_loop(tmp_path: Path) -> None:
+    with Daemon(tmp_path) as d:
+        victim = d.run(workload_argv(beats=100_000, interval=0.05), "--heartbeat-timeout", "5")
+        try:
+            beat = wait_for(lambda: list((d.runtime_dir / "beats").glob("run-*.beat")), 10, "the beat segment")[0]
+            wait_for(lambda: json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)["processes"],
+                     10, "the workload watched")
+            beat.unlink()
+            beat.mkdir()
+            work = d.run(workload_argv(beats=5, interval=0.02), "--heartbeat-timeout", "1", stdout=subprocess.PIPE)
+            try:
+                assert work.stdout is not None and work.stdout.readline().strip() == b"stopped beating"
+                started = time.monotonic()
+                incs = wait_for(lambda: [i for i in d.store().list() if i["processes"][0] != victim.pid
+                                         and "hang_here" in hangwatchd("show", i["id"], "--state-dir", str(d.state_dir)).stdout],
+                                15, "the real hang's incident")
+                assert time.monotonic() - started < 1 + 6 and incs
+                assert d.proc.poll() is None
+            finally:
+                stop(work)
+        finally:
+            stop(victim)
+            if beat.is_dir():
+                beat.rmdir()
+
+
+# -- hangwatchd run's workload dies with it ------------------------------------
+
+def test_a_killed_hangwatchd_run_takes_its_workload_with_it(tmp_path: Path) -> None:
+    run = subprocess.Popen(hangwatchd_argv("run", "--runtime-dir", str(tmp_path / "run"), "--",
+                                           sys.executable, "-c", "import time; time.sleep(3600)"),
+                           stderr=subprocess.DEVNULL)
+    children = Path(f"/proc/{run.pid}/task/{run.pid}/children")
+    (child,) = wait_for(lambda: [int(p) for p in children.read_text().split()], 20, "the workload started")
+    run.kill()
+    run.wait()
+    wait_for(lambda: not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split(")")[1][:3],
+             5, "the workload gone")
+
+
+def test_two_demos_at_once_run_in_their_own_directories_and_keep_earlier_runs(tmp_path: Path) -> None:
+    # A short base: the demo's notify socket path must fit in sockaddr_un's 108 bytes.
+    short = Path(tempfile.mkdtemp(prefix="hwd-", dir="/tmp"))
+    try:
+        two_demos(short)
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def two_demos(tmp_path: Path) -> None:
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path))
+    demos = [subprocess.Popen([sys.executable, "-m", "hangwatchd.demo"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0].decode() for p in demos]
+    assert [p.returncode for p in demos] == [0, 0], outs
+    runs = sorted((tmp_path / "hangwatchd-demo").iterdir())
+    assert len(runs) == 2
+    for r in runs:
+        assert len(Store(r / "state").list()) == 1  # each its own incident, neither wiped by the other

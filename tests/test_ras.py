@@ -24,7 +24,7 @@ from hangwatchd.capture.nccl_ras import NcclRasStep
 from hangwatchd.capture.pipeline import run_steps
 from hangwatchd.model import Registration
 
-from .conftest import hangwatchd
+from .conftest import extract, hangwatchd
 
 RAS = Path(__file__).parent / "fixtures" / "nccl-ras"
 
@@ -344,10 +344,7 @@ def test_the_daemon_asks_the_jobs_ras_and_blames_the_dead_peer(tmp_path: Path) -
 
 
 def test_the_flight_recorder_keeps_its_lead_where_ras_names_the_same_rank(tmp_path: Path) -> None:
-    import tarfile
-
-    with tarfile.open(Path(__file__).parent / "fixtures" / "h200-diverged" / "incident.tar.xz") as tar:
-        tar.extractall(tmp_path, filter="data")
+    extract(Path(__file__).parent / "fixtures" / "h200-diverged" / "incident.tar.xz", tmp_path)
     incident = tmp_path / "diverged-incident"
     rank0 = next(p for p in incident.iterdir() if (p / "proc.json").exists() and json.loads((p / "proc.json").read_text())["rank"] == 0)
     shutil.copy(RAS / "diverged.txt", rank0 / "nccl-ras.txt")  # NCCL too says rank 1 is behind

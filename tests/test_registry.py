@@ -50,6 +50,18 @@ def refused(d: Daemon, reason: str) -> dict[str, object]:
     return event
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_a_registration_file_owned_by_another_user_is_refused(tmp_path: Path, sleeper: subprocess.Popen[bytes]) -> None:
+    me = procfs.identify(sleeper.pid)
+    assert me is not None
+    with Daemon(tmp_path) as d:
+        other = d.runtime_dir / "registrations" / f".{me.pid}-{me.start_time}.json.tmp"
+        other.write_text(json.dumps(reg_dict(me.pid, me.start_time)))
+        os.chown(other, 12345, 12345)
+        other.replace(d.runtime_dir / "registrations" / f"{me.pid}-{me.start_time}.json")
+        refused(d, "wrong_owner")
+
+
 def test_hostile_registrations_are_refused_and_the_daemon_goes_on(tmp_path: Path, sleeper: subprocess.Popen[bytes]) -> None:
     me = procfs.identify(sleeper.pid)
     assert me is not None
@@ -61,16 +73,6 @@ def test_hostile_registrations_are_refused_and_the_daemon_goes_on(tmp_path: Path
         drop(d, f"{me.pid}-{me.start_time + 1}.json", json.dumps(reg_dict(me.pid, me.start_time + 1)))
         event = refused(d, "pid_reused")
         assert "now belongs to a process started at" in str(event["error"])
-
-        # A file owned by another user than the process's.
-        p = drop(d, "x.json", "{}")
-        p.unlink()
-        other = d.runtime_dir / "registrations" / f".{me.pid}-{me.start_time}.json.tmp"
-        other.write_text(json.dumps(reg_dict(me.pid, me.start_time)))
-        os.chown(other, 12345, 12345)
-        other.replace(d.runtime_dir / "registrations" / f"{me.pid}-{me.start_time}.json")
-        refused(d, "wrong_owner")
-        (d.runtime_dir / "registrations" / f"{me.pid}-{me.start_time}.json").unlink()
 
         # A beat file outside the runtime dir.
         outside = tmp_path / "elsewhere.beat"

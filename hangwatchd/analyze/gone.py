@@ -64,8 +64,11 @@ def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+MAX_TIME = 2.0**33  # seconds since 1970: the year 2242; a larger "time" is no time (and overflows localtime)
+
+
 def _num(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < MAX_TIME else None
 
 
 def _how(data: dict[str, Any]) -> str:

@@ -209,8 +209,9 @@ def analyze(incident: Path) -> Analysis:
             summary = "Nothing was captured that can be analysed."
     views = _own_job_views([(v.pid, ev.ras) for v, ev in zip(ranks, found) if ev.ras is not None], problems)
     summary, culprits = _with_ras(views, ranks, summary, culprits, from_trace=bool(diverged or mismatched))
+    # A captured rank's node is the name its daemon gave; RAS's address stands only for ranks not captured.
     nodes = {(v.rank, v.pid): v.node for v in ranks}
-    culprits = [replace(c, node=c.node or nodes.get((c.rank, c.pid))) for c in culprits]
+    culprits = [replace(c, node=nodes.get((c.rank, c.pid)) or c.node) for c in culprits]
     rests_on = tuple(f"{_who(v).lower() if v.rank is None else _who(v)}: {', '.join(ev.used) or 'nothing readable'}"
                      for v, ev in zip(ranks, found))
     unreadable = tuple(problems) + tuple(p for ev in found for p in ev.problems)

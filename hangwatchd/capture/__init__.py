@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..config import Config
-from .base import Step, StepFailed
+from .base import Step, StepFailed, StepNotApplicable
 from .cuda_dump import CudaDumpStep
 from .flight_recorder import FlightRecorderStep
 from .nccl_ras import NcclRasStep
@@ -33,4 +33,4 @@ def make_steps(config: Config) -> list[tuple[Step, float]]:
     return [factories[name]() for name in names]
 
 
-__all__ = ["Step", "StepFailed", "capture_incident", "make_steps", "run_steps"]
+__all__ = ["Step", "StepFailed", "StepNotApplicable", "capture_incident", "make_steps", "run_steps"]

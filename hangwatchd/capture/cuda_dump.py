@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .. import gpudump, procfs, untrusted
 from ..model import Registration
-from .base import StepFailed, poke_held_fifo
+from .base import StepFailed, StepNotApplicable, poke_held_fifo
 from .waitfile import Watch
 
 KEYS = frozenset({"CUDA_COREDUMP_PIPE", "CUDA_COREDUMP_FILE", "CUDA_ENABLE_USER_TRIGGERED_COREDUMP"})
@@ -41,8 +41,8 @@ class CudaDumpStep:
         pipes = [(fd, path, st) for fd, path, st in procfs.held_fifos(pid)
                  if os.path.basename(path) == wanted or os.path.basename(path).startswith(("corepipe", "cuda_pipe"))]
         if not pipes:
-            raise StepFailed(f"pid {pid} holds no CUDA coredump pipe: it was not started with "
-                             "CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1 (start it with hangwatchd run)")
+            raise StepNotApplicable(f"pid {pid} holds no CUDA coredump pipe: not started by hangwatchd run "
+                                    "(no CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1), or CUDA not initialised")
         pattern = env.get("CUDA_COREDUMP_FILE") or f"core_%t_{socket.gethostname()}_%p.nvcudmp"
         target_glob = Path(gpudump.expand(pattern, pid))
         if not target_glob.is_absolute():

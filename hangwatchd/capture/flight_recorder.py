@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .. import procfs, untrusted
 from ..model import Registration
-from .base import StepFailed, poke_held_fifo
+from .base import StepFailed, StepNotApplicable, poke_held_fifo
 from .waitfile import Watch
 
 MAX_TRACE = 256 << 20  # bytes: a flight recorder trace is a few MB
@@ -32,8 +32,8 @@ class FlightRecorderStep:
         prefix = env.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE")
         temp = env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
         if not prefix or not temp:
-            raise StepFailed("the process has no TORCH_NCCL_DEBUG_INFO_PIPE_FILE and TORCH_FR_DUMP_TEMP_FILE "
-                             "(or TORCH_NCCL_DEBUG_INFO_TEMP_FILE) (start it with hangwatchd run)")
+            raise StepNotApplicable("the process has no TORCH_NCCL_DEBUG_INFO_PIPE_FILE and TORCH_FR_DUMP_TEMP_FILE "
+                                    "(or TORCH_NCCL_DEBUG_INFO_TEMP_FILE): not started by hangwatchd run")
         rank = env.get("RANK", str(target.rank) if target.rank is not None else "0")
         pipe_name = os.path.basename(prefix) + rank + ".pipe"
         owner = procfs.uid(pid)
@@ -41,7 +41,8 @@ class FlightRecorderStep:
             raise StepFailed(f"pid {pid} has no single uid (setuid, or gone): refusing to act on it for its user, or to read its trace")
         fifo = next(((fd, path, st) for fd, path, st in procfs.held_fifos(pid) if os.path.basename(path) == pipe_name), None)
         if fifo is None:
-            raise StepFailed(f"pid {pid} holds no flight-recorder pipe {pipe_name} (no NCCL process group yet, or PyTorch < 2.3)")
+            raise StepNotApplicable(f"pid {pid} holds no flight-recorder pipe {pipe_name}: no NCCL process group "
+                                    "(or PyTorch < 2.3)")
         dump = Path(temp + rank)
         if not dump.is_absolute():
             dump = Path(os.readlink(f"/proc/{pid}/cwd")) / dump

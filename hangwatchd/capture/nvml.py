@@ -13,7 +13,9 @@ from pathlib import Path
 
 from .. import subproc
 from ..model import Registration
-from .base import StepFailed
+from .base import StepFailed, StepNotApplicable
+
+NOT_HERE = 3  # the probe's status for: no NVML library, driver or GPU on this machine
 
 
 @dataclass
@@ -24,6 +26,8 @@ class NvmlStep:
         res = subproc.run([sys.executable, "-m", "hangwatchd.capture.nvml_probe", str(target.process.pid)], timeout=timeout)
         if res.timed_out:
             raise StepFailed(f"NVML did not answer within {timeout:g} s (the probe was killed)")
+        if res.returncode == NOT_HERE:
+            raise StepNotApplicable(res.stderr_line() or "NVML is not available here")
         if res.returncode != 0:
             raise StepFailed(res.stderr_line() or f"the NVML probe failed with status {res.returncode}")
         try:

@@ -1,6 +1,8 @@
 """``python -m hangwatchd.capture.nvml_probe PID``: one JSON object about the GPUs, on stdout.
 
-Exit status 3 with one line on stderr when NVML is not available.
+Exit status 3 with one line on stderr when NVML does not apply here (no
+library, no driver, no GPU): the step reads n/a. Exit status 1 when NVML is
+there and fails.
 """
 
 from __future__ import annotations
@@ -49,6 +51,15 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+def _absent(exc: Exception) -> bool:
+    """NVML's own way of saying there is nothing to ask: no libnvidia-ml, no driver loaded, no GPU."""
+    import pynvml as nv
+
+    absent = tuple(getattr(nv, n) for n in ("NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded",
+                                             "NVMLError_NoPermission", "NVMLError_NotFound") if hasattr(nv, n))
+    return isinstance(exc, absent) or isinstance(exc, OSError)
+
+
 def main() -> int:
     try:
         import pynvml  # noqa: F401
@@ -58,8 +69,11 @@ def main() -> int:
     try:
         data = probe(int(sys.argv[1]))
     except Exception as exc:  # noqa: BLE001 - the library's errors vary by driver; one line is what we owe
+        if _absent(exc):
+            print(f"no NVIDIA driver or GPU here ({exc})", file=sys.stderr)
+            return 3
         print(f"NVML failed: {exc}", file=sys.stderr)
-        return 3
+        return 1
     json.dump(data, sys.stdout)
     return 0
 

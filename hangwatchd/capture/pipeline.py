@@ -13,6 +13,7 @@ from .. import exits
 from ..metrics import Metrics
 from ..model import Incident, ProcessCapture, Registration, StepResult, Suspicion
 from ..analyze.verdict import analyze
+from ..spool import Spool, begin_draft, finish_draft
 from ..store import Store
 from .base import Step, StepFailed, StepNotApplicable
 from .parallel import run_across
@@ -81,6 +82,7 @@ def capture_incident(
     metrics: Metrics | None = None,
     gate: Callable[[Path], str | None] | None = None,
     notify_status: str | None = None,
+    spool: Spool | None = None,
     gone: Sequence[exits.Departed] = (),
     node: str | None = None,
     job_incident: str | None = None,
@@ -88,9 +90,15 @@ def capture_incident(
     """Capture every target into one new incident and store it; return the incident's id.
 
     ``gone``: job-mates that had exited, each written as ``PID/exit.json`` for the verdict.
+    With a ``spool``, a state dir without room costs the GPU dump, never the
+    report: the report is kept in the spool until the state dir takes it.
     """
     job = targets[0].job if targets else None
-    draft = store.begin(suspicion.reason, job, [t.process.pid for t in targets])
+    pids = [t.process.pid for t in targets]
+    draft = begin_draft(store, spool, suspicion.reason, job, pids, metrics)
+    if draft.spooled:
+        why = "the state dir has no room: the report is kept, a GPU dump would be lost (it ends the process)"
+        gate = lambda _outdir: why  # noqa: E731
     # Everything gentle on every rank first: a GPU dump ends its process, and a launcher
     # like torchrun then tears down the other ranks before they could be read.
     gentle = [(s, t) for s, t in steps if not getattr(s, "destructive", False)]
@@ -110,5 +118,5 @@ def capture_incident(
                         detail=suspicion.detail, job=job, processes=tuple(captures), signals=suspicion.signals,
                         notify_status=notify_status, verdict=verdict, since=suspicion.since, node=node,
                         job_incident=job_incident)
-    store.commit(draft, incident, f"{verdict} ({suspicion.detail})", analysis_dict)
+    finish_draft(store, spool, draft, incident, f"{verdict} ({suspicion.detail})", analysis_dict, metrics)
     return draft.id

@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -27,7 +29,8 @@ def main(out: Path) -> int:
     try:
         job = subprocess.Popen(["torchrun", "--nproc-per-node", "2", "--no-python", *hangwatchd_argv(
             "run", "--runtime-dir", str(d.runtime_dir), "--heartbeat-timeout", "10", "--"), sys.executable,
-            str(ROOT / "tests/gpu/diverge.py")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            str(ROOT / "tests/gpu/diverge.py")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)  # its own group: torchrun, the launchers and the ranks go down together
         inc = wait_for(d.store().list, 240, "the incident", every=0.5)[0]
         res = subprocess.run(hangwatchd_argv("analyze", inc["dir"], "--json"), capture_output=True, text=True)
         (out / "analysis.json").write_text(res.stdout + res.stderr)
@@ -39,15 +42,22 @@ def main(out: Path) -> int:
         print(json.dumps(json.loads(res.stdout), indent=1)[:3000] if res.returncode == 0 else res.stderr)
     finally:
         if job is not None:
-            job.kill()
-            try:
-                out_text = job.communicate(timeout=10)[0]
-            except subprocess.TimeoutExpired:
-                out_text = ""
+            # By group, never by name: SIGTERM lets torchrun stop its workers (its own
+            # sessions), whose workloads die with their hangwatchd run; then SIGKILL what is left.
+            out_text = ""
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(job.pid, sig)
+                except ProcessLookupError:
+                    pass
+                try:
+                    out_text = job.communicate(timeout=15)[0]
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
             (out / "torchrun.log").write_text(out_text or "")
         d.stop()
         shutil.copy(d.log, out / "daemon.log")
-        subprocess.run(["pkill", "-9", "-f", "[g]pu/diverge.py"])
     return 0
 
 

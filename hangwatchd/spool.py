@@ -1,0 +1,157 @@
+"""Reports that wait for room: a full state dir costs the dump, never the report.
+
+When the state dir cannot take an incident (no space, SQLite's "disk I/O
+error"), its report (incident.json, /proc facts, stacks, verdict) is kept in
+RUNTIME_DIR/spool/ID instead, and stored and indexed by ``flush`` once the
+state dir has room again (the daemon retries on a timer and at start). The
+runtime dir is the daemon's own (root's, not world-writable), in RAM on most
+nodes: only small files go there, never a GPU dump.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from .metrics import Metrics
+from .model import Incident
+from .store import Draft, Store, StoreWriteError, incident_to_json, new_id, write_incident_json
+
+log = structlog.get_logger("hangwatchd.spool")
+
+SPOOL_DIR = "spool"
+ROW_SUFFIX = ".row.json"  # spool/ID.row.json: what the index row will say, beside the report's directory
+MAX_FILE = 4 << 20  # a spooled report keeps stacks and facts; a file bigger than this is evidence we lose
+ROOM_FLOOR = 8 << 20  # below this many free bytes the state dir counts as full before anything is tried
+
+
+class Spool:
+    def __init__(self, directory: Path) -> None:
+        self.dir = Path(directory)
+
+    def begin(self, reason: str, job: str | None, pids: list[int], now: float | None = None) -> Draft:
+        now = time.time() if now is None else now
+        incident_id = new_id(now)
+        path = self.dir / f".partial-{incident_id}"
+        path.mkdir(parents=True, mode=0o700)
+        return Draft(incident_id, now, path, reason, job, tuple(pids), spooled=True)
+
+    def take_over(self, draft: Draft) -> Draft:
+        """A state-dir draft that could not be committed: its small files move here, same id."""
+        path = self.dir / f".partial-{draft.id}"
+        path.mkdir(parents=True, mode=0o700, exist_ok=True)
+        for src in draft.path.rglob("*"):
+            rel = src.relative_to(draft.path)
+            if src.is_symlink() or rel.name.startswith(".incident.json"):
+                continue
+            if src.is_dir():
+                (path / rel).mkdir(parents=True, exist_ok=True)
+            elif src.is_file() and src.stat().st_size <= MAX_FILE:
+                (path / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, path / rel)
+        return Draft(draft.id, draft.time, path, draft.reason, draft.job, draft.pids, spooled=True)
+
+    def keep(self, draft: Draft, data: dict[str, Any], summary: str, uids: list[int | None] | None = None) -> Path:
+        """Seal a spooled draft: incident.json and the index row beside it, then out of .partial."""
+        write_incident_json(draft.path, data)
+        row = {"id": draft.id, "time": draft.time, "host": data.get("host") or socket.gethostname(),
+               "reason": draft.reason, "job": draft.job, "pids": list(draft.pids), "summary": summary,
+               "complete": bool(data.get("complete", True)), "uids": list(uids or [])}
+        final = self.dir / draft.id
+        draft.path.replace(final)
+        tmp = self.dir / f".{draft.id}{ROW_SUFFIX}"
+        tmp.write_text(json.dumps(row))
+        tmp.replace(self.dir / f"{draft.id}{ROW_SUFFIX}")  # last: a report is pending once its row is there
+        return final
+
+    def pending(self) -> list[Path]:
+        """Sealed reports waiting for the state dir, oldest first."""
+        try:
+            return sorted(p for p in self.dir.iterdir() if not p.name.startswith(".") and p.is_dir()
+                          and p.with_name(p.name + ROW_SUFFIX).is_file())
+        except FileNotFoundError:
+            return []
+
+    def find(self, incident_id: str) -> Path | None:
+        matches = [p for p in self.pending() if p.name.startswith(incident_id)]
+        return matches[0] if len(matches) == 1 else None
+
+    def flush(self, store: Store) -> list[str]:
+        """Store and index every pending report the state dir takes now; stop at the first it refuses."""
+        done = []
+        for path in self.pending():
+            row_file = path.with_name(path.name + ROW_SUFFIX)
+            row = json.loads(row_file.read_text())
+            try:
+                store.adopt(path, row)
+            except StoreWriteError:
+                break
+            row_file.unlink(missing_ok=True)
+            shutil.rmtree(path, ignore_errors=True)
+            done.append(row["id"])
+        return done
+
+    def clear_partials(self) -> None:
+        """Drafts a stopped daemon left unsealed: their capture never finished, nothing refers to them."""
+        for stray in self.dir.glob(".partial-*"):
+            shutil.rmtree(stray, ignore_errors=True)
+
+
+def has_room(state_dir: Path) -> bool:
+    """Whether the state dir has room for an incident's report, before anything is written there."""
+    try:
+        st = os.statvfs(state_dir)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize >= ROOM_FLOOR
+
+
+def begin_draft(store: Store, spool: Spool | None, reason: str, job: str | None, pids: list[int],
+                metrics: Metrics | None = None) -> Draft:
+    """A draft in the state dir, or in the spool when the state dir has no room (or refuses the write)."""
+    if spool is not None and not has_room(store.root):
+        _count_failure(metrics, f"less than {ROOM_FLOOR >> 20} MiB free in {store.root}")
+        return spool.begin(reason, job, pids)
+    try:
+        return store.begin(reason, job, pids)
+    except StoreWriteError as exc:
+        if spool is None:
+            raise
+        _count_failure(metrics, str(exc))
+        return spool.begin(reason, job, pids)
+
+
+def finish_draft(store: Store, spool: Spool | None, draft: Draft, incident: Incident, summary: str,
+                 analysis: dict[str, Any] | None = None, metrics: Metrics | None = None) -> None:
+    """Commit a draft to the store, or seal it in the spool when the store cannot take it."""
+    if not draft.spooled:
+        try:
+            store.commit(draft, incident, summary, analysis)
+            return
+        except StoreWriteError as exc:
+            if spool is None:
+                raise
+            _count_failure(metrics, str(exc))
+            spooled = spool.take_over(draft)
+            store.abandon(draft)  # frees the room the draft held
+            draft = spooled
+    assert spool is not None
+    data = incident_to_json(incident)
+    if analysis is not None:
+        data["analysis"] = analysis
+    spool.keep(draft, data, summary, [pc.registration.uid for pc in incident.processes])
+    log.error("incident_spooled", incident=draft.id, spool=str(spool.dir),
+              why="the state dir has no room; stored once it has")
+
+
+def _count_failure(metrics: Metrics | None, why: str) -> None:
+    log.error("store_write_failed", error=why)
+    if metrics is not None:
+        metrics.store_write_failures.labels(**metrics.labels()).inc()
