@@ -45,8 +45,8 @@ from .make_incident import pages
 from .metrics import Metrics, create, serve
 from .notify import notify, watchdog_interval
 from .registrations import Registrations
-from .status_file import STATUS_EVERY, StatusFile
 from .spool import SPOOL_DIR, Spool
+from .status_file import STATUS_EVERY, StatusFile
 from .store import Store, StoreWriteError
 from .user_limits import UserLimits
 from .watched import Watched, Watchlist

@@ -29,6 +29,15 @@ def demo_dir() -> Path:
     return Path(base) / "hangwatchd-demo"
 
 
+def command_path() -> str:
+    """The hangwatchd command next to this Python (the .venv's), as short as the user can type it."""
+    path = Path(sys.executable).parent / "hangwatchd"
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def main() -> int:
     demo_dir().mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ-", time.gmtime())
@@ -60,6 +69,8 @@ def main() -> int:
                 hangs = [ln for ln in resp.read().decode().splitlines() if ln.startswith("hangwatchd_hangs_total")]
             print("\n/metrics: " + "\n/metrics: ".join(hangs))
             print(f"\ndemo: the daemon's log is {base / 'daemon.log'}; incidents stay in {state}")
+            # The daemon is gone after this, so a bare 'hangwatchd show' would look in /var/lib/hangwatchd.
+            print(f"demo: see it again: {command_path()} show {incidents[0]['id']} --state-dir {state}")
             return 0
         except TimeoutError as exc:
             raise SystemExit(f"demo: {exc}") from None
@@ -70,4 +81,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # The workload writes to the same stdout: without this, piped output (./dev demo | tee)
+    # shows the workload's line before the demo's own first lines.
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     sys.exit(main())
