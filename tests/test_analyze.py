@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 
 from hangwatchd.analyze.verdict import analyze
 from hangwatchd.cudacore.symbolize import symbolize
-from hangwatchd.testing import Daemon, wait_for
+from hangwatchd.testing import Daemon, stop, wait_for
 
 from .conftest import FIXTURES, extract, hangwatchd
 
@@ -56,9 +57,7 @@ def test_a_diverged_two_rank_job_names_the_rank_that_never_entered_the_collectiv
             (inc,) = wait_for(d.store().list, 20, "one incident for the job")
             assert inc["job"] == "10.0.0.1:29500" and len(inc["processes"]) == 2  # both ranks, one incident
         finally:
-            for p in ranks:
-                p.kill()
-                p.wait()
+            stop(*ranks, sig=signal.SIGKILL)
     incident = Path(inc["dir"])
     by_rank = {json.loads((p / "proc.json").read_text())["rank"]: p for p in incident.iterdir() if (p / "proc.json").exists()}
     (by_rank[0] / "flight-recorder.pkl").write_bytes(pickle.dumps(fr(3, [(2, "all_reduce", [[4]]), (3, "all_gather", [[8, 16]])])))
@@ -137,8 +136,7 @@ def test_single_process_verdicts_from_real_captures(tmp_path: Path) -> None:
         for f in src.iterdir():
             shutil.copy(f, locked)
     finally:
-        p.kill()
-        p.wait()
+        stop(p, sig=signal.SIGKILL)
     v = {r["pid"]: r for r in analyze(tmp_path).to_dict()["ranks"]}
     assert v[1]["verdict"] == "waiting-on-gpu" and "cuStreamSynchronize" in v[1]["detail"]
     assert v[1]["location"] == "main (/srv/gpuapp/conditional_hang.py:34)"
@@ -297,8 +295,7 @@ def test_a_capture_is_stored_even_when_its_analysis_fails(tmp_path: Path, monkey
         store.open()
         incident_id = make_incident.make_incident(store, [(ProcStep(), 5.0)], [reg], Suspicion("heartbeat", "test", 0.0), 30.0)
     finally:
-        p.kill()
-        p.wait()
+        stop(p, sig=signal.SIGKILL)
     (inc,) = store.list()
     assert inc["id"] == incident_id and "analysis failed (KeyError" in inc["summary"]
     assert (Path(inc["dir"]) / str(p.pid) / "proc.json").exists()

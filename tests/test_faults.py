@@ -45,8 +45,7 @@ def test_no_ptrace_permission_names_what_is_missing(tmp_path: Path) -> None:
         assert not steps["pyspy"]["ok"]
         assert "CAP_SYS_PTRACE" in steps["pyspy"]["error"]
     finally:
-        victim.kill()
-        victim.wait()
+        stop(victim, sig=signal.SIGKILL)
 
 
 def test_a_workload_that_forks_and_exits_is_forgotten_not_hung(tmp_path: Path) -> None:
@@ -179,8 +178,7 @@ def test_the_daemon_starts_on_a_full_state_dir_and_every_command_answers_in_one_
                     assert "Traceback" not in res.stderr and len(out) == 1, (argv, res.stdout, res.stderr)
                     assert res.returncode in (0, 1, 2), (argv, res.returncode)
             finally:
-                victim.kill()
-                victim.wait()
+                stop(victim, sig=signal.SIGKILL)
             filler.unlink()
             assert d.proc.poll() is None
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from hangwatchd.analyze.verdict import analyze
 from hangwatchd.capture.nccl_ras import NcclRasStep
 from hangwatchd.capture.pipeline import run_steps
 from hangwatchd.model import Registration
+from hangwatchd.testing import stop
 
 from .conftest import extract, hangwatchd
 
@@ -96,9 +98,7 @@ def workload() -> Iterator[Callable[[str | None], Registration]]:
         return reg
 
     yield start
-    for p in procs:
-        p.kill()
-        p.wait()
+    stop(*procs, sig=signal.SIGKILL)
 
 
 def free_port() -> int:
@@ -298,9 +298,7 @@ def test_run_gives_each_workload_its_own_ras_address_and_the_flight_recorder_nam
         try:
             seen = [json.loads(p.stdout.readline()) for p in procs]
         finally:
-            for p in procs:
-                p.kill()
-                p.wait()
+            stop(*procs, sig=signal.SIGKILL)
     a, b, user = seen
     assert a["NCCL_RAS_ADDR"] != b["NCCL_RAS_ADDR"] and a["NCCL_RAS_ADDR"].startswith("127.0.0.1:")
     assert a["registered"] == a["NCCL_RAS_ADDR"] and b["registered"] == b["NCCL_RAS_ADDR"]
@@ -328,8 +326,7 @@ def test_the_daemon_asks_the_jobs_ras_and_blames_the_dead_peer(tmp_path: Path) -
                 server.js = server.js.replace(b"786", str(pid).encode())
                 (inc,) = wait_for(d.store().list, 30, "an incident")
             finally:
-                p.kill()
-                p.wait()
+                stop(p, sig=signal.SIGKILL)
     finally:
         server.close()
     incident = Path(inc["dir"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,15 +17,14 @@ from hypothesis import strategies as st
 
 from hangwatchd import heartbeat, procfs, registry
 from hangwatchd.model import ProcessId, Registration
-from hangwatchd.testing import Daemon, wait_for, workload_argv
+from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
 
 
 @pytest.fixture
 def sleeper():  # type: ignore[no-untyped-def]
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     yield p
-    p.kill()
-    p.wait()
+    stop(p, sig=signal.SIGKILL)
 
 
 def reg_dict(pid: int, start: int, **extra: object) -> dict[str, object]:
@@ -98,8 +98,7 @@ def test_hostile_registrations_are_refused_and_the_daemon_goes_on(tmp_path: Path
             (inc,) = wait_for(d.store().list, 15, "an incident")
             assert inc["reason"] == "heartbeat"
         finally:
-            work.terminate()
-            work.wait()
+            stop(work)
         assert d.proc.poll() is None
 
 
