@@ -111,6 +111,16 @@ def violations(root: Path, floors: list[tuple[str, tuple[str, ...]]]) -> list[st
     return found
 
 
+# Reports render an analysis they are given (the CLI, or the store's page writer, computes it):
+# a report module may read an incident's files, never run the verdict.
+VERDICT = "analyze.verdict"
+
+
+def reports_that_compute(root: Path) -> list[str]:
+    return [f"{module_name(root, p)} imports {VERDICT}" for p in sorted((root / "report").rglob("*.py"))
+            if VERDICT in imports_of(root, p)]
+
+
 def test_no_stage_imports_a_later_one() -> None:
     root = Path(hangwatchd.__file__).parent
     assert violations(root, FLOORS) == []
@@ -120,6 +130,10 @@ def test_every_floor_of_the_order_is_in_use() -> None:
     root = Path(hangwatchd.__file__).parent
     used = {floor_of(module_name(root, p), FLOORS) for p in root.rglob("*.py")}
     assert used == set(range(len(FLOORS)))
+
+
+def test_reports_render_an_analysis_they_are_given() -> None:
+    assert reports_that_compute(Path(hangwatchd.__file__).parent) == []
 
 
 @pytest.fixture
@@ -138,7 +152,7 @@ def bad_house(tmp_path: Path) -> Path:
                                 "def run():\n    from hangwatchd import store\n    return store\n"),
         "analyze/__init__.py": "",
         "analyze/verdict.py": "from ..capture import base\n",
-        # a report that runs the analysis is fine by floors (export after analyse)...
+        # a report that runs the analysis is fine by floors (export after analyse), caught apart...
         "report/__init__.py": "",
         "report/incident.py": "from ..analyze.verdict import analyze\n",
         # ...but the ground importing a stage is not
@@ -158,6 +172,10 @@ def test_the_check_fails_on_a_later_stage_imported(bad_house: Path) -> None:
         "metrics (ground) imports report.incident (export), a later stage",
         "newroom: on no floor; add it to FLOORS in tests/test_layers.py",
     ]
+
+
+def test_the_check_fails_on_a_report_that_runs_the_analysis(bad_house: Path) -> None:
+    assert reports_that_compute(bad_house) == ["report.incident imports analyze.verdict"]
 
 
 def test_imports_are_resolved_as_python_does(bad_house: Path) -> None:
