@@ -301,7 +301,7 @@ def cmd_incidents(args: argparse.Namespace) -> int:
     if args.store:
         return _store_incidents(args)
     store = _store(args)
-    items = _list(store)
+    items = [i for i in _list(store) if not args.job or i.get("job") == args.job]
     waiting = _pending(args).pending()
     note = (f"{len(waiting)} incidents wait for room in {store.root} (kept in {waiting[0].parent}); "
             "they are listed once it has room") if waiting else ""
@@ -314,7 +314,7 @@ def cmd_incidents(args: argparse.Namespace) -> int:
         _print_json(items)
         return 0
     if not items:
-        print(f"no incidents in {store.root}")
+        print(f"no incidents in {store.root}" + (f" for job {args.job}" if args.job else ""))
         return 0
     sys.stdout.write(tables.incidents(items))
     return 0

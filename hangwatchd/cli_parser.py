@@ -153,7 +153,7 @@ def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
                  [dirs, as_json])
     i.add_argument("--store", metavar="s3://BUCKET/PREFIX",
                    help="list job incidents across nodes from this shared store (default: this node's state dir)")
-    i.add_argument("--job", help="only this job's incidents, with --store (default: every job)")
+    i.add_argument("--job", help="only this job's incidents, here or with --store (default: every job)")
 
     sh = _command(sub, "show", commands["show"], "the report of one incident",
                   "Print one incident: the verdict, each process's capture steps and stacks, the analysis across "

@@ -198,7 +198,8 @@ def test_sigkill_during_a_capture_leaves_an_incomplete_incident_found_at_restart
 def test_a_hanging_py_spy_is_killed_at_its_deadline(tmp_path: Path) -> None:
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "py-spy").write_text("#!/bin/sh\nexec sleep 3601\n")
+    pids = tmp_path / "pyspy.pids"  # each fake py-spy's pid: checked by pid, never by name
+    (fake / "py-spy").write_text(f"#!/bin/sh\necho $$ >> {pids}\nexec sleep 3601\n")
     (fake / "py-spy").chmod(0o755)
     d = Daemon(tmp_path / "d", env={"PATH": f"{fake}:{os.environ['PATH']}"}, config={"pyspy_timeout": 1.0, "pyspy_native": False})
     work = d.run(workload_argv(beats=5, interval=0.02), "--heartbeat-timeout", "1")
@@ -210,7 +211,8 @@ def test_a_hanging_py_spy_is_killed_at_its_deadline(tmp_path: Path) -> None:
         assert steps["pyspy"]["ok"] is False and "killed" in steps["pyspy"]["error"]
         assert steps["pyspy"]["seconds"] < 5
         assert d.metric("hangwatchd_capture_step_failures_total", step="pyspy") == 1.0
-        assert not subprocess.run(["pgrep", "-f", "sleep 3601"], capture_output=True).stdout  # the group is gone
+        started = [int(p) for p in pids.read_text().split()]
+        assert started and not [p for p in started if Path(f"/proc/{p}").exists()]  # killed with its group, and reaped
     finally:
         stop(work)
         d.stop()

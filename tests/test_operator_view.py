@@ -30,6 +30,11 @@ def test_a_hang_gets_a_page_an_id_in_the_metrics_and_honest_columns(tmp_path: Pa
             assert "train-jjjjj" in row and "…" in row.split()[1]  # the job column too
             status = json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)
             assert LONG_ARG in status["processes"][0]["cmdline"]  # JSON keeps the whole value
+            job = "train-" + "j" * 40
+            mine = json.loads(hangwatchd("incidents", "--json", "--job", job, "--state-dir", str(d.state_dir)).stdout)
+            assert [i["id"] for i in mine] == [inc["id"]]  # --job filters this node's incidents too
+            other = hangwatchd("incidents", "--job", "another-job", "--state-dir", str(d.state_dir))
+            assert other.returncode == 0 and other.stdout.strip().endswith("for job another-job")
 
             page = Path(inc["dir"]) / "report.html"
             assert page.is_file() and (Path(inc["dir"]) / "incident.json").is_file()

@@ -66,11 +66,13 @@ def main(out: Path) -> int:
     shutil.rmtree(base, ignore_errors=True)
     results = {}
     seen: set[str] = set()
+    started: list[subprocess.Popen[bytes]] = []  # every workload, stopped at the end whatever happened
     d = Daemon(base, config={"gpu_dump": "confirmed", "pyspy_timeout": 20.0})
     try:
         # 1. triton_hang
         work = d.run([sys.executable, str(ROOT / "tests/gpu/triton_hang.py")], "--heartbeat-timeout", "5",
                      "--job", "triton", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        started.append(work)
         line = work.stdout.readline().decode()
         stall = float(line.split()[1])
         inc = new_incident(d, seen, 120)
@@ -96,6 +98,7 @@ def main(out: Path) -> int:
         subprocess.run(["nvcc", "-lineinfo", "-arch=sm_90", "-o", str(binary), str(FIX / "cpp_ima" / "inlined.cu")], check=True)
         start = time.time()
         work = d.run([str(binary)], "--job", "cpp_ima", stderr=subprocess.PIPE)
+        started.append(work)
         _, err = work.communicate(timeout=120)
         inc = new_incident(d, seen, 120)
         stored = next(ts(e) for e in d.logs() if e.get("event") == "incident_stored" and e.get("incident") == inc["id"])
@@ -110,6 +113,7 @@ def main(out: Path) -> int:
         # 3. graph_ima
         start = time.time()
         work = d.run([sys.executable, str(FIX / "graph_ima" / "graph_ima.py")], "--job", "graph_ima", stderr=subprocess.PIPE)
+        started.append(work)
         _, err = work.communicate(timeout=120)
         inc = new_incident(d, seen, 120)
         stored = next(ts(e) for e in d.logs() if e.get("event") == "incident_stored" and e.get("incident") == inc["id"])
@@ -124,6 +128,7 @@ def main(out: Path) -> int:
                    CUDA_COREDUMP_GENERATION_FLAGS="skip_nonrelocated_elf_images,skip_global_memory,skip_shared_memory,skip_local_memory,skip_constbank_memory")
         (base / "manual-dumps").mkdir()
         hang = subprocess.Popen([str(binary), "h"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        started.append(hang)
         hang.stdout.readline()
         time.sleep(2)
         start = time.time()
@@ -143,11 +148,9 @@ def main(out: Path) -> int:
     except Exception as exc:  # record how far it got; the summary says what failed
         results["error"] = f"{type(exc).__name__}: {exc}"
     finally:
+        stop(*started, sig=signal.SIGKILL)  # by pid: `hangwatchd run` takes its workload with it
         d.stop()
         shutil.copy(d.log, out / "daemon.log")
-        subprocess.run(["pkill", "-9", "-f", str(base)])
-        subprocess.run(["pkill", "-9", "-f", "triton_hang.py"])
-        subprocess.run(["pkill", "-9", "-f", "graph_ima.py"])
     (out / "summary.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     return 0
