@@ -11,8 +11,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-_EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
-_SHDR = struct.Struct("<IIQQQQIIQQ")
+EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
+SHDR = struct.Struct("<IIQQQQIIQQ")
 _SYM = struct.Struct("<IBBHQQ")
 _RELA = struct.Struct("<QQq")
 
@@ -36,7 +36,7 @@ class Section:
     name: str
     type: int
     addr: int
-    offset: int  # from the start of the cubin
+    offset: int  # from the start of its ELF file (the cubin, or the whole dump)
     size: int
     link: int
     info: int
@@ -60,15 +60,15 @@ class Elf:
         self.buf = buf
         self.base = base
         self.size = len(buf) - base if size is None else size
-        if self.size < _EHDR.size or bytes(buf[base : base + 4]) != b"\x7fELF":
+        if self.size < EHDR.size or bytes(buf[base : base + 4]) != b"\x7fELF":
             raise ElfError("not an ELF file")
-        ident, *_r, shoff, _flags, _ehsize, _phentsize, _phnum, shentsize, shnum, shstrndx = _EHDR.unpack_from(buf, base)
+        ident, *_r, shoff, _flags, _ehsize, _phentsize, _phnum, shentsize, shnum, shstrndx = EHDR.unpack_from(buf, base)
         if ident[4] != 2 or ident[5] != 1:
             raise ElfError("not a 64-bit little-endian ELF file")
-        if shnum > MAX_SECTIONS or shentsize < _SHDR.size:
+        if shnum > MAX_SECTIONS or shentsize < SHDR.size:
             raise ElfError(f"claims {shnum} sections of {shentsize} bytes")
         self._check(shoff, shnum * shentsize, "the section header table")
-        raw = [_SHDR.unpack_from(buf, base + shoff + i * shentsize) for i in range(shnum)]
+        raw = [SHDR.unpack_from(buf, base + shoff + i * shentsize) for i in range(shnum)]
         names = raw[shstrndx] if shstrndx < shnum else None
         if names is not None:
             self._check(names[4], names[5], "the section name table")

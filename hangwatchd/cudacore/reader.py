@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from . import layout as L
+from .elf import EHDR, SHDR, SHT_NOBITS, Section
 from .errors import CoreDumpError
 from .source import mapped
 
@@ -27,23 +28,7 @@ MAX_ROWS = 1 << 20  # all driver tables together
 MAX_LANES = 4 << 20
 MAX_LANES_PER_WARP = 64
 
-_EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
-_SHDR = struct.Struct("<IIQQQQIIQQ")
-SHT_NOBITS = 8
 SHT_STRTAB = 3
-
-
-@dataclass(frozen=True)
-class Section:
-    index: int
-    name: str
-    type: int
-    addr: int
-    offset: int
-    size: int
-    link: int
-    info: int
-    entsize: int
 
 
 @dataclass(frozen=True)
@@ -200,9 +185,9 @@ class _Parser:
         return dump
 
     def _read_sections(self) -> None:
-        if self.size < _EHDR.size:
+        if self.size < EHDR.size:
             raise self.fail(f"only {self.size} bytes, too short to be a CUDA coredump")
-        ident, e_type, machine, _v, _entry, _phoff, shoff, _flags, _ehsize, _phentsize, _phnum, shentsize, shnum, shstrndx = _EHDR.unpack_from(self.buf, 0)  # type: ignore[arg-type]
+        ident, e_type, machine, _v, _entry, _phoff, shoff, _flags, _ehsize, _phentsize, _phnum, shentsize, shnum, shstrndx = EHDR.unpack_from(self.buf, 0)  # type: ignore[arg-type]
         if ident[:4] != b"\x7fELF":
             raise self.fail("not an ELF file, so not a CUDA coredump")
         if ident[4] != 2 or ident[5] != 1:
@@ -212,12 +197,12 @@ class _Parser:
         if e_type != L.ET_CORE:
             kind = "a cubin or CUDA object" if e_type in (1, 2, 3) else f"ELF type {e_type}"
             raise self.fail(f"{kind}, not a CUDA coredump (ET_CORE)")
-        if shentsize < _SHDR.size:
-            raise self.fail(f"section headers of {shentsize} bytes, smaller than ELF's {_SHDR.size}; the file is damaged")
+        if shentsize < SHDR.size:
+            raise self.fail(f"section headers of {shentsize} bytes, smaller than ELF's {SHDR.size}; the file is damaged")
         if shoff == 0 or shoff + shentsize > self.size:
             raise self.fail("section header table lies outside the file; the dump is truncated")
         if shnum == 0 or shstrndx == 0xFFFF:
-            first = _SHDR.unpack_from(self.buf, shoff)  # type: ignore[arg-type]
+            first = SHDR.unpack_from(self.buf, shoff)  # type: ignore[arg-type]
             shnum = shnum or first[5]
             if shstrndx == 0xFFFF:
                 shstrndx = first[6]
@@ -228,7 +213,7 @@ class _Parser:
             raise self.fail(
                 f"claims {shnum} sections at offset {shoff} but the file ends at {self.size}; the dump is truncated"
             )
-        raw = [_SHDR.unpack_from(self.buf, shoff + i * shentsize) for i in range(shnum)]  # type: ignore[arg-type]
+        raw = [SHDR.unpack_from(self.buf, shoff + i * shentsize) for i in range(shnum)]  # type: ignore[arg-type]
         if shstrndx >= shnum:
             raise self.fail(f"section name table index {shstrndx} is past the {shnum} sections; the file is damaged")
         names = raw[shstrndx]
