@@ -18,7 +18,7 @@ import os
 import signal
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,13 +73,8 @@ def write(runtime_dir: Path, process: ProcessId, returncode: int | None, when: f
             record["last_beat_time"] = reading.wall_time()
         except heartbeat.SegmentError:
             pass
-    directory = runtime_dir / DIR
     try:
-        tmp = directory / f".{file_name(process)}.tmp{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, directory / file_name(process))
+        untrusted.write_replacing(runtime_dir / DIR / file_name(process), json.dumps(record).encode())
     except OSError:
         pass  # an older daemon's runtime dir without exits/: the daemon still sees the exit, without its status
 

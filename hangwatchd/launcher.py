@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import exits, gpudump, heartbeat, pdeathsig, procfs, registry, runtime
+from . import exits, gpudump, heartbeat, pdeathsig, procfs, registry, runtime, untrusted
 from .client import BEAT_FILE_ENV, JOB_ENV, STACK_TIMEOUT_ENV, TIMEOUT_ENV
 from .cudacore import driverlog
 from .config import RUNTIME_DIR_ENV, Config
@@ -224,12 +224,7 @@ class NotifyProxy(threading.Thread):
             elif line.startswith("STATUS="):
                 try:
                     # In the world-writable beats dir: never write through a name someone planted.
-                    tmp = self.status_file.with_name(f".{self.status_file.name}.tmp")
-                    tmp.unlink(missing_ok=True)
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-                    with os.fdopen(fd, "w") as f:
-                        f.write(line[7:][:1024])
-                    tmp.replace(self.status_file)
+                    untrusted.write_replacing(self.status_file, line[7:][:1024].encode())
                 except OSError:
                     pass
         if self.upstream:

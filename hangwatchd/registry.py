@@ -57,11 +57,7 @@ def write(directory: Path, reg: Registration) -> Path:
     del data["process"]
     data["version"] = 1
     path = directory / file_name(reg.process)
-    tmp = directory / f".{path.name}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+    untrusted.write_replacing(path, json.dumps(data).encode())
     return path
 
 
