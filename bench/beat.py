@@ -28,9 +28,9 @@ def best(fn, number: int) -> float:  # type: ignore[no-untyped-def]
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         seg = os.path.join(tmp, "bench.beat")
-        from hangwatchd import heartbeat
+        from hangwatchd.workload import beat_segment
 
-        heartbeat.create(seg, os.getpid())
+        beat_segment.create(seg, os.getpid())
         os.environ["HANGWATCHD_BEAT_FILE"] = seg
         import hangwatchd
 
@@ -38,7 +38,7 @@ def main() -> None:
         beat_s = best(hangwatchd.beat, N)
 
         os.environ.pop("HANGWATCHD_BEAT_FILE")
-        from hangwatchd import client
+        from hangwatchd.workload import client
 
         client._reset_after_fork()  # as in a process nobody launched or registered
         hangwatchd.beat()

@@ -21,11 +21,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd import config, registry  # noqa: E402
+from hangwatchd import (
+    config,
+    log,  # noqa: E402
+)
 from hangwatchd.capture import make_steps, run_steps  # noqa: E402
-from hangwatchd.fleet.testing import S3Server  # noqa: E402
 from hangwatchd.testing import Daemon, stop, wait_for  # noqa: E402
-from hangwatchd import log  # noqa: E402
+from hangwatchd.workload import registration_file  # noqa: E402
+from tests.s3server import S3Server  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from _figures import Figure, report  # noqa: E402
@@ -76,7 +79,7 @@ def main() -> None:
                 steps = make_steps(cfg)
                 start = time.monotonic()
                 for pid in pids:
-                    reg = registry.from_proc(pid)
+                    reg = registration_file.from_proc(pid)
                     assert reg is not None
                     run_steps(steps, reg, base / "serial-out" / str(pid), cfg.capture_timeout)
                 serial = time.monotonic() - start

@@ -24,8 +24,8 @@ sys.path.insert(0, str(ROOT))
 from hangwatchd import log  # noqa: E402
 from hangwatchd.fleet import s3 as s3client  # noqa: E402
 from hangwatchd.fleet.agent import Agent  # noqa: E402
-from hangwatchd.fleet.testing import S3Server  # noqa: E402
 from hangwatchd.testing import Daemon  # noqa: E402
+from tests.s3server import S3Server  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from _figures import Figure, report  # noqa: E402

@@ -9,7 +9,7 @@ A workload needs only::
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .client import beat, register
+    from .workload.client import beat, register
 
 __all__ = ["beat", "register"]
 __version__ = "0.1.0"
@@ -20,7 +20,7 @@ def __getattr__(name: str) -> Any:
     # `hangwatchd symbolize` must start fast. Bound into the module after, so
     # ``hangwatchd.beat()`` costs no more than a plain attribute afterwards.
     if name in __all__:
-        from . import client
+        from .workload import client
 
         value = getattr(client, name)
         globals()[name] = value

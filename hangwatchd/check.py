@@ -10,11 +10,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import subproc
-from .capture.pyspy import find_pyspy, ptrace_hint
 from .config import Config
 from .cudacore.cudagdb import find_cuda_gdb
 from .cudacore.nvdisasm import INSTALL_HINT, find_nvdisasm
+from .host import subproc
+from .host.pyspy_binary import find_pyspy, ptrace_hint
 
 CAP_SYS_PTRACE = 19
 

@@ -14,8 +14,8 @@ from typing import Any
 from .cli_parser import build_parser
 from .config import ConfigError, client_runtime_dir
 from .cudacore.errors import CoreDumpError
+from .incidents.store import StoreError
 from .metrics import AddressError
-from .store import StoreError
 
 
 class UsageError(Exception):
@@ -64,8 +64,8 @@ def _daemon_config(args: argparse.Namespace) -> Any:
 
 def cmd_daemon(args: argparse.Namespace) -> int:
     from . import log
-    from .daemon import Daemon, SetupError
-    from .store import StoreError
+    from .daemon.loop import Daemon, SetupError
+    from .incidents.store import StoreError
 
     cfg = _daemon_config(args)
     log.configure(cfg.log_format, cfg.log_level)
@@ -78,7 +78,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 # -- run -------------------------------------------------------------------
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .launcher import Launch, LaunchError, run
+    from .workload.launcher import Launch, LaunchError, run
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -99,18 +99,19 @@ def cmd_run(args: argparse.Namespace) -> int:
 # -- capture by hand -------------------------------------------------------
 
 def cmd_capture(args: argparse.Namespace) -> int:
-    from . import config, log, registry
+    from . import config, log
     from .capture import make_steps
-    from .make_incident import make_incident, pages
+    from .daemon.make_incident import make_incident
+    from .incidents.store import Store, StoreError
     from .model import Suspicion
-    from .store import Store, StoreError
+    from .workload import registration_file
 
     cfg = config.load(args.config, {"state_dir": args.state_dir, "runtime_dir": args.runtime_dir})
     log.configure("console", "warning")
-    target = registry.from_proc(args.pid)
+    target = registration_file.from_proc(args.pid)
     if target is None:
         raise UsageError(f"capture: no process {args.pid}")
-    store = Store(cfg.state_dir, pages=pages)
+    store = Store(cfg.state_dir)
     try:
         store.open()
     except StoreError as exc:
@@ -229,20 +230,20 @@ def _print_incident(args: argparse.Namespace, path: Path) -> int:
 # -- status, incidents, show ----------------------------------------------
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from . import heartbeat, runtime
     from .report import tables
+    from .workload import beat_segment, runtime_files
 
     runtime_dir = Path(args.runtime_dir) if args.runtime_dir else client_runtime_dir()
-    status = runtime.status(runtime_dir)
+    status = runtime_files.status(runtime_dir)
     if status is None:
         raise Failure(f"no daemon is running with runtime dir {runtime_dir}; start one with 'hangwatchd daemon'")
     for p in status["processes"]:
         if p.get("beat_file"):  # fresher than the daemon's last write
             try:
-                reading = heartbeat.read(p["beat_file"])
+                reading = beat_segment.read(p["beat_file"])
                 p["last_beat_age"] = reading.age()
                 p["beats"] = reading.count
-            except heartbeat.SegmentError:
+            except beat_segment.SegmentError:
                 pass
     if args.json:
         _print_json(status)
@@ -252,12 +253,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _store(args: argparse.Namespace) -> Any:
-    from . import config, runtime
-    from .store import Store
+    from . import config
+    from .incidents.store import Store
+    from .workload import runtime_files
 
     state_dir = args.state_dir
     if not state_dir:
-        info = runtime.daemon_info(Path(args.runtime_dir) if getattr(args, "runtime_dir", None) else client_runtime_dir())
+        info = runtime_files.daemon_info(Path(args.runtime_dir) if getattr(args, "runtime_dir", None) else client_runtime_dir())
         state_dir = info["state_dir"] if info else config.Config().state_dir
     return Store(state_dir)
 
@@ -280,7 +282,7 @@ def _store_incidents(args: argparse.Namespace) -> int:
     sys.stdout.write(tables.job_incidents(items))
     return 0
 def _list(store: Any) -> list[dict[str, Any]]:
-    from .store import StoreError
+    from .incidents.store import StoreError
 
     try:
         return store.list()  # type: ignore[no-any-return]
@@ -290,7 +292,7 @@ def _list(store: Any) -> list[dict[str, Any]]:
 
 def _pending(args: argparse.Namespace) -> Any:
     """The daemon's spool of reports waiting for room in the state dir."""
-    from .spool import SPOOL_DIR, Spool
+    from .incidents.spool import SPOOL_DIR, Spool
 
     return Spool((Path(args.runtime_dir) if getattr(args, "runtime_dir", None) else client_runtime_dir()) / SPOOL_DIR)
 

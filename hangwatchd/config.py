@@ -162,7 +162,10 @@ def _steps(v: Any) -> tuple[str, ...]:
 def _store_url(v: Any) -> str:
     if v == "":
         return v
-    from .fleet.url import StoreURLError, parse  # the URL's own rules, kept beside the code that uses them
+    from .fleet.url import (  # the URL's own rules, kept beside the code that uses them
+        StoreURLError,
+        parse,
+    )
 
     try:
         parse(v)

@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import runtime
-from .store import Store
+from .incidents.store import Store
+from .workload import runtime_files
 
 T = TypeVar("T")
 
@@ -89,7 +89,7 @@ class Daemon:
     def _ready(self) -> dict[str, Any] | None:
         if self.proc.poll() is not None:
             raise RuntimeError(f"the daemon exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
-        return runtime.daemon_info(self.runtime_dir)
+        return runtime_files.daemon_info(self.runtime_dir)
 
     @property
     def metrics_url(self) -> str:

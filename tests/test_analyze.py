@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -277,11 +276,11 @@ def test_each_unreadable_piece_of_evidence_is_a_line_and_the_verdict_says_what_i
 
 
 def test_a_capture_is_stored_even_when_its_analysis_fails(tmp_path: Path, monkeypatch) -> None:
-    from hangwatchd import make_incident
     from hangwatchd.capture.proc import ProcStep
+    from hangwatchd.daemon import make_incident
+    from hangwatchd.incidents.store import Store
     from hangwatchd.model import Suspicion
-    from hangwatchd.registry import from_proc
-    from hangwatchd.store import Store
+    from hangwatchd.workload.registration_file import from_proc
 
     def broken(_path: Path):  # type: ignore[no-untyped-def]
         raise KeyError("a bug in the analysis")

@@ -8,14 +8,14 @@ import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from hangwatchd.store import Store
+from hangwatchd.incidents.store import Store
 from hangwatchd.testing import Daemon, hangwatchd_argv, stop, wait_for, workload_argv
 
 from .conftest import hangwatchd

@@ -35,7 +35,7 @@ def test_the_demo_ends_in_a_stored_incident_that_names_the_hang_and_leaves_nothi
     assert lines.index("step 30: waiting for a peer that never comes") > 1
     (title,) = [ln for ln in lines if ln.startswith("Incident ")]
     assert title.endswith("(complete)")
-    assert any(ln.strip().startswith("> wait_for_peer") and "demo_workload.py" in ln for ln in lines)
+    assert any(ln.strip().startswith("> wait_for_peer") and "workload.py" in ln for ln in lines)
     (counter,) = [ln for ln in lines if ln.startswith("/metrics: hangwatchd_hangs_total{")]
     assert 'reason="heartbeat"' in counter and counter.endswith(" 1.0")
     # The incident stays, and the command the demo's last line gives shows it again.

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from hangwatchd.store import Store
+from hangwatchd.incidents.store import Store
 from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
 
 from .conftest import hangwatchd
-
 
 
 def test_py_spy_missing_is_recorded_and_the_rest_is_captured(tmp_path: Path) -> None:

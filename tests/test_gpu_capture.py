@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from hangwatchd.store import Store
+from hangwatchd.incidents.store import Store
 from hangwatchd.testing import Daemon, stop, wait_for
 
 from .conftest import FIXTURES, hangwatchd

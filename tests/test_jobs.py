@@ -218,8 +218,8 @@ def test_a_launcher_known_by_name_is_never_hung_for_its_own_beats(tmp_path: Path
 
 
 def test_an_exit_record_is_believed_only_as_a_small_regular_file_of_its_process(tmp_path: Path) -> None:
-    from hangwatchd import exits
     from hangwatchd.model import ProcessId
+    from hangwatchd.workload import exits
 
     (tmp_path / "exits").mkdir()
     me = ProcessId(4242, 777)
@@ -267,9 +267,9 @@ _exit_like = st.fixed_dictionaries({}, optional={k: _json_values for k in (
        proc=st.fixed_dictionaries({"pid": st.just(7)}, optional={"rank": st.none() | st.integers(-3, 9),
                                                                   "world_size": st.none() | st.integers(-3, 10**9)}))
 def test_any_exit_json_gives_a_verdict_never_an_error(tmp_path: Path, record: Any, proc: Any) -> None:
-    from hangwatchd import exits
     from hangwatchd.analyze.verdict import analyze
     from hangwatchd.model import ProcessId
+    from hangwatchd.workload import exits
 
     inc = tmp_path / "inc"
     shutil.rmtree(inc, ignore_errors=True)

@@ -15,28 +15,28 @@ import pytest
 
 import hangwatchd
 
-# The order, written once, bottom floor first. A module may import its own floor and the ones
-# below it. DESIGN.md's five floors: on the ground the model, the coredump reader, metrics,
-# config and the beat segment (and the small helpers they share), which import nothing above
-# the ground; then the stages (capture, analysis, reports, the store, the registry and the
-# client), which follow the flow among themselves, register -> watch -> capture -> analyse ->
-# store -> export (symbolising is the coredump reader's, on the ground); then the detectors and
-# the launcher; then the daemon and the rooms it hands work to; and the command line on top.
+# The order, written once, bottom floor first, following the flow a process passes through:
+# register -> watch -> detect -> capture -> analyse -> store -> the fleet -> export, with the daemon
+# that wires them and the command line on top. A module may import its own floor and the ones below
+# it. On the ground: the records, the settings, the metrics, the log, the host's OS facts and the
+# coredump reader, which import nothing above the ground. The README's Rooms table is checked
+# against this list and the tree (test_the_readme_rooms_table_is_the_tree).
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
-    ("ground", ("model", "config", "metrics", "heartbeat", "cudacore", "cudacore.*", "untrusted", "procfs",
-                "subproc", "samples", "patterns", "notify", "log", "runtime", "incident_access", "user_limits", "jsonfile",
-                "pdeathsig", "fleet.url")),
-    ("register", ("hangwatchd", "registry", "client", "exits")),
-    ("watch", ("watched", "ranks")),
-    ("capture", ("capture", "capture.*", "gpudump")),
+    ("ground", ("model", "config", "metrics", "log", "host", "host.*", "cudacore", "cudacore.*", "fleet.url")),
+    ("workload", ("hangwatchd", "workload", "workload.*")),
+    ("watch", ("watch", "watch.*")),
+    ("detect", ("detect", "detect.*")),
+    ("capture", ("capture", "capture.*")),
     ("analyse", ("analyze", "analyze.*")),
-    ("store", ("store", "spool", "retention", "fleet", "fleet.*")),
-    ("export", ("report", "report.*")),
-    ("detect and launch", ("detect", "detect.*", "launcher")),
-    ("daemon", ("daemon", "loop_guard", "instance_lock", "registrations", "capture_workers", "make_incident", "dump_ingest", "dumpscan",
-                "status_file")),
-    ("cli", ("cli", "cli_parser", "__main__", "check", "demo", "demo_workload", "testing", "fleet.testing")),
+    ("incidents", ("incidents", "incidents.*")),
+    ("fleet", ("fleet", "fleet.*")),
+    ("report", ("report", "report.*")),
+    ("daemon", ("daemon", "daemon.*")),
+    ("cli", ("cli", "cli_parser", "__main__", "check", "demo", "demo.*", "testing")),
 ]
+
+# At most this many modules loose at the top of the package; the rest live in the stage they serve.
+MAX_LOOSE = 10
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -111,6 +111,43 @@ def violations(root: Path, floors: list[tuple[str, tuple[str, ...]]]) -> list[st
     return found
 
 
+def import_loops(root: Path) -> list[str]:
+    """Each set of modules that import one another, lazily or not, as one line 'a -> b -> a'.
+
+    A package and its own submodules count like any other pair: ``capture/__init__`` may
+    gather its steps, and a step must then not import ``capture`` back."""
+    graph = {module_name(root, p): sorted(imports_of(root, p)) for p in sorted(root.rglob("*.py"))}
+    loops, index, low, stack, on_stack = [], {}, {}, [], set()
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, []):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                loops.append(" -> ".join(sorted(comp) + [sorted(comp)[0]]))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return sorted(loops)
+
+
 # Reports render an analysis they are given (the CLI, or the store's page writer, computes it):
 # a report module may read an incident's files, never run the verdict.
 VERDICT = "analyze.verdict"
@@ -124,6 +161,15 @@ def reports_that_compute(root: Path) -> list[str]:
 def test_no_stage_imports_a_later_one() -> None:
     root = Path(hangwatchd.__file__).parent
     assert violations(root, FLOORS) == []
+
+
+def test_no_module_imports_another_that_imports_it_back() -> None:
+    assert import_loops(Path(hangwatchd.__file__).parent) == []
+
+
+def test_few_modules_are_loose_at_the_top() -> None:
+    loose = sorted(p.name for p in Path(hangwatchd.__file__).parent.glob("*.py"))
+    assert len(loose) <= MAX_LOOSE, loose
 
 
 def test_every_floor_of_the_order_is_in_use() -> None:
@@ -141,17 +187,21 @@ def bad_house(tmp_path: Path) -> Path:
     """A small package with the arrows this check exists to catch (the ones issue 13 found)."""
     root = tmp_path / "hangwatchd"
     files = {
-        "__init__.py": "from .client import beat\n",
-        "client.py": "from . import model\n",
+        "__init__.py": "from .workload.client import beat\n",
+        "workload/__init__.py": "",
+        "workload/client.py": "from .. import model\n",
         "model.py": "",
-        "store.py": "from .model import Incident\n",
+        "incidents/__init__.py": "",
+        "incidents/store.py": "from ..model import Incident\n",
         "capture/__init__.py": "",
         "capture/base.py": "from ..model import Registration\n",
         # capture knowing the later stages, the second one lazily inside a function
         "capture/pipeline.py": ("from ..analyze.verdict import analyze\nfrom .base import Step\n\n"
-                                "def run():\n    from hangwatchd import store\n    return store\n"),
+                                "def run():\n    from hangwatchd.incidents import store\n    return store\n"),
         "analyze/__init__.py": "",
-        "analyze/verdict.py": "from ..capture import base\n",
+        "analyze/verdict.py": "from ..capture import base\nfrom .gone import account\n",
+        # two modules that import each other, one of them lazily: a loop
+        "analyze/gone.py": "def account():\n    from .verdict import Analysis\n",
         # a report that runs the analysis is fine by floors (export after analyse), caught apart...
         "report/__init__.py": "",
         "report/incident.py": "from ..analyze.verdict import analyze\n",
@@ -168,10 +218,14 @@ def bad_house(tmp_path: Path) -> Path:
 def test_the_check_fails_on_a_later_stage_imported(bad_house: Path) -> None:
     assert violations(bad_house, FLOORS) == [
         "capture.pipeline (capture) imports analyze.verdict (analyse), a later stage",
-        "capture.pipeline (capture) imports store (store), a later stage",
-        "metrics (ground) imports report.incident (export), a later stage",
+        "capture.pipeline (capture) imports incidents.store (incidents), a later stage",
+        "metrics (ground) imports report.incident (report), a later stage",
         "newroom: on no floor; add it to FLOORS in tests/test_layers.py",
     ]
+
+
+def test_the_check_fails_on_an_import_loop(bad_house: Path) -> None:
+    assert import_loops(bad_house) == ["analyze.gone -> analyze.verdict -> analyze.gone"]
 
 
 def test_the_check_fails_on_a_report_that_runs_the_analysis(bad_house: Path) -> None:
@@ -179,7 +233,7 @@ def test_the_check_fails_on_a_report_that_runs_the_analysis(bad_house: Path) -> 
 
 
 def test_imports_are_resolved_as_python_does(bad_house: Path) -> None:
-    assert imports_of(bad_house, bad_house / "capture" / "pipeline.py") == {"analyze.verdict", "capture.base", "store"}
-    assert imports_of(bad_house, bad_house / "__init__.py") == {"client"}
-    assert imports_of(bad_house, bad_house / "analyze" / "verdict.py") == {"capture.base"}
+    assert imports_of(bad_house, bad_house / "capture" / "pipeline.py") == {"analyze.verdict", "capture.base", "incidents.store"}
+    assert imports_of(bad_house, bad_house / "__init__.py") == {"workload.client"}
+    assert imports_of(bad_house, bad_house / "analyze" / "verdict.py") == {"capture.base", "analyze.gone"}
     assert imports_of(bad_house, bad_house / "metrics.py") == {"report.incident"}

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import time
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hangwatchd.fleet.testing import S3Server
 from hangwatchd.testing import Daemon, stop, wait_for
+from tests.s3server import S3Server
 
 from .conftest import hangwatchd
 
@@ -188,7 +188,7 @@ def test_bad_store_url_is_one_line_and_exit_2(tmp_path: Path) -> None:
 
 
 def test_unreachable_store_is_one_line_and_exit_1(tmp_path: Path) -> None:
-    from hangwatchd.fleet.testing import free_port
+    from tests.s3server import free_port
 
     env = {**S3Server().env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}
     res = hangwatchd("incidents", "--store", "s3://bucket/x", env=env)

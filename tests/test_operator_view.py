@@ -10,6 +10,8 @@ import signal
 import socket
 from pathlib import Path
 
+import pytest
+
 from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
 
 from .conftest import FIXTURES, hangwatchd
@@ -82,18 +84,22 @@ def test_a_templated_kernel_name_is_shortened_in_text_and_whole_in_json(tmp_path
                          d.scrape())
 
 
-def test_a_page_that_cannot_be_rendered_costs_the_page_not_the_incident(tmp_path: Path) -> None:
+def test_a_page_that_cannot_be_rendered_costs_the_page_not_the_incident(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hangwatchd.daemon.make_incident import write_pages
+    from hangwatchd.incidents.store import Store
     from hangwatchd.model import Incident
-    from hangwatchd.store import Store
+    from hangwatchd.report import html
 
-    def broken(_dir: Path) -> dict[str, str]:
+    def broken(*_args: object) -> dict[str, str]:
         raise RuntimeError("a renderer bug")
 
-    store = Store(tmp_path, pages=broken)
+    monkeypatch.setattr(html, "pages", broken)
+    store = Store(tmp_path)
     store.open()
     draft = store.begin("manual", None, [])
-    store.commit(draft, Incident(id=draft.id, time=draft.time, host="h", reason="manual", detail="d", job=None,
-                                 processes=()), "summary")
+    incident = Incident(id=draft.id, time=draft.time, host="h", reason="manual", detail="d", job=None, processes=())
+    write_pages(draft.path, incident, {"summary": "s"})
+    store.commit(draft, incident, "summary")
     (inc,) = store.list()
     assert inc["complete"] and (Path(inc["dir"]) / "incident.json").is_file()
     assert not (Path(inc["dir"]) / "report.html").exists()

@@ -18,13 +18,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hangwatchd import procfs, registry
 from hangwatchd.analyze import ras
 from hangwatchd.analyze.verdict import analyze
 from hangwatchd.capture.nccl_ras import NcclRasStep
 from hangwatchd.capture.pipeline import run_steps
+from hangwatchd.host import procfs
 from hangwatchd.model import Registration
 from hangwatchd.testing import stop
+from hangwatchd.workload import registration_file
 
 from .conftest import extract, hangwatchd
 
@@ -93,7 +94,7 @@ def workload() -> Iterator[Callable[[str | None], Registration]]:
             if procfs.environ(p.pid).get("RANK") == "0":
                 break
             time.sleep(0.02)
-        reg = registry.from_proc(p.pid)
+        reg = registration_file.from_proc(p.pid)
         assert reg is not None
         return reg
 

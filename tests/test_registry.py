@@ -15,9 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hangwatchd import heartbeat, procfs, registry
+from hangwatchd.host import procfs
 from hangwatchd.model import ProcessId, Registration
 from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
+from hangwatchd.workload import beat_segment, registration_file
 
 
 @pytest.fixture
@@ -76,7 +77,7 @@ def test_hostile_registrations_are_refused_and_the_daemon_goes_on(tmp_path: Path
 
         # A beat file outside the runtime dir.
         outside = tmp_path / "elsewhere.beat"
-        heartbeat.create(str(outside), me.pid)
+        beat_segment.create(str(outside), me.pid)
         drop(d, f"{me.pid}-{me.start_time}.json", json.dumps(reg_dict(me.pid, me.start_time, beat_file=str(outside))))
         refused(d, "bad_beat_file")
         (d.runtime_dir / "registrations" / f"{me.pid}-{me.start_time}.json").unlink()
@@ -110,15 +111,15 @@ def test_load_checks_the_claim_against_proc(tmp_path: Path, sleeper: subprocess.
     regs = tmp_path / "registrations"
     regs.mkdir()
     beat = beats / "b.beat"
-    heartbeat.create(str(beat), me.pid)
+    beat_segment.create(str(beat), me.pid)
     reg = Registration(process=me, uid=os.getuid(), job="j", rank=1, heartbeat_timeout=5.0, beat_file=str(beat))
-    path = registry.write(regs, reg)
-    loaded = registry.load(path, beats)
+    path = registration_file.write(regs, reg)
+    loaded = registration_file.load(path, beats)
     assert (loaded.process, loaded.job, loaded.rank, loaded.heartbeat_timeout, loaded.beat_file) == (me, "j", 1, 5.0, str(beat))
     sleeper.kill()
     sleeper.wait()
-    with pytest.raises(registry.RegistrationError) as err:
-        registry.load(path, beats)
+    with pytest.raises(registration_file.RegistrationError) as err:
+        registration_file.load(path, beats)
     assert err.value.reason == "no_process"
 
 
@@ -141,8 +142,8 @@ def test_fuzz_registration_parser(tmp_path: Path, data: dict[str, object], raw: 
     path = regs / f"{me.pid}-{me.start_time}.json"
     path.write_bytes(raw if raw is not None else json.dumps(data).encode())
     try:
-        reg = registry.load(path, tmp_path / "beats")
-    except registry.RegistrationError as exc:
+        reg = registration_file.load(path, tmp_path / "beats")
+    except registration_file.RegistrationError as exc:
         assert exc.reason and str(path) in str(exc)
     else:
         assert reg.process == ProcessId(me.pid, me.start_time)
@@ -160,7 +161,7 @@ def test_beat_counts_and_a_fork_never_beats_for_its_parent(tmp_path: Path) -> No
     code = f"""
 import os, time, hangwatchd
 from hangwatchd import heartbeat
-heartbeat.create({str(seg)!r}, os.getpid())
+beat_segment.create({str(seg)!r}, os.getpid())
 os.environ['HANGWATCHD_BEAT_FILE'] = {str(seg)!r}
 for _ in range(5): hangwatchd.beat()
 pid = os.fork()
@@ -168,10 +169,10 @@ if pid == 0:
     for _ in range(100): hangwatchd.beat()
     os._exit(0)
 os.waitpid(pid, 0)
-print(heartbeat.read({str(seg)!r}).count)
+print(beat_segment.read({str(seg)!r}).count)
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert res.stdout.strip() == "5", res.stderr
-    reading = heartbeat.read(str(seg))
+    reading = beat_segment.read(str(seg))
     assert reading.age() is not None and 0 <= reading.age() < 30  # type: ignore[operator]
     assert time.monotonic_ns() >= reading.last_ns

@@ -18,7 +18,6 @@ import os
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import tempfile
@@ -30,9 +29,10 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from hangwatchd import heartbeat, untrusted
+from hangwatchd.host import untrusted
+from hangwatchd.host.user_limits import UserLimits
 from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
-from hangwatchd.user_limits import UserLimits
+from hangwatchd.workload import beat_segment
 
 from .conftest import FIXTURES
 
@@ -82,16 +82,16 @@ def test_untrusted_refuses_links_fifos_directories_and_big_files_without_blockin
 
 def test_a_heartbeat_segment_swapped_for_a_directory_is_refused_not_an_error(tmp_path: Path) -> None:
     seg = tmp_path / "s.beat"
-    heartbeat.create(str(seg), os.getpid())
-    assert heartbeat.read(str(seg), os.getuid()).count == 0
+    beat_segment.create(str(seg), os.getpid())
+    assert beat_segment.read(str(seg), os.getuid()).count == 0
     seg.unlink()
     seg.mkdir()
     with pytest.raises(untrusted.Refused) as err:
-        heartbeat.read(str(seg), os.getuid())
+        beat_segment.read(str(seg), os.getuid())
     assert err.value.reason == "not_regular"
     seg.rmdir()
-    with pytest.raises(heartbeat.SegmentError):  # gone: the process's business (it may hang), not an attack
-        heartbeat.read(str(seg), os.getuid())
+    with pytest.raises(beat_segment.SegmentError):  # gone: the process's business (it may hang), not an attack
+        beat_segment.read(str(seg), os.getuid())
 
 
 def test_process_uid_is_one_uid_or_refused() -> None:
@@ -113,7 +113,7 @@ def test_user_limits_bound_a_user_but_never_root() -> None:
 
 
 def test_a_dump_is_linked_only_to_a_process_of_its_owner() -> None:
-    from hangwatchd.dump_ingest import attribute
+    from hangwatchd.daemon.exception_dumps import attribute
     from hangwatchd.model import ProcessId, Registration
 
     me, other = os.getuid(), os.getuid() + 1
@@ -238,8 +238,9 @@ def nobody_can_read(path: Path) -> bool:
 def as_nobody_cli(*args: str) -> subprocess.CompletedProcess[str]:
     """``hangwatchd ARGS`` as uid 65534: the system's Python (ours may live under root's home)
     with this checkout and its installed dependencies on the path."""
-    import hangwatchd
     import sysconfig
+
+    import hangwatchd
 
     path = os.pathsep.join([str(Path(hangwatchd.__file__).parent.parent), sysconfig.get_paths()["purelib"],
                             sysconfig.get_paths()["platlib"]])
@@ -346,7 +347,7 @@ os.rename(tmp, os.path.join({str(dumps)!r}, 'nodump_{socket.gethostname()}.{pid}
 @needs_root
 def test_beat_and_status_files_swapped_after_acceptance_cost_only_that_registration(base: Path, attacker: Attacker) -> None:
     secret = base / "secret.beat"
-    heartbeat.create(str(secret), 1, mode=0o600)
+    beat_segment.create(str(secret), 1, mode=0o600)
     swaps = [("beat", "dir"), ("beat", "fifo"), ("beat", "symlink"), ("status", "dir"), ("status", "fifo"), ("status", "symlink")]
     with Daemon(base / "d", config=QUICK) as d:
         evil = [attacker.register(d.runtime_dir, "--status", "--timeout", "3") for _ in swaps]

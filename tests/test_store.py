@@ -6,8 +6,8 @@ import sqlite3
 import time
 from pathlib import Path
 
+from hangwatchd.incidents.store import Store
 from hangwatchd.model import Incident
-from hangwatchd.store import Store
 
 
 def make(store: Store, when: float, dump_bytes: int) -> str:

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..jsonfile import Unreadable, read_json
 from . import flight, ras
+from .jsonfile import Unreadable, read_json
 from .stacks import read_threads
+
 
 @dataclass(frozen=True)
 class Evidence:

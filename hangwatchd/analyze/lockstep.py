@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..jsonfile import read_json_or_none
+from .jsonfile import read_json_or_none
 
 C = TypeVar("C")
 

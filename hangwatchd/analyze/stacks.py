@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .. import patterns
-from ..jsonfile import Unreadable, read_json
+from ..detect import patterns
+from .jsonfile import Unreadable, read_json
 
 # Where library code lives; a frame elsewhere is the user's own code.
-_LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ", "/hangwatchd/client.py")
+_LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ", "/hangwatchd/workload/client.py")
 
 
 def is_user_frame(frame: dict[str, Any]) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .. import patterns
+from ..detect import patterns
 from .evidence import as_int, dicts
 from .stacks import library_frames
 

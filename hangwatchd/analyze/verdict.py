@@ -9,59 +9,15 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .. import patterns
+from ..detect import patterns
 from . import evidence, flight, lockstep, ras, ras_blame, stream_deadlock
+from .gone import account
+from .records import Analysis, Collective, Culprit, RankVerdict
 from .stacks import is_user_frame, library_frames
-
-
-@dataclass(frozen=True)
-class RankVerdict:
-    rank: int | None
-    pid: int | None
-    verdict: str  # gpu-exception, gpu-kernel-spinning, in-collective, stream-deadlock, waiting-on-gpu, lock-wait, idle-python, dead, unknown
-    detail: str
-    location: str | None  # "function (file:line)"
-    collective: str | None = None
-    last_collective: tuple[str, int] | None = None  # (pg, seq) last entered, from the flight recorder
-    node: str | None = None  # the node it ran on (proc.json), for a job merged from many nodes
-
-
-@dataclass(frozen=True)
-class Culprit:
-    rank: int | None
-    pid: int | None
-    reason: str
-    location: str | None
-    node: str | None = None
-    gpu: int | None = None
-
-
-@dataclass(frozen=True)
-class Collective:
-    pg: str
-    seq: int
-    name: str
-    ranks_entered: tuple[int, ...]
-    ranks_missing: tuple[int, ...]
-    sizes: dict[str, Any] = field(default_factory=dict)
-    mismatch: str | None = None
-
-
-@dataclass(frozen=True)
-class Analysis:
-    summary: str
-    culprits: tuple[Culprit, ...]
-    ranks: tuple[RankVerdict, ...]
-    collectives: tuple[Collective, ...]
-    rests_on: tuple[str, ...] = ()  # the evidence there was: "pid 12: native stacks, GPU dump", ...
-    unreadable: tuple[str, ...] = ()  # each piece of evidence that could not be read, and why
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _where(frame: dict[str, Any]) -> str:
@@ -215,8 +171,6 @@ def analyze(incident: Path) -> Analysis:
     rests_on = tuple(f"{_who(v).lower() if v.rank is None else _who(v)}: {', '.join(ev.used) or 'nothing readable'}"
                      for v, ev in zip(ranks, found))
     unreadable = tuple(problems) + tuple(p for ev in found for p in ev.problems)
-    from .gone import account  # here: gone.py builds on this module's records
-
     return account(incident, meta, Analysis(summary, tuple(culprits), tuple(ranks), tuple(collectives), rests_on, unreadable))
 
 

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from .. import procfs
+from ..host import procfs
 from ..model import Registration
 
 

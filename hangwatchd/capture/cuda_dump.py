@@ -13,8 +13,10 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import gpudump, procfs, untrusted
+from ..host import procfs, untrusted
 from ..model import Registration
+from ..workload import dump_names
+from . import dump_artifacts
 from .base import StepFailed, StepNotApplicable, poke_held_fifo
 from .waitfile import Watch
 
@@ -34,7 +36,7 @@ class CudaDumpStep:
             raise StepFailed(f"pid {pid} started at {proc.start_time} is gone")
         env = procfs.environ(pid, KEYS)
         cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
-        wanted = os.path.basename(gpudump.expand(env["CUDA_COREDUMP_PIPE"], pid)) if env.get("CUDA_COREDUMP_PIPE") else None
+        wanted = os.path.basename(dump_names.expand(env["CUDA_COREDUMP_PIPE"], pid)) if env.get("CUDA_COREDUMP_PIPE") else None
         owner = procfs.uid(pid)
         if owner is None:
             raise StepFailed(f"pid {pid} has no single uid (setuid, or gone): refusing to act on it for its user, or to read its dump")
@@ -44,7 +46,7 @@ class CudaDumpStep:
             raise StepNotApplicable(f"pid {pid} holds no CUDA coredump pipe: not started by hangwatchd run "
                                     "(no CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1), or CUDA not initialised")
         pattern = env.get("CUDA_COREDUMP_FILE") or f"core_%t_{socket.gethostname()}_%p.nvcudmp"
-        target_glob = Path(gpudump.expand(pattern, pid))
+        target_glob = Path(dump_names.expand(pattern, pid))
         if not target_glob.is_absolute():
             target_glob = cwd / target_glob
         watch = Watch(target_glob.parent, target_glob.name, owner)
@@ -60,11 +62,11 @@ class CudaDumpStep:
                 raise StepFailed(f"the driver wrote {size} bytes of {partial[0]} and did not finish within {timeout:g} s")
             raise StepFailed(f"no dump appeared as {target_glob} within {timeout:g} s")
         try:
-            stored = gpudump.store(found, outdir, owner)
+            stored = dump_artifacts.store(found, outdir, owner)
         except untrusted.Refused as exc:
             raise StepFailed(f"refusing to read the dump: {exc}") from None
         files = list(stored.files)
-        if self.driver_logs is not None and gpudump.copy_text(self.driver_logs / f"{pid}.log", outdir / "driver.log", owner):
+        if self.driver_logs is not None and dump_artifacts.copy_text(self.driver_logs / f"{pid}.log", outdir / "driver.log", owner):
             files.append("driver.log")
         if not stored.files:
             raise StepFailed(stored.note or "the dump could not be kept")

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import procfs, untrusted
+from ..host import procfs, untrusted
 from ..model import Registration
 from .base import StepFailed, StepNotApplicable, poke_held_fifo
 from .waitfile import Watch

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import procfs
+from ..host import procfs
 from ..model import Registration
 from .base import StepNotApplicable
 

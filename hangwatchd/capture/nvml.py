@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import subproc
+from ..host import subproc
 from ..model import Registration
 from .base import StepFailed, StepNotApplicable
 

@@ -6,9 +6,9 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import procfs
+from ..host import procfs
 from ..model import Registration
-from ..runtime import write_json
+from ..workload.runtime_files import write_json
 from .base import StepFailed
 
 # Environment keys that say which job and rank a process is.

@@ -14,22 +14,23 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import heartbeat, subproc
+from ..host import subproc
+from ..host.pyspy_binary import find_pyspy
 from ..model import Registration
-from ..runtime import write_json
-from ..samples import signature_of
+from ..watch.stack_history import signature_of
+from ..workload import beat_segment
+from ..workload.runtime_files import write_json
 from .base import StepFailed
-from .pyspy import find_pyspy
 
 WINDOW = 1.0
 
 
-def _beats(target: Registration) -> heartbeat.Reading | None:
+def _beats(target: Registration) -> beat_segment.Reading | None:
     if not target.beat_file:
         return None
     try:
-        return heartbeat.read(target.beat_file)
-    except heartbeat.SegmentError:
+        return beat_segment.read(target.beat_file)
+    except beat_segment.SegmentError:
         return None
 
 

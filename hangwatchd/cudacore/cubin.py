@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from .elf import SHN_LORESERVE, STT_FUNC, Elf, ElfError
 
 
-
 @dataclass(frozen=True)
 class Function:
     mangled: str

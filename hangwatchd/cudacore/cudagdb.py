@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .. import subproc
+from ..host import subproc
 from .source import raw_path
 
 DEADLINE_S = 60.0

@@ -10,7 +10,7 @@ import re
 import tempfile
 from dataclasses import dataclass
 
-from .. import subproc
+from ..host import subproc
 
 INSTALL_HINT = "pip install nvidia-cuda-nvdisasm (or put a CUDA toolkit's nvdisasm on PATH)"
 DEADLINE_S = 60.0

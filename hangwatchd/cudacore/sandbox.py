@@ -168,7 +168,8 @@ def _child(answer: Any, path: str, strict: bool, nvdisasm: str | None, lim: Limi
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU, then SIGKILL a second later
     memory = lim.memory_mb << 20
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    from . import nvdisasm as nvd, source
+    from . import nvdisasm as nvd
+    from . import source
 
     # Nothing it starts outlives the wall deadline, and nothing inflates past what it may map.
     nvd.DEADLINE_S = min(nvd.DEADLINE_S, lim.wall_seconds)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..model import State, Suspicion
-from ..watched import Watched
+from ..watch.watched import Watched
 
 
 @dataclass(frozen=True)

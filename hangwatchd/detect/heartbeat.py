@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import structlog
 
-from .. import heartbeat
 from ..model import State, Suspicion
-from ..watched import Watched
+from ..watch.watched import Watched
+from ..workload import beat_segment
 from .base import Observation
 
 log = structlog.get_logger("hangwatchd.detect")
@@ -42,8 +42,8 @@ class HeartbeatDetector:
         if path is None:
             return Observation(w.state, now + 3600.0)  # nothing to read: the stack detector's business
         try:
-            reading = heartbeat.read(path, w.registration.uid)
-        except heartbeat.SegmentError as exc:
+            reading = beat_segment.read(path, w.registration.uid)
+        except beat_segment.SegmentError as exc:
             return Observation(State.SUSPECT, now, Suspicion("heartbeat", f"beat segment unreadable: {exc}", time.time(), ("heartbeat",)))
         if w.beat is None or reading.count != w.beat.count:
             if w.beat is not None and w.beat.count and reading.count > w.beat.count:

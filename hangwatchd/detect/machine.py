@@ -17,12 +17,12 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
-from .. import untrusted
 from ..config import Config
+from ..host import untrusted
 from ..metrics import Metrics
 from ..model import ProcessId, State, Suspicion
-from ..samples import Sample
-from ..watched import Watched, Watchlist
+from ..watch.stack_history import Sample
+from ..watch.watched import Watched, Watchlist
 from . import rearm
 from .base import Detector
 from .stack import classify

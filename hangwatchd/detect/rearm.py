@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..watched import Watched
-from ..samples import Sample
+from ..watch.stack_history import Sample
+from ..watch.watched import Watched
 
 
 @dataclass(frozen=True)

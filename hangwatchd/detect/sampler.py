@@ -13,11 +13,11 @@ from collections.abc import Callable, Iterator, Mapping
 
 import structlog
 
-from .. import procfs
+from ..host import procfs
+from ..host.user_limits import UserLimits
 from ..model import ProcessId, State
-from ..samples import Sample
-from ..user_limits import UserLimits
-from ..watched import Watched
+from ..watch.stack_history import Sample
+from ..watch.watched import Watched
 from .stack import take_sample
 
 log = structlog.get_logger("hangwatchd.daemon")

@@ -24,9 +24,10 @@ from collections.abc import Sequence
 
 import psutil
 
-from .. import patterns, subproc
-from ..capture.pyspy import find_pyspy
-from ..samples import Sample, signature_of
+from ..host import subproc
+from ..host.pyspy_binary import find_pyspy
+from ..watch.stack_history import Sample, signature_of
+from . import patterns
 
 # Frames (Python or native) whose presence means the thread is blocked on something
 # that should come (the GPU, a collective, a lock, a join), and where a server waits for

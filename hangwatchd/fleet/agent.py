@@ -23,7 +23,7 @@ from typing import Any
 import structlog
 
 from . import layout, s3
-from .spool import Spool, Task
+from .outbox import Outbox, Task
 from .uploader import Uploader
 from .url import StoreURL, parse
 
@@ -55,7 +55,7 @@ class Agent:
         self.poll_interval = poll_interval
         self.window = window  # requests older than this are a past hang, not this one
         self.wake = wake
-        self.spool = Spool(state_dir / "store-spool", spool_max)
+        self.spool = Outbox(state_dir / "store-spool", spool_max)
         self._s3: Any = None
         self._lock = threading.Lock()
         self.jobs: frozenset[str] = frozenset()  # the jobs this node watches, set by the daemon

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..jsonfile import read_json_or_none
+from ..analyze.jsonfile import read_json_or_none
 from . import layout, s3
 from .url import StoreURL
 

@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 
 from . import layout
-from .spool import Spool, Task
+from .outbox import Outbox, Task
 from .url import StoreURL
 
 log = structlog.get_logger("hangwatchd.fleet")
@@ -69,7 +69,7 @@ def build_manifest(node: str, task: Task, root: Path, files: list[Path]) -> dict
 
 
 class Uploader:
-    def __init__(self, url: StoreURL, node: str, spool: Spool, client: Callable[[], Any],
+    def __init__(self, url: StoreURL, node: str, spool: Outbox, client: Callable[[], Any],
                  resolve: Callable[[Task], Task], on_request: Callable[[Task], Task],
                  counted: Callable[[str, int], None] = lambda outcome, spooled: None, kind: str = "incident") -> None:
         self.url = url

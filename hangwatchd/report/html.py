@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..analyze.jsonfile import read_json_or_none
 from ..analyze.stacks import is_user_frame
-from ..jsonfile import read_json_or_none
 
 CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:72em;color:#1b1b1b;padding:0 1em}
@@ -108,8 +108,9 @@ def render(data: dict[str, Any], incident_dir: Path) -> str:
     return "".join(parts)
 
 
-def pages(incident_dir: Path, analysis: dict[str, Any]) -> dict[str, str]:
-    """The page stored beside each incident.json, rendering ``analysis`` of it."""
+def pages(incident_dir: Path, analysis: dict[str, Any], record: dict[str, Any] | None = None) -> dict[str, str]:
+    """The page stored beside each incident.json, rendering ``analysis`` of it (``record``: the
+    incident.json a draft will hold, where it is not written yet)."""
     from . import incident
 
-    return {"report.html": render(incident.load(incident_dir, analysis), incident_dir)}
+    return {"report.html": render(incident.load(incident_dir, analysis, record), incident_dir)}

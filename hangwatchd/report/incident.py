@@ -11,13 +11,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..jsonfile import read_json_or_none
+from ..analyze.jsonfile import read_json_or_none
 from ..analyze.stacks import is_user_frame, load_threads
 from .names import fold
 
-def load(incident_dir: Path, analysis: dict[str, Any]) -> dict[str, Any]:
-    """incident.json with each process's captured files attached (stacks, proc facts) and ``analysis``."""
-    data = read_json_or_none(incident_dir / "incident.json")
+
+def load(incident_dir: Path, analysis: dict[str, Any], record: dict[str, Any] | None = None) -> dict[str, Any]:
+    """incident.json (or ``record``, what it will hold, for a draft not yet committed) with each
+    process's captured files attached (stacks, proc facts) and ``analysis``."""
+    data = dict(record) if record is not None else read_json_or_none(incident_dir / "incident.json")
     if not isinstance(data, dict):
         data = {"id": incident_dir.name, "complete": False, "note": "incident.json is missing or damaged"}
     processes = data.get("processes") or []

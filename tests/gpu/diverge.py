@@ -7,7 +7,6 @@ both stop beating (whether or not NCCL hangs on it), so the flight recorders are
 """
 
 import os
-
 import time
 
 import torch

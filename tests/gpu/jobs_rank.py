@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))

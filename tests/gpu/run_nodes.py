@@ -22,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd.fleet.testing import S3Server, free_port  # noqa: E402
 from hangwatchd.testing import Daemon, hangwatchd_argv, wait_for  # noqa: E402
+from tests.s3server import S3Server, free_port  # noqa: E402
 
 JOB = "gpu-nodes"
 CONFIG = {"gpu_dump": "confirmed", "pyspy_timeout": 20.0, "flight_recorder_timeout": 30.0, "store_poll_interval": 1.0}

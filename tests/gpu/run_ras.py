@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from hangwatchd.analyze import ras  # noqa: E402
 from hangwatchd.analyze.verdict import analyze  # noqa: E402
 from hangwatchd.capture.nccl_ras import ask  # noqa: E402
-from hangwatchd.launcher import free_local_port  # noqa: E402
+from hangwatchd.workload.launcher import free_local_port  # noqa: E402
 
 RANK = """
 import os, time, torch, torch.distributed as dist

@@ -135,7 +135,7 @@ def main(out: Path) -> int:
         cap = subprocess.run(hangwatchd_argv("capture", str(hang.pid), "--gpu-dump", "--state-dir", str(base / "manual")),
                              capture_output=True, text=True, timeout=300)
         (out / "cpp_hang-show.txt").write_text(cap.stdout + cap.stderr)
-        from hangwatchd.store import Store
+        from hangwatchd.incidents.store import Store
 
         (inc,) = Store(base / "manual").list()
         sym = symbolized(inc)

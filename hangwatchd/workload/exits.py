@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import heartbeat, untrusted
-from .model import ProcessId, Registration
+from ..host import untrusted
+from ..model import ProcessId, Registration
+from . import beat_segment
 
 MAX_FILE = 4096
 DIR = "exits"
@@ -68,10 +69,10 @@ def write(runtime_dir: Path, process: ProcessId, returncode: int | None, when: f
         record["status" if returncode >= 0 else "signal"] = abs(returncode)
     if beat_file:
         try:
-            reading = heartbeat.read(beat_file)
+            reading = beat_segment.read(beat_file)
             record["beats"] = reading.count
             record["last_beat_time"] = reading.wall_time()
-        except heartbeat.SegmentError:
+        except beat_segment.SegmentError:
             pass
     try:
         untrusted.write_replacing(runtime_dir / DIR / file_name(process), json.dumps(record).encode())

@@ -19,8 +19,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from . import procfs, untrusted
-from .model import ProcessId, Registration
+from ..host import procfs, untrusted
+from ..model import ProcessId, Registration
 
 MAX_FILE = 64 * 1024
 READ_DEADLINE = 1.0  # seconds: these are small regular files, a read that takes longer is an attack

@@ -9,20 +9,21 @@ commits the incident. The daemon and ``hangwatchd capture`` both come here.
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import structlog
 
-from . import exits
-from .analyze.verdict import analyze
-from .capture.base import Step
-from .capture.pipeline import capture_all
-from .metrics import Metrics
-from .model import Incident, Registration, Suspicion
-from .report import html
-from .spool import Spool, begin_draft, finish_draft
-from .store import Store
+from ..analyze.verdict import analyze
+from ..capture.base import Step
+from ..capture.pipeline import capture_all
+from ..incidents.spool import Spool, begin_draft, finish_draft
+from ..incidents.store import Store, incident_to_json
+from ..metrics import Metrics
+from ..model import Incident, Registration, Suspicion
+from ..report import html
+from ..workload import exits
 
 log = structlog.get_logger("hangwatchd.capture")
 
@@ -65,11 +66,19 @@ def make_incident(
                         detail=suspicion.detail, job=job, processes=tuple(captures), signals=suspicion.signals,
                         notify_status=notify_status, verdict=verdict, since=suspicion.since, node=node,
                         job_incident=job_incident)
+    if analysis_dict is not None:
+        write_pages(draft.path, incident, analysis_dict)
     finish_draft(store, spool, draft, incident, f"{verdict} ({suspicion.detail})", analysis_dict, metrics)
     return draft.id
 
 
-def pages(incident_dir: Path) -> Mapping[str, str]:
-    """The pages the store keeps beside each incident.json (``Store(pages=...)``): its
-    report.html, with the verdict derived from the files as they are now."""
-    return html.pages(incident_dir, analyze(incident_dir).to_dict())
+def write_pages(draft_dir: Path, incident: Incident, analysis: dict[str, Any]) -> None:
+    """The pages a person opens (report.html), rendered once into the draft so they arrive with it;
+    the store only moves them. A page that cannot be made costs the page, never the incident."""
+    try:
+        for name, text in html.pages(draft_dir, analysis, incident_to_json(incident)).items():
+            tmp = draft_dir / f".{name}.tmp"
+            tmp.write_text(text)
+            tmp.replace(draft_dir / name)
+    except Exception as exc:  # noqa: BLE001 - a renderer's bug must not lose the evidence
+        log.error("incident_page_failed", dir=str(draft_dir), error=f"{type(exc).__name__}: {exc}", exc_info=True)

@@ -15,10 +15,11 @@ from typing import Any
 
 import structlog
 
-from . import __version__, procfs
-from .notify import notify
-from .runtime import DAEMON_FILE, STATUS_FILE, write_json
-from .watched import Watched
+from .. import __version__
+from ..host import procfs
+from ..host.notify import notify
+from ..watch.watched import Watched
+from ..workload.runtime_files import DAEMON_FILE, STATUS_FILE, write_json
 
 log = structlog.get_logger("hangwatchd.daemon")
 

@@ -29,27 +29,29 @@ import structlog
 from inotify_simple import INotify
 from inotify_simple import flags as inflags
 
-from . import __version__, dumpscan, registry, retention
-from .capture import make_steps
+from .. import __version__
+from ..capture import make_steps
+from ..config import Config
+from ..cudacore import sandbox
+from ..detect import HeartbeatDetector
+from ..detect.machine import ERROR_BACKOFF, StateMachine
+from ..detect.sampler import Sampler
+from ..detect.stack import BLOCKING, IDLE
+from ..fleet.agent import Agent
+from ..host.notify import notify, watchdog_interval
+from ..host.user_limits import UserLimits
+from ..incidents import retention
+from ..incidents.spool import SPOOL_DIR, Spool
+from ..incidents.store import Store, StoreWriteError
+from ..metrics import Metrics, create, serve
+from ..watch.admission import Registrations
+from ..watch.watched import Watched, Watchlist
+from ..workload import registration_file
+from . import exception_dumps
 from .capture_workers import CaptureWorkers
-from .config import Config
-from .cudacore import sandbox
-from .detect import HeartbeatDetector
-from .detect.machine import ERROR_BACKOFF, StateMachine
-from .detect.sampler import Sampler
-from .detect.stack import BLOCKING, IDLE
-from .fleet.agent import Agent
 from .instance_lock import AlreadyRunning, InstanceLock
 from .loop_guard import Guard
-from .make_incident import pages
-from .metrics import Metrics, create, serve
-from .notify import notify, watchdog_interval
-from .registrations import Registrations
-from .spool import SPOOL_DIR, Spool
 from .status_file import STATUS_EVERY, StatusFile
-from .store import Store, StoreWriteError
-from .user_limits import UserLimits
-from .watched import Watched, Watchlist
 
 log = structlog.get_logger("hangwatchd.daemon")
 
@@ -68,7 +70,7 @@ class Daemon:
     def __post_init__(self) -> None:
         cfg = self.config
         self.metrics = self.metrics or create(node=cfg.node)
-        self.store = Store(cfg.state_dir, pages=pages)
+        self.store = Store(cfg.state_dir)
         self.fleet = Agent(cfg.store, cfg.node, Path(cfg.state_dir), cfg.store_poll_interval, cfg.job_incident_window,
                            cfg.store_spool_max, self._wake, self._count_sends) if cfg.store else None
         self.status = StatusFile(Path(cfg.runtime_dir))
@@ -132,7 +134,7 @@ class Daemon:
         self.spool.clear_partials()
         if self.fleet:
             self.fleet.start()
-        registry.prepare_dirs(Path(cfg.runtime_dir))
+        registration_file.prepare_dirs(Path(cfg.runtime_dir))
         cfg.dumps.mkdir(parents=True, exist_ok=True)
         if os.stat(cfg.dumps).st_uid == os.geteuid():
             os.chmod(cfg.dumps, 0o1777)  # workloads of any user write their CUDA dumps here
@@ -213,7 +215,7 @@ class Daemon:
                     guard("inotify", self._on_inotify)
                 elif key.data == "wake":
                     self._drain_wake()
-                elif isinstance(key.data, registry.ProcessId):
+                elif isinstance(key.data, registration_file.ProcessId):
                     guard("exit", self.registrations.exited, key.data)
             now = time.monotonic()
             self.workers.collect()
@@ -287,12 +289,12 @@ class Daemon:
     def _scan_dumps(self) -> None:
         """Dumps that appeared while nobody watched (the daemon down, an inotify overflow)."""
         try:
-            found = dumpscan.scan(self.config.dumps, self.workers.ingested)
+            found = exception_dumps.scan(self.config.dumps, self.workers.ingested)
         except OSError as exc:
             log.error("dump_scan_failed", dir=str(self.config.dumps), error=str(exc))
             return
         if found.busy:  # perhaps still being written: never ingest half a dump
-            self.next_dump_scan = min(self.next_dump_scan, time.monotonic() + dumpscan.QUIET_S)
+            self.next_dump_scan = min(self.next_dump_scan, time.monotonic() + exception_dumps.QUIET_S)
         for name in found.ready:
             self.guard("dump", self.workers.dump_appeared, name)
 

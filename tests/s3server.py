@@ -13,7 +13,7 @@ import sys
 import urllib.request
 from typing import Any
 
-from ..testing import stop, wait_for
+from hangwatchd.testing import stop, wait_for
 
 
 def free_port() -> int:

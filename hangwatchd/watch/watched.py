@@ -17,12 +17,13 @@ from typing import Any
 
 import structlog
 
-from . import exits, heartbeat, untrusted
-from .heartbeat import Reading
-from .metrics import Metrics
-from .model import ProcessId, Registration, State, Suspicion
-from .registry import READ_DEADLINE, check_file
-from .samples import StackHistory
+from ..host import untrusted
+from ..metrics import Metrics
+from ..model import ProcessId, Registration, State, Suspicion
+from ..workload import beat_segment, exits
+from ..workload.beat_segment import Reading
+from ..workload.registration_file import READ_DEADLINE, check_file
+from .stack_history import StackHistory
 
 log = structlog.get_logger("hangwatchd.daemon")
 
@@ -106,8 +107,8 @@ class Watched:
         beat = self.beat
         if self.registration.beat_file:
             try:
-                beat = heartbeat.read(self.registration.beat_file)
-            except heartbeat.SegmentError:
+                beat = beat_segment.read(self.registration.beat_file)
+            except beat_segment.SegmentError:
                 pass  # removed at its exit already: what was last read stands
         last_beat = None
         if beat is not None and beat.count:

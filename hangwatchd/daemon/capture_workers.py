@@ -19,20 +19,21 @@ from typing import Any
 
 import structlog
 
-from . import dump_ingest, exits, gpudump
-from .capture.base import Step
-from .config import Config
-from .detect.gate import gpu_dump_veto
-from .detect.machine import StateMachine
-from .fleet.agent import Agent
-from .jsonfile import read_json_or_none
+from ..analyze.jsonfile import read_json_or_none
+from ..capture.base import Step
+from ..config import Config
+from ..detect.machine import StateMachine
+from ..fleet.agent import Agent
+from ..incidents.spool import Spool
+from ..incidents.store import Store
+from ..metrics import Metrics
+from ..model import State, Suspicion
+from ..watch.admission import Registrations
+from ..watch.watched import Watched, Watchlist
+from ..workload import dump_names, exits
+from . import exception_dumps
+from .gpu_dump_gate import gpu_dump_veto
 from .make_incident import make_incident
-from .metrics import Metrics
-from .model import State, Suspicion
-from .registrations import Registrations
-from .spool import Spool
-from .store import Store
-from .watched import Watched, Watchlist
 
 log = structlog.get_logger("hangwatchd.daemon")
 
@@ -171,14 +172,14 @@ class CaptureWorkers:
     # -- GPU dumps nobody asked for: exceptions ---------------------------
 
     def dump_appeared(self, name: str) -> None:
-        if not (name.endswith(".nvcudmp") or name.endswith(gpudump.DRIVER_LOG_SUFFIX)) or name in self.ingested:
+        if not (name.endswith(".nvcudmp") or name.endswith(dump_names.DRIVER_LOG_SUFFIX)) or name in self.ingested:
             return
-        pid = gpudump.pid_of(name)
+        pid = dump_names.pid_of(name)
         if pid is not None and pid in self.dumping:
             return  # a capture asked for this one and takes it itself
         self.ingested.add(name)
         reg = self.registrations.registration_of(pid)  # here on the loop, which owns the watchlist; the worker gets the answer
-        future = self.pool.submit(dump_ingest.ingest_counted, self.store, self.config.dumps / name, pid, reg,
+        future = self.pool.submit(exception_dumps.ingest_counted, self.store, self.config.dumps / name, pid, reg,
                                   self.config.driver_logs, self.metrics, self.spool)
         future.add_done_callback(self.wake)
         fake = Watched(reg, State.CAPTURED, seen_at=time.monotonic(), timeout=0) if reg else None

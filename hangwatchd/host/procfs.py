@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .model import ProcessId
+from ..model import ProcessId
 
 PROC = Path("/proc")
 

@@ -1,7 +1,7 @@
 """The daemon's side of registering: claims read, checked and admitted; processes watched and forgotten.
 
 A registration file appearing (inotify, or the rescan under it) is considered:
-loaded and checked (``registry.load``), held to its user's limit, then watched
+loaded and checked (``registration_file.load``), held to its user's limit, then watched
 with a pidfd so its exit is an event. Discovery adds GPU processes nobody
 registered. A process leaves the watchlist when it exits, unregisters, or its
 files are tampered with; an exited one is remembered a while, for late dumps
@@ -19,13 +19,14 @@ from pathlib import Path
 import structlog
 from inotify_simple import flags as inflags
 
-from . import exits, procfs, ranks, registry, untrusted
-from .config import Config
-from .loop_guard import Guard
-from .metrics import Metrics
-from .model import ProcessId, Registration, State
-from .registry import RegistrationError
-from .user_limits import UserLimits
+from ..config import Config
+from ..host import procfs, untrusted
+from ..host.user_limits import UserLimits
+from ..metrics import Metrics
+from ..model import ProcessId, Registration, State
+from ..workload import exits, registration_file
+from ..workload.registration_file import RegistrationError
+from . import ranks
 from .watched import Watched, Watchlist
 
 log = structlog.get_logger("hangwatchd.daemon")
@@ -36,7 +37,7 @@ RECENT_KEEP = 600.0  # seconds an exited process is remembered, to link a dump t
 class Registrations:
     def __init__(self, config: Config, watched: Watchlist, metrics: Metrics, limits: UserLimits,
                  attach: Callable[[int, ProcessId], None], detach: Callable[[int], None],
-                 first_look: Callable[[Watched, float], None], guard: Guard) -> None:
+                 first_look: Callable[[Watched, float], None], guard: Callable[..., bool]) -> None:
         """``attach``/``detach`` hand a process's pidfd to the loop's selector and take it back;
         ``first_look`` is the detectors' first observation of a process just watched; ``guard``
         contains a failure to one registration."""
@@ -76,8 +77,8 @@ class Registrations:
         for name in names:
             self.guard("registration", self.consider, self.config.registrations / name)
         for pid_key, w in list(self.watched.items()):
-            if w.registration.source != "discovered" and registry.file_name(pid_key) not in names:
-                self.unregistered(registry.file_name(pid_key))
+            if w.registration.source != "discovered" and registration_file.file_name(pid_key) not in names:
+                self.unregistered(registration_file.file_name(pid_key))
         exits.remove_stale(Path(self.config.runtime_dir), time.time() - self.config.exited_keep)
         self.refused = {k: v for k, v in self.refused.items() if k in names}
         self.over_limit &= names
@@ -92,7 +93,7 @@ class Registrations:
         if self.refused.get(path.name) == mtime:
             return
         try:
-            reg = registry.load(path, self.config.beats)
+            reg = registration_file.load(path, self.config.beats)
         except RegistrationError as exc:
             self.refused[path.name] = mtime
             self.metrics.registration_errors.labels(**self.metrics.labels(reason=exc.reason)).inc()
@@ -164,13 +165,13 @@ class Registrations:
         for pid in procfs.gpu_processes():
             if pid in known:
                 continue
-            reg = registry.from_proc(pid, source="discovered")
+            reg = registration_file.from_proc(pid, source="discovered")
             if reg is not None:
                 self.watch(reg)
 
     def unregistered(self, name: str) -> None:
         for key, w in list(self.watched.items()):
-            if registry.file_name(key) == name:
+            if registration_file.file_name(key) == name:
                 gone = not procfs.alive(key) or exits.read(Path(self.config.runtime_dir), key, w.registration.uid)
                 if gone:  # removed at (or by its launcher after) its exit, before the pidfd was read
                     self.exited(key)
@@ -186,7 +187,7 @@ class Registrations:
             if w.role != "launcher":
                 self.departures.add(w.departed(time.time()))
             self.forget(w, "exited")
-            registry.remove(self.config.registrations, process)
+            registration_file.remove(self.config.registrations, process)
             if w.registration.beat_file:
                 try:
                     Path(w.registration.beat_file).unlink(missing_ok=True)
@@ -216,7 +217,7 @@ class Registrations:
         reason = f"tampered_{exc.reason}"
         self.metrics.registration_errors.labels(**self.metrics.labels(reason=reason)).inc()
         log.warning("registration_refused", pid=w.process.pid, uid=w.registration.uid, reason=reason, error=str(exc))
-        path = self.config.registrations / registry.file_name(w.process)
+        path = self.config.registrations / registration_file.file_name(w.process)
         try:
             self.refused[path.name] = path.lstat().st_mtime  # not taken back until it is written anew
         except OSError:

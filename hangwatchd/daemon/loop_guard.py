@@ -12,7 +12,7 @@ from typing import Any
 
 import structlog
 
-from .metrics import Metrics
+from ..metrics import Metrics
 
 log = structlog.get_logger("hangwatchd.daemon")
 

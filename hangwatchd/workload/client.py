@@ -13,9 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-from . import exits, heartbeat, procfs, registry
-from .config import client_runtime_dir
-from .model import ProcessId, Registration
+from ..config import client_runtime_dir
+from ..host import procfs
+from ..model import ProcessId, Registration
+from . import beat_segment, exits, registration_file
 
 BEAT_FILE_ENV = "HANGWATCHD_BEAT_FILE"
 # Set by ``hangwatchd run`` for everything below it: a process that inherits them and
@@ -29,8 +30,8 @@ STACK_TIMEOUT_ENV = "HANGWATCHD_STACK_TIMEOUT"
 # The segment's mapping: None until the first beat looks for it, False when there is none.
 _mm: object = None
 _counter = None
-_pack = heartbeat.BEAT.pack_into
-_offset = heartbeat.BEAT_OFFSET
+_pack = beat_segment.BEAT.pack_into
+_offset = beat_segment.BEAT_OFFSET
 _now = time.monotonic_ns
 
 
@@ -54,8 +55,8 @@ def _find_segment() -> None:
     path = os.environ.get(BEAT_FILE_ENV)
     if path:
         try:
-            owner = heartbeat.read(path).pid
-        except heartbeat.SegmentError:
+            owner = beat_segment.read(path).pid
+        except beat_segment.SegmentError:
             return
         # Only the process the segment was made for may beat into it, not its forks.
         if owner == os.getpid():
@@ -68,7 +69,7 @@ def _find_segment() -> None:
 def _register_as_rank(launcher: int) -> bool:
     """A rank below ``hangwatchd run -- LAUNCHER``: a segment and a registration of its own."""
     env = os.environ
-    return register(job=env.get(JOB_ENV) or registry.job_of(env) or f"run-{launcher}",
+    return register(job=env.get(JOB_ENV) or registration_file.job_of(env) or f"run-{launcher}",
                     heartbeat_timeout=_positive(env.get(TIMEOUT_ENV)), stack_timeout=_positive(env.get(STACK_TIMEOUT_ENV)),
                     launcher=launcher)
 
@@ -83,7 +84,7 @@ def _positive(text: str | None) -> float | None:
 
 def _attach(path: str) -> None:
     global _mm, _counter
-    _mm, _counter = heartbeat.open_for_writing(path)
+    _mm, _counter = beat_segment.open_for_writing(path)
 
 
 def _reset_after_fork() -> None:
@@ -115,16 +116,16 @@ def register(
     beats = base / "beats"
     try:
         beat_file = beats / f"{me.pid}-{me.start_time}.beat"
-        heartbeat.create(str(beat_file), me.pid)
+        beat_segment.create(str(beat_file), me.pid)
         env = os.environ
         reg = Registration(
             process=me, uid=os.getuid(), job=job or env.get("TORCHELASTIC_RUN_ID"),
-            **registry.ranks_from_env(env, rank),
+            **registration_file.ranks_from_env(env, rank),
             heartbeat_timeout=heartbeat_timeout, stack_timeout=stack_timeout, beat_file=str(beat_file),
             cmdline=procfs.cmdline(me.pid), source="rank" if launcher else "register", registered_at=time.time(),
             launcher=launcher,
         )
-        path = registry.write(base / "registrations", reg)
+        path = registration_file.write(base / "registrations", reg)
     except OSError as exc:
         print(f"hangwatchd: cannot register with the daemon in {base} ({exc.strerror}); running unwatched", file=sys.stderr)
         return False

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from . import heartbeat
+from ..workload import beat_segment
 from .watched import Watched
 
 
@@ -39,7 +39,7 @@ def _has_beaten(w: Watched) -> bool:
         return True
     if w.registration.beat_file:
         try:
-            return heartbeat.read(w.registration.beat_file).count > 0
-        except heartbeat.SegmentError:
+            return beat_segment.read(w.registration.beat_file).count > 0
+        except beat_segment.SegmentError:
             return False
     return False

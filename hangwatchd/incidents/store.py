@@ -16,7 +16,7 @@ import shutil
 import socket
 import sqlite3
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,15 +24,10 @@ from typing import Any
 
 import structlog
 
-from . import incident_access
-from .model import Incident
+from ..model import Incident
+from . import permissions
 
 log = structlog.get_logger("hangwatchd.store")
-
-# Renders the pages stored beside incident.json (``report.html``), given the
-# incident's directory. Handed in by whoever opens the store: reports are a
-# later stage than the store, which must not import them.
-Pages = Callable[[Path], Mapping[str, str]]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS incidents (
@@ -109,9 +104,8 @@ def incident_to_json(incident: Incident) -> dict[str, Any]:
 
 
 class Store:
-    def __init__(self, state_dir: str | os.PathLike[str], pages: Pages | None = None) -> None:
+    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
         self.root = Path(state_dir)
-        self.pages = pages
         self.dir = self.root / "incidents"
         self.index = self.root / "index.sqlite"
 
@@ -204,8 +198,7 @@ class Store:
             data["analysis"] = analysis
         try:
             write_incident_json(draft.path, data)
-            self._write_pages(draft.path)
-            incident_access.restrict(draft.path, [pc.registration.uid for pc in incident.processes])
+            permissions.restrict(draft.path, [pc.registration.uid for pc in incident.processes])
             final = self.dir / draft.id
             draft.path.replace(final)
             self._fsync_dir(self.dir)
@@ -237,8 +230,7 @@ class Store:
         try:
             shutil.rmtree(partial, ignore_errors=True)
             shutil.copytree(src, partial, symlinks=True)
-            self._write_pages(partial)
-            incident_access.restrict(partial, row.get("uids") or [])
+            permissions.restrict(partial, row.get("uids") or [])
             partial.replace(final)
             self._fsync_dir(self.dir)
             with self._db() as db:
@@ -276,20 +268,6 @@ class Store:
         with self._db() as db:
             db.execute("INSERT OR IGNORE INTO ingested (name, time) VALUES (?, ?)", (name, time.time()))
 
-    def _write_pages(self, path: Path) -> None:
-        """The pages a person opens (report.html), inside the draft so they arrive with it.
-
-        A page that cannot be made costs the page, never the incident."""
-        if self.pages is None:
-            return
-        try:
-            for name, text in self.pages(path).items():
-                tmp = path / f".{name}.tmp"
-                tmp.write_text(text)
-                tmp.replace(path / name)
-        except Exception as exc:  # noqa: BLE001 - a renderer's bug must not lose the evidence
-            log.error("incident_page_failed", dir=str(path), error=f"{type(exc).__name__}: {exc}")
-
     @staticmethod
     def _fsync_dir(path: Path) -> None:
         fd = os.open(path, os.O_RDONLY)
@@ -316,8 +294,6 @@ class Store:
             final = self.dir / incident_id
             status = "incomplete"
             if (partial / "incident.json").exists():
-                if not (partial / "report.html").exists():
-                    self._write_pages(partial)
                 partial.replace(final)
                 status = "complete"
             elif partial.exists():

@@ -24,7 +24,7 @@ import struct
 import time
 from dataclasses import dataclass
 
-from . import untrusted
+from ..host import untrusted
 
 MAGIC = b"HWB1"
 VERSION = 1

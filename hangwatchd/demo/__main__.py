@@ -9,17 +9,17 @@ Prometheus scrapes it.
 from __future__ import annotations
 
 import os
-import tempfile
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-from . import runtime
-from .cli import main as cli
-from .store import Store
-from .testing import stop, wait_for
+from ..cli import main as cli
+from ..incidents.store import Store
+from ..testing import stop, wait_for
+from ..workload import runtime_files
 
 TIMEOUT_S = 3
 
@@ -52,11 +52,11 @@ def main() -> int:
             stderr=daemon_log)
         workload = None
         try:
-            info = wait_for(lambda: runtime.daemon_info(run_dir), 20, "the daemon's start", every=0.1)
+            info = wait_for(lambda: runtime_files.daemon_info(run_dir), 20, "the daemon's start", every=0.1)
             print(f"demo: daemon pid {daemon.pid} ready, metrics on http://{info['metrics_address']}/metrics")
             workload = subprocess.Popen(
                 [py, "-m", "hangwatchd", "run", "--runtime-dir", str(run_dir), "--job", "demo",
-                 "--heartbeat-timeout", str(TIMEOUT_S), "--", py, "-m", "hangwatchd.demo_workload", "30"])
+                 "--heartbeat-timeout", str(TIMEOUT_S), "--", py, "-m", "hangwatchd.demo.workload", "30"])
             started = time.monotonic()
             print(f"demo: workload beats every 0.1 s for 3 s, then waits forever (timeout {TIMEOUT_S} s)")
             store = Store(state)

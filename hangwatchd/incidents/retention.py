@@ -10,7 +10,7 @@ import time
 
 import structlog
 
-from .config import Config
+from ..config import Config
 from .store import Store
 
 log = structlog.get_logger("hangwatchd.daemon")

@@ -35,7 +35,7 @@ class Task:
         return f"{self.queued:017.6f}-{self.kind}-{self.incident or self.job_incident}.json"
 
 
-class Spool:
+class Outbox:
     def __init__(self, path: Path, limit: int) -> None:
         self.path = path
         self.limit = limit

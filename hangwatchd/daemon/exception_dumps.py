@@ -19,12 +19,16 @@ from pathlib import Path
 
 import structlog
 
-from . import gpudump, procfs, untrusted
-from .cudacore import driverlog
-from .metrics import Metrics
-from .model import Incident, ProcessCapture, ProcessId, Registration, StepResult
-from .spool import Spool, begin_draft, finish_draft
-from .store import Store
+from ..analyze.verdict import analyze
+from ..capture import dump_artifacts
+from ..cudacore import driverlog
+from ..host import procfs, untrusted
+from ..incidents.spool import Spool, begin_draft, finish_draft
+from ..incidents.store import Store
+from ..metrics import Metrics
+from ..model import Incident, ProcessCapture, ProcessId, Registration, StepResult
+from ..workload import dump_names
+from .make_incident import write_pages
 
 log = structlog.get_logger("hangwatchd.daemon")
 
@@ -64,8 +68,8 @@ def ingest(store: Store, path: Path, pid: int | None, claimed: Registration | No
     With a ``spool``, a state dir without room keeps the report there (and the raw dump
     where it lies) until it has room."""
     start = time.monotonic()
-    is_log = path.name.endswith(gpudump.DRIVER_LOG_SUFFIX)
-    fd = untrusted.open_fd(path, None, max_size=gpudump.MAX_TEXT if is_log else gpudump.MAX_DUMP)
+    is_log = path.name.endswith(dump_names.DRIVER_LOG_SUFFIX)
+    fd = untrusted.open_fd(path, None, max_size=dump_artifacts.MAX_TEXT if is_log else dump_artifacts.MAX_DUMP)
     try:
         st = os.fstat(fd)
         who = attribute(st.st_uid, pid, claimed)
@@ -75,18 +79,18 @@ def ingest(store: Store, path: Path, pid: int | None, claimed: Registration | No
         outdir = draft.path / str(linked_pid or "unknown")
         outdir.mkdir(parents=True)
         if is_log:
-            lines = untrusted.read_fd(fd, path, gpudump.MAX_TEXT, 10.0).decode("utf-8", "replace").splitlines()
+            lines = untrusted.read_fd(fd, path, dump_artifacts.MAX_TEXT, 10.0).decode("utf-8", "replace").splitlines()
             report = driverlog.parse(lines)
             (outdir / "driver.log").write_text("\n".join(lines) + "\n")
-            gpudump.unlink_same(path, st)
+            dump_artifacts.unlink_same(path, st)
             step = StepResult("driver_log", True, time.monotonic() - start, who.note, files=("driver.log",))
             detail = f"the driver reported {report.summary()} but wrote no dump"
             exc_type = report.exception or "UNKNOWN"
         else:
-            stored = gpudump.store_fd(fd, path, outdir, remove_source=True, keep_dump=not draft.spooled)
+            stored = dump_artifacts.store_fd(fd, path, outdir, remove_source=True, keep_dump=not draft.spooled)
             files = list(stored.files)
             # The launcher's record of this pid's driver lines, only when it is the same user's.
-            if linked_pid and gpudump.copy_text(driver_logs / f"{linked_pid}.log", outdir / "driver.log", reg.uid):
+            if linked_pid and dump_artifacts.copy_text(driver_logs / f"{linked_pid}.log", outdir / "driver.log", reg.uid):
                 files.append("driver.log")
             note = "; ".join(n for n in (stored.note, who.note) if n) or None
             step = StepResult("cuda_dump", bool(stored.files), time.monotonic() - start, note, tuple(files))
@@ -99,6 +103,10 @@ def ingest(store: Store, path: Path, pid: int | None, claimed: Registration | No
         detail = f"{detail} ({who.note})" if who.note else detail
     incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason="gpu-exception",
                         detail=detail, job=reg.job, processes=(ProcessCapture(reg, (step,)),))
+    try:
+        write_pages(draft.path, incident, analyze(draft.path).to_dict())
+    except Exception as exc:  # noqa: BLE001 - the page is a convenience; the dump's report is stored all the same
+        log.error("analysis_failed", incident=draft.id, error=f"{type(exc).__name__}: {exc}", exc_info=True)
     finish_draft(store, spool, draft, incident, f"gpu-exception: {detail}", metrics=metrics)
     try:
         store.mark_ingested(path.name)
@@ -124,7 +132,7 @@ def ingest_counted(store: Store, path: Path, pid: int | None, claimed: Registrat
 
 def describe(sym: object, name: str, note: str | None) -> tuple[str, str]:
     """One line for an exception dump: what, in which kernel, where; and the exception type."""
-    from .cudacore.symbolize import Symbolized
+    from ..cudacore.symbolize import Symbolized
 
     if not isinstance(sym, Symbolized):
         return f"{name}: {note or 'unreadable dump'}", "UNREADABLE"
@@ -133,3 +141,38 @@ def describe(sym: object, name: str, note: str | None) -> tuple[str, str]:
         return f"{e.type} in {e.kernel or 'an unknown kernel'}{where}", e.type
     kernels = ", ".join(k.name for k in sym.kernels) or "no running kernel"
     return f"GPU coredump with no exception ({kernels})", "NONE"
+
+
+# Dumps nobody saw arrive: a look at the dump dir at start and after an inotify overflow.
+#
+# inotify only reports what happens while the daemon watches. A dump written
+# while the daemon was down, or whose event was lost in an overflow, is found
+# by listing the dir; one still changing may be half-written, and is left for
+# its own CLOSE_WRITE or the next look.
+QUIET_S = 2.0  # a dump unchanged this long is whole (the driver writes it in one go)
+
+
+@dataclass(frozen=True)
+class Scan:
+    ready: tuple[str, ...]  # names to ingest now
+    busy: bool  # some are still changing: look again in QUIET_S
+
+
+def scan(directory: Path, ingested: set[str], now: float | None = None) -> Scan:
+    """The names in ``directory`` not yet ingested, split into whole and maybe still being written.
+
+    OSError when the directory cannot be listed."""
+    now = time.time() if now is None else now
+    ready, busy = [], False
+    for path in sorted(directory.iterdir()):
+        if path.name.startswith(".") or path.name in ingested:
+            continue
+        try:
+            quiet = now - path.lstat().st_mtime >= QUIET_S
+        except OSError:
+            continue  # gone already
+        if quiet:
+            ready.append(path.name)
+        else:
+            busy = True
+    return Scan(tuple(ready), busy)

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from . import procfs
-from .model import ProcessId
+from ..host import procfs
+from ..model import ProcessId
 
 DAEMON_FILE = "daemon.json"  # who the daemon is and where it keeps things
 STATUS_FILE = "status.json"  # every watched process, rewritten on each change

@@ -20,9 +20,16 @@ from typing import Any
 
 import structlog
 
-from .metrics import Metrics
-from .model import Incident
-from .store import Draft, Store, StoreWriteError, incident_to_json, new_id, write_incident_json
+from ..metrics import Metrics
+from ..model import Incident
+from .store import (
+    Draft,
+    Store,
+    StoreWriteError,
+    incident_to_json,
+    new_id,
+    write_incident_json,
+)
 
 log = structlog.get_logger("hangwatchd.spool")
 

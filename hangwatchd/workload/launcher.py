@@ -21,11 +21,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import exits, gpudump, heartbeat, pdeathsig, procfs, registry, runtime, untrusted
+from ..config import RUNTIME_DIR_ENV, Config
+from ..cudacore import driverlog
+from ..host import pdeathsig, procfs, untrusted
+from ..model import Registration
+from . import beat_segment, dump_names, exits, registration_file, runtime_files
 from .client import BEAT_FILE_ENV, JOB_ENV, STACK_TIMEOUT_ENV, TIMEOUT_ENV
-from .cudacore import driverlog
-from .config import RUNTIME_DIR_ENV, Config
-from .model import Registration
 
 COREDUMP_FLAGS = ("skip_nonrelocated_elf_images,skip_global_memory,skip_shared_memory,"
                   "skip_local_memory,skip_constbank_memory")
@@ -53,7 +54,7 @@ def workload_env(base: Mapping[str, str], runtime_dir: Path, dump_dir: Path, tag
         "CUDA_COREDUMP_SHOW_PROGRESS": "1",
         "CUDA_COREDUMP_GENERATION_FLAGS": COREDUMP_FLAGS,
         "CUDA_COREDUMP_PIPE": str(runtime_dir / "pipes" / "cuda_pipe.%p"),
-        "CUDA_COREDUMP_FILE": str(dump_dir / gpudump.NAME_PATTERN),
+        "CUDA_COREDUMP_FILE": str(dump_dir / dump_names.NAME_PATTERN),
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         # PyTorch appends the rank (and ".pipe" to the pipe) to these prefixes.
         "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(runtime_dir / "pipes" / f"nccl_trace_{tag}_"),
@@ -108,7 +109,7 @@ def ranks_env(env: dict[str, str], job: str | None, launch: Launch) -> None:
 
 def run(launch: Launch) -> int:
     """Start the workload, watch over its registration, return its exit status."""
-    info = runtime.daemon_info(launch.runtime_dir)
+    info = runtime_files.daemon_info(launch.runtime_dir)
     dump_dir = Path(info["dump_dir"]) if info and info.get("dump_dir") else Path(Config().state_dir) / "dumps"
     if info is None:
         print(f"hangwatchd: no daemon is running (runtime dir {launch.runtime_dir}); "
@@ -116,12 +117,12 @@ def run(launch: Launch) -> int:
     tag = f"{os.getpid()}-{secrets.token_hex(2)}"
     env = workload_env(os.environ, launch.runtime_dir, dump_dir, tag)
     # An outer hangwatchd run (hangwatchd run -- torchrun --no-python hangwatchd run -- ...) names the job.
-    job = registry.job_of(env, launch.job or os.environ.get(JOB_ENV))
+    job = registration_file.job_of(env, launch.job or os.environ.get(JOB_ENV))
     ranks_env(env, job, launch)
     beat_file: Path | None = launch.runtime_dir / "beats" / f"run-{tag}.beat"
     notify: NotifyProxy | None = None
     try:
-        heartbeat.create(str(beat_file), 0)
+        beat_segment.create(str(beat_file), 0)
         env[BEAT_FILE_ENV] = str(beat_file)
         notify = NotifyProxy(launch.runtime_dir / "beats" / f"run-{tag}", beat_file, env.get("NOTIFY_SOCKET"))
         env["NOTIFY_SOCKET"] = str(notify.address)
@@ -139,7 +140,7 @@ def run(launch: Launch) -> int:
         # The workload dies with us, even when we are SIGKILLed: nobody would watch it otherwise.
         pdeathsig.die_with_parent(launcher_pid)
         if beat_file is not None:
-            heartbeat.set_owner(str(beat_file), os.getpid())  # the segment is the child's own
+            beat_segment.set_owner(str(beat_file), os.getpid())  # the segment is the child's own
 
     try:
         child = subprocess.Popen(list(launch.command), env=env, preexec_fn=prepare_child, stderr=subprocess.PIPE)
@@ -165,13 +166,13 @@ def run(launch: Launch) -> int:
     if me is not None and beat_file is not None:
         reg = Registration(
             process=me, uid=os.getuid(), job=job,
-            **registry.ranks_from_env(env, launch.rank), role=role_of(launch.command),
+            **registration_file.ranks_from_env(env, launch.rank), role=role_of(launch.command),
             heartbeat_timeout=launch.heartbeat_timeout, stack_timeout=launch.stack_timeout,
             beat_file=str(beat_file), status_file=str(notify.status_file) if notify else None,
             cmdline=tuple(launch.command), source="run", registered_at=time.time(), ras_addr=env.get("NCCL_RAS_ADDR"),
         )
         try:
-            registry.write(launch.runtime_dir / "registrations", reg)
+            registration_file.write(launch.runtime_dir / "registrations", reg)
             reg_written = me
         except OSError as exc:
             print(f"hangwatchd: cannot register the workload ({exc.strerror}); it runs unwatched", file=sys.stderr)
@@ -206,7 +207,7 @@ class NotifyProxy(threading.Thread):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         self.sock.bind(str(self.address))
         os.chmod(self.address, 0o666)  # the workload may run as another user than the launcher
-        self.mm, self.counter = heartbeat.open_for_writing(str(beat_file))
+        self.mm, self.counter = beat_segment.open_for_writing(str(beat_file))
         self.closed = False
 
     def run(self) -> None:
@@ -220,7 +221,7 @@ class NotifyProxy(threading.Thread):
     def _handle(self, data: bytes) -> None:
         for line in data.decode("utf-8", "replace").splitlines():
             if line in ("WATCHDOG=1", "READY=1"):
-                heartbeat.BEAT.pack_into(self.mm, heartbeat.BEAT_OFFSET, next(self.counter), time.monotonic_ns())
+                beat_segment.BEAT.pack_into(self.mm, beat_segment.BEAT_OFFSET, next(self.counter), time.monotonic_ns())
             elif line.startswith("STATUS="):
                 try:
                     # In the world-writable beats dir: never write through a name someone planted.
@@ -228,7 +229,7 @@ class NotifyProxy(threading.Thread):
                 except OSError:
                     pass
         if self.upstream:
-            from .notify import notify
+            from ..host.notify import notify
 
             notify(data.decode("utf-8", "replace"))
 
@@ -290,7 +291,7 @@ def _report_lost_dump(lines: list[str], dump_dir: Path, pid: int) -> None:
     report = driverlog.parse(lines)
     if report.exception is None or report.dump_file is not None:
         return
-    name = f"nodump_{socket.gethostname()}.{pid}.{int(time.time())}{gpudump.DRIVER_LOG_SUFFIX}"
+    name = f"nodump_{socket.gethostname()}.{pid}.{int(time.time())}{dump_names.DRIVER_LOG_SUFFIX}"
     try:
         tmp = dump_dir / f".{name}.tmp"
         tmp.write_text("\n".join(lines) + "\n")
@@ -306,9 +307,9 @@ def _forward(child: subprocess.Popen[bytes], sig: int) -> None:
         pass
 
 
-def _cleanup(beat_file: Path | None, process: registry.ProcessId | None, runtime_dir: Path) -> None:
+def _cleanup(beat_file: Path | None, process: registration_file.ProcessId | None, runtime_dir: Path) -> None:
     if process is not None:
-        registry.remove(runtime_dir / "registrations", process)
+        registration_file.remove(runtime_dir / "registrations", process)
     if beat_file is not None:
         beat_file.unlink(missing_ok=True)
 

@@ -1,0 +1,55 @@
+"""What the analysis says of an incident: each rank's verdict, the culprits, the collectives.
+
+The records the verdict builds and ``gone`` extends with the ranks that left;
+kept apart so that both read them without importing each other."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RankVerdict:
+    rank: int | None
+    pid: int | None
+    verdict: str  # gpu-exception, gpu-kernel-spinning, in-collective, stream-deadlock, waiting-on-gpu, lock-wait, idle-python, dead, unknown
+    detail: str
+    location: str | None  # "function (file:line)"
+    collective: str | None = None
+    last_collective: tuple[str, int] | None = None  # (pg, seq) last entered, from the flight recorder
+    node: str | None = None  # the node it ran on (proc.json), for a job merged from many nodes
+
+
+@dataclass(frozen=True)
+class Culprit:
+    rank: int | None
+    pid: int | None
+    reason: str
+    location: str | None
+    node: str | None = None
+    gpu: int | None = None
+
+
+@dataclass(frozen=True)
+class Collective:
+    pg: str
+    seq: int
+    name: str
+    ranks_entered: tuple[int, ...]
+    ranks_missing: tuple[int, ...]
+    sizes: dict[str, Any] = field(default_factory=dict)
+    mismatch: str | None = None
+
+
+@dataclass(frozen=True)
+class Analysis:
+    summary: str
+    culprits: tuple[Culprit, ...]
+    ranks: tuple[RankVerdict, ...]
+    collectives: tuple[Collective, ...]
+    rests_on: tuple[str, ...] = ()  # the evidence there was: "pid 12: native stacks, GPU dump", ...
+    unreadable: tuple[str, ...] = ()  # each piece of evidence that could not be read, and why
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
