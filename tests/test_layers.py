@@ -1,4 +1,4 @@
-"""The house's floors: a stage imports the stages before it, never one after (DESIGN.md, Rooms).
+"""The house's floors: a stage imports the stages before it, never one after (docs/design.md, Rooms).
 
 Every module of ``hangwatchd`` is read with ``ast`` (lazy imports inside
 functions count too) and placed on a floor; an import of a module on a higher
@@ -237,3 +237,16 @@ def test_imports_are_resolved_as_python_does(bad_house: Path) -> None:
     assert imports_of(bad_house, bad_house / "__init__.py") == {"workload.client"}
     assert imports_of(bad_house, bad_house / "analyze" / "verdict.py") == {"capture.base", "analyze.gone"}
     assert imports_of(bad_house, bad_house / "metrics.py") == {"report.incident"}
+
+
+def test_the_readme_rooms_table_is_the_tree() -> None:
+    """Every package and loose module of hangwatchd/ is a row of the README's Rooms table, and
+    every name in the table exists."""
+    root = Path(hangwatchd.__file__).parent
+    readme = (root.parent / "README.md").read_text()
+    table = readme.split("## Rooms: where the code lives", 1)[1].split("\n## ", 1)[0]
+    first_cells = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    named = {name.strip("`/ ") for cell in first_cells for name in cell.split(",")}
+    tree = {p.stem for p in root.glob("*.py") if p.stem not in ("__init__", "__main__")}
+    tree |= {p.parent.name for p in root.glob("*/__init__.py")}
+    assert named == tree

@@ -160,7 +160,7 @@ def test_beat_counts_and_a_fork_never_beats_for_its_parent(tmp_path: Path) -> No
     seg = tmp_path / "s.beat"
     code = f"""
 import os, time, hangwatchd
-from hangwatchd import heartbeat
+from hangwatchd.workload import beat_segment
 beat_segment.create({str(seg)!r}, os.getpid())
 os.environ['HANGWATCHD_BEAT_FILE'] = {str(seg)!r}
 for _ in range(5): hangwatchd.beat()

@@ -1,6 +1,6 @@
 """Verdicts: what each captured process was doing, and which rank of a job diverged.
 
-Works on any incident directory laid out as DESIGN.md says, also one put
+Works on any incident directory laid out as docs/design.md says, also one put
 together by hand: a subdirectory per process holding any of proc.json,
 pyspy(-native).json, symbolized.json, nvml.json, flight-recorder.pkl.
 """

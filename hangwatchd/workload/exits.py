@@ -140,7 +140,7 @@ class Departed:
     node: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        """exit.json in the incident (DESIGN.md): a job-mate that had exited."""
+        """exit.json in the incident (docs/design.md): a job-mate that had exited."""
         r = self.registration
         e = self.exit or ExitRecord(None, None, None)
         when = e.time or self.noticed_at
