@@ -1,13 +1,16 @@
 """Ranks that are gone, on a 2-GPU machine, through the real daemon; keeps the incidents.
 
     PYTHONPATH=. python3 tests/gpu/run_jobs.py OUTDIR [--scenario uneven|killed|both] [--fake]
+                                               [--hold SECONDS] [--on-hang abort|report]
 
 Each rank is started by its own `hangwatchd run` (no torchrun, so the survivor stays):
 (i)  uneven: rank 1's data is shorter: it exits 0 after all_reduce #STEPS, rank 0 waits in #STEPS+1;
 (ii) killed: rank 1 is SIGKILLed from outside while rank 0 trains on, and then waits in all_reduce.
 The incident's verdict must lead with rank 1. Prints, and writes under OUTDIR/SCENARIO/, the
 verdict summary, the culprits and the timings (rank 1's end, rank 0's last beat, hang declared,
-incident stored). --fake runs the same without torch or a GPU (a barrier of files stands in
+incident stored). --hold keeps the hang going that long after the incident and counts the
+daemon's `process_hung` and `incident_stored` events (one hang must be one incident); --on-hang
+abort has the daemon end the job once its incident is stored, and times that. --fake runs the same without torch or a GPU (a barrier of files stands in
 for all_reduce), to check this script on a CPU machine.
 
 Every wait has a deadline, the whole run has one (SIGALRM), and every process it started is
@@ -59,7 +62,7 @@ def status(d: Daemon) -> list[dict[str, Any]]:
 
 
 
-def scenario(name: str, out: Path, fake: bool) -> dict[str, Any]:
+def scenario(name: str, out: Path, fake: bool, hold: float = 0.0, on_hang: str | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     base = Path(tempfile.mkdtemp(prefix=f"hangwatchd-jobs-{name}-"))
     fake_dir = base / "barrier"
@@ -78,8 +81,10 @@ def scenario(name: str, out: Path, fake: bool) -> dict[str, Any]:
             log = open(out / f"rank{r}.log", "wb")
             logs.append(log)
             argv = [sys.executable, str(ROOT / "tests/gpu/jobs_rank.py"), "--scenario", name, "--steps", str(STEPS)]
+            policy = ["--on-hang", on_hang] if on_hang else []
             ranks.append(d.run(argv + (["--fake"] if fake else []), "--job", f"jobs-{name}", "--heartbeat-timeout",
-                               str(HEARTBEAT_TIMEOUT), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                               str(HEARTBEAT_TIMEOUT), *policy, env=env, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True))
         def registered() -> Any:
             dead = [r for r, p in enumerate(ranks) if p.poll() is not None]
             if dead:  # a rank that died at start: say so now, not after the deadline
@@ -106,7 +111,16 @@ def scenario(name: str, out: Path, fake: bool) -> dict[str, Any]:
                               capture_output=True, text=True, timeout=60)
         (out / "show.txt").write_text(show.stdout + show.stderr)
         exit_files = {p.parent.name: json.loads(p.read_text()) for p in Path(inc["dir"]).glob("*/exit.json")}
+        if on_hang == "abort":
+            ended = wait_for(lambda: ranks[0].poll() is not None and time.time(), 60, "rank 0 ended by the daemon", every=0.1)
+            result["rank0_run_returncode"] = ranks[0].returncode
+            result["rank0_ended_at"] = ended
+        if hold:
+            time.sleep(hold)  # the hang goes on: count what the daemon makes of it meanwhile
         events = d.logs()
+        result["process_hung_events"] = sum(1 for e in events if e.get("event") == "process_hung")
+        result["incidents_stored"] = sum(1 for e in events if e.get("event") == "incident_stored")
+        result["held_s"] = hold
         hung = next((e for e in events if e.get("event") == "process_hung" and e.get("pid") == pid[0]), None)
         stored = next((e for e in events if e.get("event") == "incident_stored"), None)
         ex = exit_files.get(str(pid[1]), {})
@@ -124,6 +138,8 @@ def scenario(name: str, out: Path, fake: bool) -> dict[str, Any]:
                 "hung_after_rank0_last_beat": round(ts(hung) - since, 2) if hung and since else None,
                 "stored_after_rank0_last_beat": round(ts(stored) - since, 2) if stored and since else None,
                 "capture_seconds": stored.get("seconds") if stored else None,
+                "rank0_ended_after_last_beat": round(result["rank0_ended_at"] - since, 2)
+                if result.get("rank0_ended_at") and since else None,
             },
             "steps": {p.get("pid"): {s["step"]: ("ok" if s["ok"] else "skipped" if s.get("skipped") else "FAILED")
                                      for s in p.get("steps", [])} for p in meta.get("processes", [])},
@@ -149,6 +165,8 @@ def main() -> int:
     p.add_argument("outdir", type=Path)
     p.add_argument("--scenario", choices=["uneven", "killed", "both"], default="both")
     p.add_argument("--fake", action="store_true", help="no torch, no GPU: check the runner itself")
+    p.add_argument("--hold", type=float, default=0.0, help="seconds to keep the hang going after the incident")
+    p.add_argument("--on-hang", choices=["abort", "report"], default=None)
     a = p.parse_args()
 
     def too_long(*_: object) -> None:
@@ -157,15 +175,20 @@ def main() -> int:
     signal.signal(signal.SIGALRM, too_long)
     signal.alarm(WHOLE_RUN)
     names = ["uneven", "killed"] if a.scenario == "both" else [a.scenario]
-    results = [scenario(n, a.outdir / n, a.fake) for n in names]
+    results = [scenario(n, a.outdir / n, a.fake, a.hold, a.on_hang) for n in names]
     signal.alarm(0)
     for r in results:
         print(f"== {r['scenario']}{' (fake)' if r['fake'] else ''}")
         print(json.dumps({k: r.get(k) for k in ("error", "summary", "culprits", "rank1_exit", "first_culprit_is_rank1",
-                                                   "summary_leads_with_rank1", "timings_s", "steps") if k in r},
+                                                   "summary_leads_with_rank1", "timings_s", "steps", "held_s",
+                                                   "process_hung_events", "incidents_stored", "rank0_run_returncode")
+                          if k in r},
                          indent=1, default=str)[:4000])
     ok = all(r.get("first_culprit_is_rank1") and r.get("summary_leads_with_rank1") for r in results)
+    once = all(r.get("incidents_stored") == 1 for r in results)
     print("ok" if ok else "FAILED: the verdict does not lead with rank 1")
+    print("one incident per hang" if once else "FAILED: not exactly one incident per hang")
+    ok = ok and once
     return 0 if ok else 1
 
 
