@@ -1,11 +1,13 @@
 """Two daemons on one 2-GPU host standing for two nodes, sharing one S3 store (moto's server on
 loopback); a real NCCL job with one rank under each; prints the merged verdict.
 
-    PYTHONPATH=. python3 tests/gpu/run_nodes.py OUTDIR      # needs moto[server] and boto3 installed
+    PYTHONPATH=. python3 tests/gpu/run_nodes.py OUTDIR [HOLD_SECONDS]   # needs moto[server] and boto3 installed
 
 Rank 0 (node-a, GPU 0) hangs in an all_gather; rank 1 (node-b, GPU 1) took another branch and
 keeps beating. Node-a declares the job hung, node-b captures rank 1 on its request, and
-`hangwatchd analyze --store URL --job JOB --json` should name rank 1 on node-b.
+`hangwatchd analyze --store URL --job JOB --json` should name rank 1 on node-b. With HOLD_SECONDS the
+hang goes on that long after the merged verdict, and each daemon's hangs and stored incidents are
+counted (one job hang: one incident a node).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ JOB = "gpu-nodes"
 CONFIG = {"gpu_dump": "confirmed", "pyspy_timeout": 20.0, "flight_recorder_timeout": 30.0, "store_poll_interval": 1.0}
 
 
-def main(out: Path) -> int:
+def main(out: Path, hold: float = 0.0) -> int:
     try:
         import moto  # noqa: F401
     except ImportError:
@@ -73,6 +75,11 @@ def main(out: Path) -> int:
         for r in result["ranks"]:
             print(f"  rank {r['rank']} on {r['node']}: {r['verdict']} - {r['detail']}")
         print(listed.stdout)
+        time.sleep(hold)  # the hang goes on: count what each daemon makes of it
+        counts = {name: {ev: sum(1 for e in d.logs() if e.get("event") == ev) for ev in ("process_hung", "incident_stored")}
+                  for name, d in daemons.items()}
+        print(f"after holding the hang {hold:.0f} s more: {json.dumps(counts)}")
+        (out / "counts.json").write_text(json.dumps({"held_s": hold, **counts}))
     finally:
         for p in ranks:
             if p.poll() is None:
@@ -90,4 +97,4 @@ def main(out: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/nodes-out")))
+    sys.exit(main(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/nodes-out"), float(sys.argv[2]) if len(sys.argv) > 2 else 0.0))
