@@ -150,7 +150,7 @@ def _one_of(*allowed: str) -> Callable[[Any], str]:
     return parse
 
 
-STEP_NAMES = ("proc", "progress", "pyspy", "nvml", "nccl_ras", "flight_recorder", "cuda_dump")
+STEP_NAMES = ("proc", "progress", "pyspy", "children", "nvml", "nccl_ras", "flight_recorder", "cuda_dump")
 
 
 def _steps(v: Any) -> tuple[str, ...]:

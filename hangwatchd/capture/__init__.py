@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from ..config import Config
 from .base import Step, StepFailed, StepNotApplicable
+from .children import ChildrenStep
 from .cuda_dump import CudaDumpStep
 from .flight_recorder import FlightRecorderStep
 from .nccl_ras import NcclRasStep
@@ -22,6 +23,7 @@ def make_steps(config: Config) -> list[tuple[Step, float]]:
         "proc": lambda: (ProcStep(node=config.node), 5.0),
         "progress": lambda: (ProgressStep(), 5.0),
         "pyspy": lambda: (PySpyStep(native=config.pyspy_native), config.pyspy_timeout),
+        "children": lambda: (ChildrenStep(native=config.pyspy_native, node=config.node), config.pyspy_timeout),
         "nvml": lambda: (NvmlStep(), config.nvml_timeout),
         "nccl_ras": lambda: (NcclRasStep(), config.nccl_ras_timeout),
         "flight_recorder": lambda: (FlightRecorderStep(), config.flight_recorder_timeout),

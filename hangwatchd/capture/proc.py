@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..host import procfs
+from ..host.blocked_on import blocked_on
 from ..model import Registration
 from ..workload.runtime_files import write_json
 from .base import StepFailed
@@ -28,28 +29,38 @@ class ProcStep:
         p = target.process
         if not procfs.alive(p):
             raise StepFailed(f"pid {p.pid} started at {p.start_time} is gone")
-        status = procfs.status(p.pid)
-        env = procfs.environ(p.pid, IDENTITY_KEYS)
-        data = {
-            "pid": p.pid,
-            "start_time": p.start_time,
-            "cmdline": list(procfs.cmdline(p.pid)) or list(target.cmdline),
-            "job": target.job,
-            "rank": target.rank,
-            "local_rank": target.local_rank,
-            "world_size": target.world_size,
-            "hostname": socket.gethostname(),
-            "node": self.node or socket.gethostname(),
-            "uid": target.uid,
-            "state": status.get("State"),
-            "threads_count": status.get("Threads"),
-            "vm_rss": status.get("VmRSS"),
-            "voluntary_ctxt_switches": status.get("voluntary_ctxt_switches"),
-            "nonvoluntary_ctxt_switches": status.get("nonvoluntary_ctxt_switches"),
-            "environment": env,
-            "threads": procfs.threads(p.pid),
-        }
+        data = facts(target, self.node)
         if not procfs.alive(p):
             raise StepFailed(f"pid {p.pid} exited while it was being read")
         write_json(outdir / "proc.json", data)
         return ("proc.json",)
+
+
+def facts(target: Registration, node: str | None) -> dict[str, object]:
+    """What /proc says of a process: identity, job and rank, status, threads, what it is blocked on."""
+    p = target.process
+    status = procfs.status(p.pid)
+    env = procfs.environ(p.pid, IDENTITY_KEYS)
+    data = {
+        "pid": p.pid,
+        "start_time": p.start_time,
+        "cmdline": list(procfs.cmdline(p.pid)) or list(target.cmdline),
+        "job": target.job,
+        "rank": target.rank,
+        "local_rank": target.local_rank,
+        "world_size": target.world_size,
+        "hostname": socket.gethostname(),
+        "node": node or socket.gethostname(),
+        "uid": target.uid,
+        "state": status.get("State"),
+        "threads_count": status.get("Threads"),
+        "vm_rss": status.get("VmRSS"),
+        "voluntary_ctxt_switches": status.get("voluntary_ctxt_switches"),
+        "nonvoluntary_ctxt_switches": status.get("nonvoluntary_ctxt_switches"),
+        "environment": env,
+        "threads": procfs.threads(p.pid),
+        "parent": procfs.parent(p.pid),
+        # The main thread's wait: the system call and the descriptor (FIFO, pipe, socket, file) behind it.
+        "blocked_on": blocked_on(p.pid),
+    }
+    return data

@@ -21,6 +21,7 @@ from .base import StepFailed
 class PySpyStep:
     native: bool = True
     name: str = "pyspy"
+    locals: bool = False  # the plain dump also takes each frame's local variables (a worker's id)
 
     def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
         tool = find_pyspy()
@@ -34,7 +35,7 @@ class PySpyStep:
                 continue
             if not procfs.alive(target.process):
                 raise StepFailed(f"pid {pid} started at {target.process.start_time} is gone")
-            argv = [tool, "dump", "--json", "--pid", str(pid)] + (["--native"] if native else [])
+            argv = [tool, "dump", "--json", "--pid", str(pid)] + (["--native"] if native else ["--locals"] if self.locals else [])
             res = subproc.run(argv, timeout=timeout)
             label = "py-spy --native" if native else "py-spy"
             if res.timed_out:

@@ -176,3 +176,59 @@ def gpu_processes() -> list[int]:
         if any(t.startswith("/dev/nvidia") and t != "/dev/nvidiactl" for t in fd_targets(int(entry)).values()):
             out.append(int(entry))
     return out
+
+
+def parent(pid: int) -> int | None:
+    """Field 4 of /proc/PID/stat: the parent's pid."""
+    try:
+        raw = (PROC / str(pid) / "stat").read_bytes()
+    except OSError:
+        return None
+    rest = raw[raw.rfind(b")") + 2 :].split()
+    try:
+        return int(rest[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def children(pid: int) -> list[int]:
+    """The process's children, from every thread's ``task/TID/children`` (a child belongs to the thread
+    that forked it), else by scanning every process's parent."""
+    out: set[int] = set()
+    try:
+        tids = os.listdir(PROC / str(pid) / "task")
+    except OSError:
+        return []
+    found = False
+    for tid in tids:
+        try:
+            text = (PROC / str(pid) / "task" / tid / "children").read_text()
+        except OSError:
+            continue
+        found = True
+        out.update(int(c) for c in text.split() if c.isdigit())
+    if not found:  # a kernel without CONFIG_PROC_CHILDREN
+        out = {int(e) for e in os.listdir(PROC) if e.isdigit() and parent(int(e)) == pid}
+    return sorted(out)
+
+
+def descendants(pid: int, limit: int) -> list[int]:
+    """Children, then their children (breadth first), at most ``limit`` of them."""
+    out: list[int] = []
+    queue = [pid]
+    while queue and len(out) < limit:
+        for child in children(queue.pop(0)):
+            if child not in out and child != pid:
+                out.append(child)
+                queue.append(child)
+    return out[:limit]
+
+
+def ancestors(pid: int, limit: int = 64) -> list[int]:
+    """The parent, its parent, ... up to (not including) pid 1."""
+    out: list[int] = []
+    p = parent(pid)
+    while p and p > 1 and p not in out and len(out) < limit:
+        out.append(p)
+        p = parent(p)
+    return out
