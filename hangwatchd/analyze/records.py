@@ -13,12 +13,14 @@ from typing import Any
 class RankVerdict:
     rank: int | None
     pid: int | None
-    verdict: str  # gpu-exception, gpu-kernel-spinning, in-collective, stream-deadlock, waiting-on-gpu, lock-wait, idle-python, dead, unknown
+    verdict: str  # one of docs/verdicts.md: gpu-exception, child-stuck, thread-deadlock, stream-deadlock, ...
     detail: str
     location: str | None  # "function (file:line)"
     collective: str | None = None
     last_collective: tuple[str, int] | None = None  # (pg, seq) last entered, from the flight recorder
     node: str | None = None  # the node it ran on (proc.json), for a job merged from many nodes
+    parent: int | None = None  # a child captured with its hung parent: the parent's pid
+    role: str | None = None  # and what it is to the job ("DataLoader worker 1")
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class Analysis:
     collectives: tuple[Collective, ...]
     rests_on: tuple[str, ...] = ()  # the evidence there was: "pid 12: native stacks, GPU dump", ...
     unreadable: tuple[str, ...] = ()  # each piece of evidence that could not be read, and why
+    children: tuple[RankVerdict, ...] = ()  # the hung processes' children (workers, subprocesses), each judged
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

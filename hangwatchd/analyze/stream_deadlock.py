@@ -42,20 +42,83 @@ def process_gpus(nvml: dict[str, Any]) -> list[int]:
 
 
 def kernels_on(symbolized: dict[str, Any], gpus: list[int]) -> list[dict[str, Any]]:
-    """The dump's kernels on the process's GPUs (all of them where those are not known)."""
-    kernels = [k for k in dicts(symbolized.get("kernels")) if isinstance(k.get("name"), str)]
+    """The dump's kernels running on the process's GPUs (all of them where those are not known).
+
+    A grid the dump lists as pending or terminated, with no warp on any SM, is not running: a
+    launch queued behind a stream wait shows up so.
+    """
+    kernels = [k for k in dicts(symbolized.get("kernels")) if isinstance(k.get("name"), str) and _running(k)]
     return [k for k in kernels if not gpus or k.get("device") in gpus]
 
 
-def idle_gpu(symbolized: dict[str, Any], nvml: dict[str, Any]) -> str | None:
-    """Why the process's GPU runs nothing, if the dump or NVML says so; None when nothing says it."""
+def _running(kernel: dict[str, Any]) -> bool:
+    status = kernel.get("status")
+    return bool(kernel.get("sms")) or status not in ("pending", "terminated", "invalid")
+
+
+def own_utilisation(nvml: dict[str, Any]) -> dict[int, float]:
+    """This process's own SM utilisation on each of its GPUs (NVML's per-process samples); empty when not measured."""
+    raw = nvml.get("process_sm_percent")
+    out: dict[int, float] = {}
+    for k, v in (raw.items() if isinstance(raw, dict) else ()):
+        if str(k).isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[int(k)] = v
+    return out
+
+
+def device_utilisation(nvml: dict[str, Any]) -> dict[int, float]:
+    """Each GPU's utilisation as NVML reads it device-wide: every process on it together."""
+    out: dict[int, float] = {}
+    for d in dicts(nvml.get("devices")):
+        u, i = d.get("utilization_percent"), as_int(d.get("index"))
+        if i is not None and isinstance(u, (int, float)) and not isinstance(u, bool):
+            out[i] = u
+    return out
+
+
+def others_on(nvml: dict[str, Any], gpu: int, pid: int | None) -> list[int]:
+    """The other processes NVML saw on ``gpu``."""
+    for d in dicts(nvml.get("devices")):
+        if d.get("index") == gpu:
+            return [p["pid"] for p in dicts(d.get("processes")) if as_int(p.get("pid")) is not None and p["pid"] != pid]
+    return []
+
+
+def busy_text(nvml: dict[str, Any], gpus: list[int], pid: int | None = None) -> str:
+    """How busy the process keeps its GPUs, for a verdict: its own share first, the device's as context."""
+    own, device = own_utilisation(nvml), device_utilisation(nvml)
+    mine = [g for g in gpus if g in own]
+    if mine:
+        parts = []
+        for g in mine:
+            ctx = f", device {device[g]:g}% busy with all its processes" if g in device else ""
+            parts.append(f"GPU {g}: this process {own[g]:g}%{ctx}")
+        return ", " + "; ".join(parts)
+    known = [device[g] for g in gpus if g in device]
+    return f", GPU {max(known):g}% busy (device-wide, all processes)" if known and max(known) else ""
+
+
+def idle_gpu(symbolized: dict[str, Any], nvml: dict[str, Any], pid: int | None = None) -> str | None:
+    """Why the process's GPU runs nothing for it, if the dump or NVML says so; None when nothing says it.
+
+    Device-wide utilisation is every process's together: on a GPU shared with a busy neighbour it
+    reads 100 % while this process runs nothing, so it only says "idle" at 0 %, and is otherwise
+    told as context.
+    """
     gpus = process_gpus(nvml)
     devices = dicts(symbolized.get("devices"))
     where = f"GPU {', '.join(map(str, gpus))}" if gpus else "the process's GPUs"
+    device = device_utilisation(nvml)
+    shared = "".join(f"; GPU {g} is shared, {device[g]:g}% busy with other processes "
+                     f"({', '.join(map(str, others_on(nvml, g, pid))) or 'pids unknown'})" for g in gpus if device.get(g))
     if devices and not kernels_on(symbolized, gpus):
-        return f"the GPU dump shows no kernel running on {where}"
-    utilisation = [d.get("utilization_percent") for d in dicts(nvml.get("devices")) if d.get("index") in gpus]
-    known = [u for u in utilisation if isinstance(u, (int, float)) and not isinstance(u, bool)]
-    if gpus and known and len(known) == len(utilisation) and max(known) == 0 and not devices:
+        return f"the GPU dump shows no kernel running on {where}{shared}"
+    if devices:
+        return None  # the dump shows a kernel running: it is the story, whatever NVML sampled
+    own = own_utilisation(nvml)
+    if gpus and all(g in own for g in gpus) and max(own[g] for g in gpus) == 0:
+        return f"NVML's per-process samples show this process running nothing on {where}{shared}"
+    known = [device[g] for g in gpus if g in device]
+    if gpus and known and len(known) == len(gpus) and max(known) == 0:
         return f"NVML reads 0 % on {where}"
     return None

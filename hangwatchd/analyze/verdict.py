@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ..detect import patterns
-from . import evidence, flight, lockstep, ras, ras_blame, stream_deadlock
+from . import evidence, flight, lockstep, process_tree, ras, ras_blame, stream_deadlock
+from . import threads as th
 from .gone import account
 from .records import Analysis, Collective, Culprit, RankVerdict
 from .stacks import is_user_frame, library_frames
@@ -25,9 +26,8 @@ def _where(frame: dict[str, Any]) -> str:
 
 
 def _user_location(threads: list[dict[str, Any]]) -> str | None:
-    """The innermost frame of the user's own code, main thread first."""
-    ordered = sorted(threads, key=lambda t: 0 if t.get("thread_name") in (None, "MainThread") else 1)
-    for t in ordered:
+    """The innermost frame of the user's own code, main thread first, helper threads never."""
+    for t in th.ordered(threads):
         for f in t.get("frames") or []:
             if is_user_frame(f):
                 return _where(f)
@@ -65,12 +65,14 @@ def judge_evidence(pdir: Path, ev: evidence.Evidence, known: dict[str, Any] | No
                 e = record.entry(pg, enq)
                 pending = e.name if e else f"collective #{enq}"
     gpus = stream_deadlock.process_gpus(nvml)
-    busy = [d.get("utilization_percent") for d in evidence.dicts(nvml.get("devices")) if d.get("index") in gpus]
-    known_busy = [b for b in busy if isinstance(b, (int, float)) and not isinstance(b, bool)]
-    gpu_busy = f", GPU {max(known_busy)}% busy" if known_busy and max(known_busy) else ""
+    gpu_busy = stream_deadlock.busy_text(nvml, gpus, pid)
+    wchans = {t["tid"]: str(t.get("wchan") or "") for t in evidence.dicts(proc.get("threads")) if evidence.as_int(t.get("tid"))}
 
     def verdict(kind: str, detail: str, loc: str | None = location, coll: str | None = None) -> RankVerdict:
         return RankVerdict(rank, pid, kind, detail, loc, coll, last, proc.get("node"))
+
+    def full(f: dict[str, Any] | None) -> str | None:
+        return _where(f) if f else None
 
     for e in evidence.dicts(sym.get("exceptions")):
         frame = next((f for f in evidence.dicts(e.get("frames")) if f.get("file")), None)
@@ -94,12 +96,29 @@ def judge_evidence(pdir: Path, ev: evidence.Evidence, known: dict[str, Any] | No
     in_driver = bool(library_frames(threads))
     if gpu or in_driver:
         call = stream_deadlock.driver_call(tuple(threads)) or gpu or "the CUDA driver"
-        idle = stream_deadlock.idle_gpu(sym, nvml) if in_driver or ev.native else None
+        idle = stream_deadlock.idle_gpu(sym, nvml, pid) if in_driver or ev.native else None
         if idle:
             return verdict("stream-deadlock", f"host blocked in {call} while {idle}: it waits for GPU work that never "
                                               f"runs; {stream_deadlock.WHAT_TO_LOOK_AT}")
         return verdict("waiting-on-gpu", f"host blocked in {call}{gpu_busy}")
-    lock = patterns.first(names, (patterns.LOCK,))
+    spin = th.gil_spin(threads)
+    if spin:
+        others = len(threads) - 1
+        name = spin.thread.get("thread_name") or spin.thread.get("os_thread_id")
+        return verdict("gil-held-in-c", f"thread {name} holds the GIL while spinning in C in {th.short(spin.native)}"
+                                        + (f", called from {th.short(spin.caller)}" if spin.caller else "")
+                                        + (f"; the other {others} threads cannot run Python" if others > 1
+                                           else "; the other thread cannot run Python" if others else ""),
+                       full(spin.caller) or location)
+    locked = th.deadlock(threads, wchans)
+    if locked:
+        return verdict("thread-deadlock", th.deadlock_text(locked), full(locked[0][1]))
+    mine = th.ordered(threads, pid)  # main thread first; helper threads wait in locks all the time
+    main = th.main_thread(threads, pid)
+    waits = th.child_wait(main) if main else None
+    if waits:
+        return verdict("waiting-on-children", f"waiting for its child processes in {th.call_name(waits)}")
+    lock = patterns.first((str(f.get("name") or "") for t in mine for f in t.get("frames") or []), (patterns.LOCK,))
     if lock:
         return verdict("lock-wait", f"waiting for a lock, an event or a join ({lock})")
     if threads:
@@ -115,9 +134,17 @@ def analyze(incident: Path) -> Analysis:
     problems: list[str] = []
     meta = evidence.read_json_object(incident / "incident.json", problems) or {}
     known = {str(p.get("dir") or p.get("pid")): p for p in evidence.dicts(meta.get("processes"))}
-    dirs = process_dirs(incident)
-    found = [evidence.read(p, known.get(p.name)) for p in dirs]
+    all_dirs = process_dirs(incident)
+    everyone = process_tree.members(all_dirs, [evidence.read(p, known.get(p.name)) for p in all_dirs])
+    pids = {m.pid for m in everyone}
+    kids = [m for m in everyone if process_tree.is_child(m, pids)]
+    tops = [m for m in everyone if m not in kids]
+    dirs, found = [m.pdir for m in tops], [m.ev for m in tops]
+    kid_verdicts = [replace(judge_evidence(m.pdir, m.ev, known.get(m.pdir.name)), parent=m.parent, role=m.role) for m in kids]
     ranks = [judge_evidence(p, ev, known.get(p.name)) for p, ev in zip(dirs, found)]
+    ranks = [process_tree.explain(v, m, [(k, kv) for k, kv in zip(kids, kid_verdicts) if k.parent == m.pid])
+             if any(k.parent == m.pid for k in kids) or v.verdict == "waiting-on-children" else v
+             for v, m in zip(ranks, tops)]
     records = {v.rank: ev.record for v, ev in zip(ranks, found) if ev.record is not None and v.rank is not None}
     collectives = _collectives(records)
     culprits: list[Culprit] = []
@@ -139,8 +166,8 @@ def analyze(incident: Path) -> Analysis:
         summary = f"Ranks disagree on {c.name} #{c.seq} (process group {c.pg}): {c.mismatch}."
         culprits = [Culprit(r, by_rank[r].pid if r in by_rank else None, c.mismatch or "", by_rank[r].location if r in by_rank else None)
                     for r in c.ranks_entered]
-    elif lockstep.left_the_lockstep(process_dirs(incident))[0]:
-        culprits, summary = lockstep.explain(process_dirs(incident), ranks, Culprit)
+    elif lockstep.left_the_lockstep(dirs)[0]:
+        culprits, summary = lockstep.explain(dirs, ranks, Culprit)
     else:
         odd = _odd_one_out(ranks)
         lost = [v for v in ranks if v.verdict in ("dead", "unknown")]
@@ -157,6 +184,10 @@ def analyze(incident: Path) -> Analysis:
         elif len(ranks) > 1 and len({v.verdict for v in ranks}) == 1 and ranks[0].verdict == "in-collective":
             summary = (f"Every rank here waits in the same collective ({ranks[0].collective}): the cause is outside "
                        "this node - a dead or slow peer on another node, or the network.")
+        elif ranks and ranks[0].verdict in _LEADS_WITH_ITSELF:
+            v = ranks[0]  # the detail names its own places: a stuck child and the parent's wait, two threads
+            culprits.append(Culprit(v.rank, v.pid, f"{v.verdict}: {v.detail}", v.location))
+            summary = (f"Rank {v.rank}: " if v.rank is not None else "" if v.verdict == "child-stuck" else f"{_who(v)}: ") + f"{v.detail}."
         elif ranks:
             v = ranks[0]
             culprits.append(Culprit(v.rank, v.pid, f"{v.verdict}: {v.detail}", v.location))
@@ -170,8 +201,10 @@ def analyze(incident: Path) -> Analysis:
     culprits = [replace(c, node=nodes.get((c.rank, c.pid)) or c.node) for c in culprits]
     rests_on = tuple(f"{_who(v).lower() if v.rank is None else _who(v)}: {', '.join(ev.used) or 'nothing readable'}"
                      for v, ev in zip(ranks, found))
-    unreadable = tuple(problems) + tuple(p for ev in found for p in ev.problems)
-    return account(incident, meta, Analysis(summary, tuple(culprits), tuple(ranks), tuple(collectives), rests_on, unreadable))
+    rests_on += tuple(f"{k.role} (pid {k.pid}): {', '.join(k.ev.used) or 'nothing readable'}" for k in kids)
+    unreadable = tuple(problems) + tuple(p for ev in found for p in ev.problems) + tuple(p for k in kids for p in k.ev.problems)
+    return account(incident, meta, Analysis(summary, tuple(culprits), tuple(ranks), tuple(collectives), rests_on, unreadable,
+                                            tuple(kid_verdicts)))
 
 
 def _who(v: RankVerdict) -> str:
@@ -230,7 +263,9 @@ def _with_ras(views: list[ras.RasView], ranks: list[RankVerdict], summary: str,
 
 # Verdicts of a process that is merely where the hang shows, not why.
 _LIVE = frozenset({"in-collective", "waiting-on-gpu", "stream-deadlock", "lock-wait", "idle-python", "unknown",
-                   "gpu-kernel-spinning"})
+                   "gpu-kernel-spinning", "waiting-on-children"})
+# Verdicts whose detail is a whole sentence of places (a stuck child and the parent's wait; two threads).
+_LEADS_WITH_ITSELF = frozenset({"child-stuck", "thread-deadlock", "gil-held-in-c"})
 
 
 def _odd_one_out(ranks: list[RankVerdict]) -> RankVerdict | None:

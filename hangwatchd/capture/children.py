@@ -148,11 +148,7 @@ def role_of(comm: str, threads: list[dict[str, Any]], cmdline: list[str]) -> str
     names = [(str(f.get("name") or ""), str(f.get("filename") or "")) for f in frames]
     if any(n.endswith("worker") and fn.endswith("multiprocessing/pool.py") for n, fn in names):
         return "multiprocessing pool worker"
-    for i, (n, fn) in enumerate(names):
-        if n.endswith("BaseProcess.run") or (n == "run" and fn.endswith("multiprocessing/process.py")):
-            target = names[i - 1][0].rsplit(".", 1)[-1] if i > 0 else None
-            return f"multiprocessing worker ({target})" if target else "multiprocessing worker"
-    if any(fn.endswith("multiprocessing/spawn.py") for _, fn in names):
+    if any(fn.endswith(("multiprocessing/process.py", "multiprocessing/spawn.py")) for _, fn in names):
         return "multiprocessing worker"
     if cmdline:
         return f"subprocess {os.path.basename(cmdline[0])}"
@@ -165,12 +161,9 @@ def _number_roles(rows: list[dict[str, Any]]) -> None:
     groups: dict[tuple[Any, str], list[dict[str, Any]]] = {}
     for r in rows:
         role = r.get("role") or ""
-        if role in ("DataLoader worker", "multiprocessing pool worker") or role.startswith("multiprocessing worker"):
+        if role in ("DataLoader worker", "multiprocessing pool worker", "multiprocessing worker"):
             groups.setdefault((r.get("parent"), role), []).append(r)
     for (_, role), same in groups.items():
         first = 0 if role == "DataLoader worker" else 1
         for k, r in enumerate(sorted(same, key=lambda r: (r.get("start_time") or 0, r["pid"]))):
-            if role.startswith("multiprocessing worker ("):
-                r["role"] = role.replace("worker (", f"worker {k + first} (", 1)
-            else:
-                r["role"] = f"{role} {k + first}"
+            r["role"] = f"{role} {k + first}"

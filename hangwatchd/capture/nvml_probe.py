@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any
 
 
@@ -40,11 +41,41 @@ def probe(pid: int) -> dict[str, Any]:
             dev["processes"] = [{"pid": p.pid, "used_memory_bytes": p.usedGpuMemory} for p in procs]
             if any(p.pid == pid for p in procs):
                 out["process_gpus"].append(i)
+            dev["process_utilization"] = process_samples(nv, h)
+            if dev["process_utilization"] is None:
+                dev.setdefault("errors", []).append("process_utilization: not supported here")
             out["devices"].append(dev)
+        # This process's own share of each of its GPUs: a GPU shared with a busy neighbour reads 100 %
+        # device-wide while this process runs nothing on it.
+        out["process_sm_percent"] = {
+            str(d["index"]): max((s["sm_percent"] for s in d["process_utilization"]["samples"] if s["pid"] == pid), default=0)
+            for d in out["devices"] if d["index"] in out["process_gpus"] and d["process_utilization"] is not None}
         out["xid"] = "not collected: XID events need a listener running before the error"
         return out
     finally:
         nv.nvmlShutdown()
+
+
+WINDOW_S = 10  # seconds of NVML's per-process samples read back (it keeps about that much)
+
+
+def process_samples(nv: Any, h: Any) -> dict[str, Any] | None:
+    """NVML's per-process utilisation samples of the last ``WINDOW_S`` seconds; None where not supported.
+
+    A process that ran nothing on the GPU in the window has no sample: none is 0 %.
+    """
+    since = int((time.time() - WINDOW_S) * 1e6)
+    try:
+        samples = nv.nvmlDeviceGetProcessUtilization(h, since)
+    except nv.NVMLError as exc:
+        # No sample at all comes back as NOT_FOUND (or as "success" with none, which pynvml raises).
+        if getattr(exc, "value", None) in (0, getattr(nv, "NVML_ERROR_NOT_FOUND", 6)):
+            samples = []
+        else:
+            return None
+    return {"window_s": WINDOW_S, "samples": [
+        {"pid": s.pid, "sm_percent": s.smUtil, "memory_percent": s.memUtil, "timestamp_us": s.timeStamp}
+        for s in samples if s.timeStamp >= since]}
 
 
 def _s(v: Any) -> str:

@@ -53,6 +53,20 @@ LOCK = Kind("lock", r"acquire|lock_PyThread|_wait_for_tstate_lock"
 IDLE = Kind("idle", r"selectors|select\.|epoll|asyncio|_run_once|accept|zmq|uvloop|serve_forever|Queue\.get"
                     r"|recv_pyobj")
 
+# A parent waiting for its worker processes or subprocesses: a DataLoader's next batch, a pool's
+# map, a process's join, a subprocess's wait. Counted only in the frames of the libraries that
+# run children (CHILD_WAIT_FILES), or native waits for a child; the cause is then in a child.
+CHILD_WAIT = Kind("child-wait", r"^(?:\w+\.)*(?:_next_data|_get_data|_try_get_data|communicate|waitpid|wait4|join|wait|get"
+                                r"|map|starmap|imap\w*|result|recv|recv_bytes|poll|_recv)$|^wait4$|^waitpid$|^__waitpid$")
+CHILD_WAIT_FILES = ("multiprocessing/", "torch/utils/data/", "subprocess.py", "concurrent/futures/process.py")
+# Threads that are machinery, not the program: queue feeders, pin-memory, pools' handlers,
+# watchdogs and NCCL's and PyTorch's own threads. Named only when they are the cause.
+HELPER_THREAD = Kind("helper", r"QueueFeederThread|_pin_memory_loop|pin_memory|^pt_|watchdog|Watchdog|NCCL|nccl"
+                               r"|_handle_workers|_handle_tasks|_handle_results|hangwatchd")
+# A thread blocked taking a lock, as the native frames under its innermost Python frame show it.
+LOCK_NATIVE = Kind("lock", r"PyThread_acquire_lock|lock_PyThread_acquire_lock|acquire_timed|rlock_acquire|lock_enter"
+                           r"|pthread_mutex_lock|__lll_lock_wait")
+
 # Blocking kinds, in the order the verdict tells them apart: a thread in NCCL that also
 # synchronises is in a collective; one in a lock inside a collective is in the collective.
 COLLECTIVE = (COLLECTIVE_NATIVE, COLLECTIVE_PYTHON)
