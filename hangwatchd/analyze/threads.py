@@ -91,11 +91,10 @@ def deadlock(threads: list[Thread], wchans: dict[int, str]) -> list[tuple[Thread
     blocked = [(t, f) for t in threads if (f := lock_blocked_at(t, wchans)) is not None]
     if len(blocked) < 2 or any(t.get("active") for t in threads):
         return None
-    return blocked
+    return sorted(blocked, key=lambda b: b[0].get("os_thread_id") or 0)  # in the order they were started
 
 
 def deadlock_text(blocked: list[tuple[Thread, Frame]]) -> str:
-    blocked = sorted(blocked, key=lambda b: b[0].get("os_thread_id") or 0)  # in the order they were started
     parts = [f"{t.get('thread_name') or t.get('os_thread_id')} ({short(f).replace(' (', ', ', 1)}" for t, f in blocked]
     return "deadlock between threads " + (", ".join(parts[:-1]) + " and " + parts[-1])
 

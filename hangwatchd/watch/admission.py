@@ -162,8 +162,14 @@ class Registrations:
     def discover(self) -> None:
         """Every process holding /dev/nvidia* open, watched by its stack (a sidecar's view of the pod)."""
         known = {p.pid for p in self.watched} | {os.getpid()}
-        for pid in procfs.gpu_processes():
+        found = procfs.gpu_processes()
+        workers_of = {k.pid for k, w in self.watched.items() if w.role != "launcher"}
+        for pid in found:
             if pid in known:
+                continue
+            # A DataLoader or multiprocessing worker inherits its parent's /dev/nvidia* files: it is
+            # captured with its parent (capture/children), never watched as a process of its own.
+            if set(procfs.ancestors(pid)) & (workers_of | set(found)):
                 continue
             reg = registration_file.from_proc(pid, source="discovered")
             if reg is not None:

@@ -1,5 +1,5 @@
-"""A program whose main thread calls a C routine that spins for ever while holding the GIL (ctypes.PyDLL
-keeps the GIL held during the call); a helper thread waits for the GIL.
+"""A main thread that calls a C routine spinning for ever with the GIL held (ctypes.PyDLL keeps
+the GIL during the call); a helper thread can then never run Python again.
 
     python gil.py LIBSPIN.so
 """
@@ -10,7 +10,7 @@ import threading
 import time
 
 
-def heartbeat() -> None:
+def tick() -> None:
     while True:
         time.sleep(0.01)
 
@@ -21,7 +21,7 @@ def checksum(lib: ctypes.PyDLL) -> None:
 
 def main(path: str) -> None:
     lib = ctypes.PyDLL(path)
-    threading.Thread(target=heartbeat, name="beat", daemon=True).start()
+    threading.Thread(target=tick, name="ticker", daemon=True).start()
     print("READY", flush=True)
     checksum(lib)
 

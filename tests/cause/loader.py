@@ -1,7 +1,7 @@
-"""A data loader whose worker processes read shards; a shard that is a FIFO nobody writes blocks its reader for ever."""
+"""A data loader's worker processes: each reads the shards it is sent; a shard that is a FIFO
+nobody writes blocks its reader for ever."""
 
 import multiprocessing as mp
-import os
 
 
 def read_shard(path: str) -> bytes:

@@ -1,8 +1,7 @@
-"""A server nobody instrumented: two threads take two locks in opposite order and deadlock; main joins them."""
+"""A server nobody instrumented: threads cache and stats take two locks in opposite order and
+deadlock; the main thread waits in join."""
 
-import sys
 import threading
-import time
 
 cache_lock = threading.Lock()
 stats_lock = threading.Lock()

@@ -1,12 +1,13 @@
-"""A training loop fed by two multiprocessing workers (see loader.py); one worker's shard never arrives.
+"""A training loop fed by two multiprocessing workers (loader.py); shard 42 is a FIFO nobody writes.
 
-    python train.py SHARD_DIR     (prints READY PID1 PID2 once both workers run)
+    python train.py SHARD_DIR     (prints READY once it asks for shard 42)
 """
 
 import multiprocessing as mp
 import os
 import sys
 
+import hangwatchd
 import loader
 
 
@@ -17,13 +18,16 @@ def next_batch(results: "mp.Queue[int]") -> int:
 def train(shard_dir: str) -> None:
     paths: "mp.Queue[str]" = mp.Queue()
     results: "mp.Queue[int]" = mp.Queue()
-    workers = [mp.Process(target=loader.worker_loop, args=(i, paths, results), name=f"worker-{i}") for i in range(2)]
+    workers = [mp.Process(target=loader.worker_loop, args=(i, paths, results)) for i in range(2)]
     for w in workers:
         w.start()
-    print("READY", *[w.pid for w in workers], flush=True)
-    paths.put(os.path.join(shard_dir, "shard-0042"))
-    for step in range(1_000_000):
+    for step in range(30):
+        paths.put(os.path.join(shard_dir, f"shard-{step % 3:04d}"))
         next_batch(results)
+        hangwatchd.beat()
+    paths.put(os.path.join(shard_dir, "shard-0042"))
+    print("READY", flush=True)
+    next_batch(results)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,257 @@
+"""The cause elsewhere on the node: a stuck child process, a thread deadlock, the GIL held in C, a GPU
+shared with another tenant. Real processes, real py-spy, the real daemon; GPU cases on hand-made
+incident directories with NVML's per-process numbers and the real fixture dumps."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hangwatchd.analyze.verdict import analyze
+from hangwatchd.cudacore.symbolize import symbolize
+from hangwatchd.testing import Daemon, stop, wait_for
+
+from .conftest import FIXTURES, hangwatchd
+
+WORKLOADS = Path(__file__).parent / "cause"
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = {"stack_interval": 0.5, "stack_window": 3.0, "gpu_dump": "never"}
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=f"{WORKLOADS}{os.pathsep}{ROOT}")
+
+
+def started(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("READY"), f"the workload did not start: {line!r}"
+
+
+def incident(d: Daemon) -> tuple[dict[str, Any], Path]:
+    """The one incident's incident.json (its verdict, its processes) and its directory."""
+    (inc,) = wait_for(d.store().list, 60, "an incident")
+    return json.loads((Path(inc["dir"]) / "incident.json").read_text()), Path(inc["dir"])
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> Any:
+    """Three shards that are plain files, and shard-0042: a FIFO this test holds open for writing and never writes."""
+    d = tmp_path / "data"
+    d.mkdir()
+    for i in range(3):
+        (d / f"shard-{i:04d}").write_bytes(b"x" * (100 + i))
+    os.mkfifo(d / "shard-0042")
+    d.chmod(0o755)
+    writer = os.open(d / "shard-0042", os.O_RDWR | os.O_NONBLOCK)  # a reader's open never blocks; its read does
+    yield d
+    os.close(writer)
+
+
+def test_a_worker_stuck_reading_a_fifo_leads_the_verdict_and_is_in_the_incident(tmp_path: Path, shards: Path) -> None:
+    with Daemon(tmp_path / "d", config=CONFIG) as d:
+        work = d.run([sys.executable, str(WORKLOADS / "train.py"), str(shards)], "--heartbeat-timeout", "2",
+                     stdout=subprocess.PIPE, text=True, env=env(), start_new_session=True)
+        try:
+            started(work)
+            inc, path = incident(d)
+        finally:
+            stop(work, group=True)
+    parent = inc["processes"][0]["pid"]
+    kids = {int(p.name): json.loads((p / "proc.json").read_text()) for p in path.iterdir()
+            if p.is_dir() and p.name != str(parent) and (p / "proc.json").exists()}
+    assert len(kids) == 2 and all(k["parent"] == parent for k in kids.values())
+    (stuck,) = [pid for pid, k in kids.items() if k["blocked_on"].get("kind") == "FIFO"]
+    k = kids[stuck]
+    assert k["role"].startswith("multiprocessing worker ") and k["blocked_on"]["path"] == str(shards / "shard-0042")
+    assert k["blocked_on"]["syscall"] == "read" and k["blocked_on"]["wchan"]
+    assert (path / str(stuck) / "pyspy.json").exists() and (path / str(stuck) / "pyspy-native.json").exists()
+    assert inc["verdict"].startswith(
+        f"{k['role']} (pid {stuck}) is stuck in read_shard (loader.py:9), reading FIFO {shards}/shard-0042; "
+        f"its parent (pid {parent}) waits for it in Queue.get (train.py:15)")
+    # The parent's helper thread (multiprocessing's QueueFeederThread, in a condition wait) is not the story.
+    assert "QueueFeederThread" not in inc["verdict"] and "lock" not in inc["verdict"]
+    children = json.loads((path / str(parent) / "children.json").read_text())
+    assert {c["pid"] for c in children["children"]} == set(kids)
+    out = json.loads(hangwatchd("analyze", str(path), "--json").stdout)
+    assert out["ranks"][0]["verdict"] == "child-stuck" and [r["pid"] for r in out["ranks"]] == [parent]
+    assert {c["pid"]: c["role"] for c in out["children"]} == {pid: kk["role"] for pid, kk in kids.items()}
+    # Without the children's capture the parent is still read right: it waits for its children.
+    for pid in kids:
+        shutil.rmtree(path / str(pid))
+    (v,) = analyze(path).ranks
+    assert v.verdict == "waiting-on-children" and "Queue.get" in v.detail
+
+
+def test_a_subprocess_that_is_no_python_program_is_named_by_what_it_is_blocked_on(tmp_path: Path, shards: Path) -> None:
+    work = subprocess.Popen([sys.executable, str(WORKLOADS / "waits_on_cat.py"), str(shards / "shard-0042")],
+                            stdout=subprocess.PIPE, text=True, env=env(), start_new_session=True)
+    try:
+        started(work)
+        cat = wait_for(lambda: [int(c) for c in Path(f"/proc/{work.pid}/task/{work.pid}/children").read_text().split()], 10, "cat")[0]
+        wait_for(lambda: Path(f"/proc/{cat}/wchan").read_text() not in ("", "0"), 10, "cat asleep")
+        res = hangwatchd("capture", str(work.pid), "--json", "--state-dir", str(tmp_path / "st"), "--runtime-dir", str(tmp_path / "rt"))
+    finally:
+        stop(work, group=True)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["verdict"].startswith(f"subprocess cat (pid {cat}) is stuck in a system call, reading FIFO {shards}/shard-0042; "
+                                     f"its parent (pid {work.pid}) waits for it in Popen.communicate (waits_on_cat.py:12)"), out["verdict"]
+
+
+def test_a_lock_order_deadlock_names_both_threads_not_the_join(tmp_path: Path) -> None:
+    with Daemon(tmp_path / "d", config=CONFIG) as d:
+        work = d.run([sys.executable, str(WORKLOADS / "server.py")], "--stack-timeout", "2", "--heartbeat-timeout", "3600",
+                     stdout=subprocess.PIPE, text=True, env=env())
+        try:
+            started(work)
+            inc, path = incident(d)
+        finally:
+            stop(work, sig=signal.SIGKILL)
+    pid = inc["processes"][0]["pid"]
+    assert inc["verdict"] == (f"pid {pid}: deadlock between threads cache (update_cache, server.py:14) "
+                                     "and stats (report_stats, server.py:21)."), inc["verdict"]
+    (v,) = analyze(path).ranks
+    assert v.verdict == "thread-deadlock" and v.location == f"update_cache ({WORKLOADS / 'server.py'}:14)"
+
+
+def test_the_same_deadlock_from_python_frames_alone_reads_the_kernel_s_futex_waits(tmp_path: Path) -> None:
+    with Daemon(tmp_path / "d", config={**CONFIG, "pyspy_native": False}) as d:
+        work = d.run([sys.executable, str(WORKLOADS / "server.py")], "--stack-timeout", "2", "--heartbeat-timeout", "3600",
+                     stdout=subprocess.PIPE, text=True, env=env())
+        try:
+            started(work)
+            inc, path = incident(d)
+        finally:
+            stop(work, sig=signal.SIGKILL)
+    assert not (path / str(work.pid) / "pyspy-native.json").exists()
+    assert "deadlock between threads cache (update_cache, server.py:14) and stats (report_stats, server.py:21)" in inc["verdict"]
+
+
+@pytest.fixture(scope="module")
+def libspin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler (cc) to build the spinning routine")
+    out = tmp_path_factory.mktemp("spin") / "libspin.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-O0", "-o", str(out), str(WORKLOADS / "spin.c")], check=True)
+    out.parent.chmod(0o755)
+    return out
+
+
+def test_a_thread_spinning_in_c_with_the_gil_held_is_its_own_verdict(tmp_path: Path, libspin: Path) -> None:
+    with Daemon(tmp_path / "d", config=CONFIG) as d:
+        work = d.run([sys.executable, str(WORKLOADS / "gil.py"), str(libspin)], "--stack-timeout", "2", "--heartbeat-timeout", "3600",
+                     stdout=subprocess.PIPE, text=True, env=env())
+        try:
+            started(work)
+            inc, path = incident(d)
+        finally:
+            stop(work, sig=signal.SIGKILL)
+    pid = inc["processes"][0]["pid"]
+    assert inc["verdict"] == (f"pid {pid}: thread MainThread holds the GIL while spinning in C in spin_forever (libspin.so), "
+                              "called from checksum (gil.py:19); the other thread cannot run Python."), inc["verdict"]
+    (v,) = analyze(path).ranks
+    assert v.verdict == "gil-held-in-c" and v.location == f"checksum ({WORKLOADS / 'gil.py'}:19)"
+
+
+@pytest.fixture
+def fake_gpu() -> Any:
+    """A file named like an NVIDIA device node: holding it open is what discovery looks for."""
+    if not os.access("/dev", os.W_OK):
+        pytest.skip("writes into /dev (a file named like an NVIDIA device node): needs root")
+    path = Path(f"/dev/nvidia-hangwatchd-cause-{os.getpid()}")
+    path.write_text("")
+    yield path
+    path.unlink()
+
+
+def test_workers_of_a_watched_process_are_not_discovered_as_processes_of_their_own(tmp_path: Path, fake_gpu: Path) -> None:
+    code = (f"import multiprocessing as mp, time\nf = open({str(fake_gpu)!r})\n"
+            "def worker():\n    time.sleep(600)\n"
+            "if __name__ == '__main__':\n    mp.set_start_method('fork')\n    w = mp.Process(target=worker); w.start()\n"
+            "    print('READY', w.pid, flush=True)\n    time.sleep(600)\n")
+    with Daemon(tmp_path / "d", config={**CONFIG, "discover": True, "rescan_interval": 0.3}) as d:
+        work = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            assert work.stdout is not None
+            worker = int(work.stdout.readline().split()[1])
+            assert str(fake_gpu) in [os.readlink(f"/proc/{worker}/fd/{fd}") for fd in os.listdir(f"/proc/{worker}/fd")]
+
+            def watched() -> list[int]:
+                return [p["pid"] for p in json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)["processes"]]
+
+            assert wait_for(watched, 10, "the parent discovered") == [work.pid]
+            time.sleep(1.0)  # three more discovery passes (no event marks a pass that found nothing new)
+            assert watched() == [work.pid]
+        finally:
+            stop(work, group=True)
+
+
+# -- GPU verdicts on hand-made incident directories ---------------------------------------------
+
+
+def gpu_incident(tmp_path: Path, own: dict[str, int] | None, device: int, dump: str | None) -> Path:
+    """The real hung Triton job's native stack (host in cuStreamSynchronize) on GPU 0, shared with pid 4321.
+
+    ``own``: NVML's per-process share of each GPU (process_sm_percent); ``device``: the device-wide
+    utilisation; ``dump``: "running" for the real dump (its kernel spins on GPU 0), "none" for the
+    same dump with its grid pending behind a stream wait (no warp on any SM), None for no dump.
+    """
+    pdir = tmp_path / "1110"
+    pdir.mkdir(parents=True)
+    (pdir / "proc.json").write_text(json.dumps({"pid": 1110}))
+    shutil.copy(FIXTURES / "triton_hang" / "pyspy-native.json", pdir)
+    if dump:
+        sym = symbolize(FIXTURES / "triton_hang" / "coredump.nvcudmp.xz").to_dict()
+        if dump == "none":
+            sym["kernels"] = [dict(k, status="pending", sms=[]) for k in sym["kernels"]]
+            sym["pcs"] = []
+        (pdir / "symbolized.json").write_text(json.dumps(sym))
+    nvml: dict[str, Any] = {
+        "devices": [{"index": 0, "utilization_percent": device, "processes": [{"pid": 1110}, {"pid": 4321}]}],
+        "process_gpus": [0]}
+    if own is not None:
+        nvml["process_sm_percent"] = own
+    (pdir / "nvml.json").write_text(json.dumps(nvml))
+    return pdir
+
+
+def test_a_stream_deadlock_on_a_gpu_shared_with_a_busy_process_is_named_from_the_process_s_own_share(tmp_path: Path) -> None:
+    gpu_incident(tmp_path, {"0": 0}, 100, None)
+    (v,) = analyze(tmp_path).ranks
+    assert v.verdict == "stream-deadlock"
+    assert v.detail.startswith("host blocked in cuStreamSynchronize while NVML's per-process samples show this process "
+                               "running nothing on GPU 0; GPU 0 is shared, 100% busy with other processes (4321)")
+
+
+def test_device_wide_utilisation_alone_is_never_taken_as_the_process_s(tmp_path: Path) -> None:
+    gpu_incident(tmp_path / "a", None, 100, None)  # no per-process samples: no claim either way
+    (v,) = analyze(tmp_path / "a").ranks
+    assert v.verdict == "waiting-on-gpu" and v.detail.endswith("GPU 100% busy (device-wide, all processes)")
+    gpu_incident(tmp_path / "b", {"0": 96}, 100, None)  # its own kernels keep it busy: it waits on them
+    (v,) = analyze(tmp_path / "b").ranks
+    assert v.verdict == "waiting-on-gpu" and "GPU 0: this process 96%, device 100% busy with all its processes" in v.detail
+
+
+def test_a_dump_with_no_kernel_running_is_a_stream_deadlock_whatever_the_device_reads(tmp_path: Path) -> None:
+    gpu_incident(tmp_path, None, 100, "none")
+    (v,) = analyze(tmp_path).ranks
+    assert v.verdict == "stream-deadlock"
+    assert "the GPU dump shows no kernel running on GPU 0; GPU 0 is shared, 100% busy with other processes (4321)" in v.detail
+
+
+def test_a_running_kernel_in_the_dump_stays_the_story_on_a_shared_gpu(tmp_path: Path) -> None:
+    gpu_incident(tmp_path, {"0": 100}, 100, "running")
+    (v,) = analyze(tmp_path).ranks
+    assert v.verdict == "gpu-kernel-spinning" and "conditional_hang_kernel" in v.detail
+    assert "GPU 0: this process 100%, device 100% busy with all its processes" in v.detail
