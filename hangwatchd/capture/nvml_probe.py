@@ -56,7 +56,7 @@ def probe(pid: int) -> dict[str, Any]:
         nv.nvmlShutdown()
 
 
-WINDOW_S = 10  # seconds of NVML's per-process samples read back (it keeps about that much)
+WINDOW_S = 5  # seconds of NVML's per-process samples read back: recent enough to be the hung state, long enough for a sample
 
 
 def process_samples(nv: Any, h: Any) -> dict[str, Any] | None:
