@@ -85,10 +85,13 @@ def test_a_worker_stuck_reading_a_fifo_leads_the_verdict_and_is_in_the_incident(
     out = json.loads(hangwatchd("analyze", str(path), "--json").stdout)
     assert out["ranks"][0]["verdict"] == "child-stuck" and [r["pid"] for r in out["ranks"]] == [parent]
     assert {c["pid"]: c["role"] for c in out["children"]} == {pid: kk["role"] for pid, kk in kids.items()}
+    idle = next(c for c in out["children"] if c["pid"] != stuck)  # the other worker waits for work: not the story
+    assert idle["verdict"] == "idle-python" and idle["detail"] == "waiting for work in Queue.get" and idle["parent"] == parent
     # Without the children's capture the parent is still read right: it waits for its children.
+    bare = shutil.copytree(path, tmp_path / "without-children")
     for pid in kids:
-        shutil.rmtree(path / str(pid))
-    (v,) = analyze(path).ranks
+        shutil.rmtree(bare / str(pid))
+    (v,) = analyze(bare).ranks
     assert v.verdict == "waiting-on-children" and "Queue.get" in v.detail
 
 
@@ -255,3 +258,42 @@ def test_a_running_kernel_in_the_dump_stays_the_story_on_a_shared_gpu(tmp_path: 
     (v,) = analyze(tmp_path).ranks
     assert v.verdict == "gpu-kernel-spinning" and "conditional_hang_kernel" in v.detail
     assert "GPU 0: this process 100%, device 100% busy with all its processes" in v.detail
+
+
+# -- the verdict catalogue ----------------------------------------------------------------------
+
+
+def rank_dir(root: Path, pid: int, rank: int | None, frames: list[tuple[str, str, int]] | None, **proc: Any) -> None:
+    pdir = root / str(pid)
+    pdir.mkdir(parents=True)
+    (pdir / "proc.json").write_text(json.dumps({"pid": pid, "rank": rank, **proc}))
+    if frames is not None:
+        (pdir / "pyspy.json").write_text(json.dumps([{"thread_name": "MainThread", "os_thread_id": pid, "active": False,
+                                                      "frames": [{"name": n, "filename": f, "line": ln} for n, f, ln in frames]}]))
+
+
+def test_the_odd_rank_out_and_a_process_that_was_gone_before_it_was_read(tmp_path: Path) -> None:
+    waiting = [("all_reduce", "/srv/job/site-packages/torch/distributed/c10d.py", 10), ("step", "/srv/job/train.py", 40)]
+    for pid, rank in ((11, 0), (12, 1)):
+        rank_dir(tmp_path / "odd", pid, rank, waiting)
+    rank_dir(tmp_path / "odd", 13, 2, [("Lock.acquire", "/usr/lib/python3.11/threading.py", 5), ("save_checkpoint", "/srv/job/ckpt.py", 7)])
+    out = analyze(tmp_path / "odd")
+    assert out.summary.startswith("Rank 2 is the odd one out: waiting for a lock, an event or a join (Lock.acquire) at "
+                                  "save_checkpoint (/srv/job/ckpt.py:7), while the other ranks are in-collective")
+    rank_dir(tmp_path / "gone", 21, None, None, state="Z (zombie)")
+    (v,) = analyze(tmp_path / "gone").ranks
+    assert v.verdict == "dead" and v.detail == "the process had exited before it could be read"
+
+
+def test_the_verdict_catalogue_lists_every_verdict_the_analysis_gives() -> None:
+    import re
+
+    given: set[str] = set()
+    for path in (ROOT / "hangwatchd" / "analyze").glob("*.py"):
+        text = path.read_text()
+        given |= set(re.findall(r'\bverdict\("([a-z-]+)"', text))
+        given |= set(re.findall(r'verdict="([a-z-]+)"', text))
+        given |= set(re.findall(r'RankVerdict\([^()]*?"([a-z]+(?:-[a-z]+)+|exited)"', text))
+    assert {"child-stuck", "thread-deadlock", "gil-held-in-c", "stream-deadlock", "exited", "not-here"} <= given
+    listed = set(re.findall(r"^### `([a-z-]+)`", (ROOT / "docs" / "verdicts.md").read_text(), re.M))
+    assert given - listed == set(), f"verdicts missing from docs/verdicts.md: {sorted(given - listed)}"

@@ -41,6 +41,20 @@ def is_child(m: Member, pids: set[int | None]) -> bool:
     return m.role is not None and m.parent is not None and m.parent != m.pid and m.parent in pids
 
 
+def as_child(v: RankVerdict, m: Member, has_children: bool) -> RankVerdict:
+    """A child's own verdict, with its parent and role; a worker in its queue's wait is waiting for work."""
+    v = replace(v, parent=m.parent, role=m.role)
+    stuck = stuck_at(m) if v.verdict in ("idle-python", "unknown", "lock-wait", "waiting-on-children") else None
+    if stuck is not None:
+        frame, where = stuck
+        blocked = _blocked_text(m.ev)
+        return replace(v, verdict="child-stuck", detail=f"stuck in {where}" + (f", {blocked}" if blocked else ""),
+                       location=f"{frame.get('name')} ({frame.get('filename')}:{frame.get('line')})" if frame else v.location)
+    if v.verdict == "waiting-on-children" and not has_children:
+        return replace(v, verdict="idle-python", detail=v.detail.replace("waiting for its child processes in", "waiting for work in"))
+    return v
+
+
 def _waits_on_parent(ev: Evidence) -> bool:
     b = ev.proc.get("blocked_on")
     return isinstance(b, dict) and bool(b.get("held_by"))
@@ -76,7 +90,7 @@ def explain(v: RankVerdict, parent: Member, kids: list[tuple[Member, RankVerdict
     main = th.main_thread(list(parent.ev.threads), parent.pid)
     wait = th.child_wait(main) if main else None
     held = _children_hold_parents_wait(parent.pdir, [k.pid for k, _ in kids])
-    if wait is None and not held:
+    if (wait is None and not held) or not kids:  # without its children captured the parent's own verdict stands
         return v
     stuck = [(k, kv, s) for k, kv in kids if (s := stuck_at(k)) is not None]
     user = th.innermost_user_frame(main) if main else None

@@ -140,7 +140,8 @@ def analyze(incident: Path) -> Analysis:
     kids = [m for m in everyone if process_tree.is_child(m, pids)]
     tops = [m for m in everyone if m not in kids]
     dirs, found = [m.pdir for m in tops], [m.ev for m in tops]
-    kid_verdicts = [replace(judge_evidence(m.pdir, m.ev, known.get(m.pdir.name)), parent=m.parent, role=m.role) for m in kids]
+    kid_verdicts = [process_tree.as_child(judge_evidence(m.pdir, m.ev, known.get(m.pdir.name)), m,
+                                          any(k.parent == m.pid for k in kids)) for m in kids]
     ranks = [judge_evidence(p, ev, known.get(p.name)) for p, ev in zip(dirs, found)]
     ranks = [process_tree.explain(v, m, [(k, kv) for k, kv in zip(kids, kid_verdicts) if k.parent == m.pid])
              if any(k.parent == m.pid for k in kids) or v.verdict == "waiting-on-children" else v
