@@ -283,6 +283,10 @@ def test_the_odd_rank_out_and_a_process_that_was_gone_before_it_was_read(tmp_pat
     rank_dir(tmp_path / "gone", 21, None, None, state="Z (zombie)")
     (v,) = analyze(tmp_path / "gone").ranks
     assert v.verdict == "dead" and v.detail == "the process had exited before it could be read"
+    rank_dir(tmp_path / "lost", 31, 0, waiting)
+    rank_dir(tmp_path / "lost", 32, 1, None, state="Z (zombie)")
+    assert analyze(tmp_path / "lost").summary == ("Rank 0 waits in all_reduce; rank 1: the process had exited before it "
+                                                  "could be read, so the one that did not join is there.")
 
 
 def test_the_verdict_catalogue_lists_every_verdict_the_analysis_gives() -> None:

@@ -175,7 +175,8 @@ def analyze(incident: Path) -> Analysis:
         waiting = [v for v in ranks if v.verdict == "in-collective"]
         if lost and waiting and len(lost) + len(waiting) == len(ranks):
             culprits = [Culprit(v.rank, v.pid, v.detail, None) for v in lost]
-            summary = (f"Rank{'s' if len(waiting) > 1 else ''} {', '.join(str(v.rank) for v in waiting)} wait in "
+            summary = (f"Rank{'s' if len(waiting) > 1 else ''} {', '.join(str(v.rank) for v in waiting)} "
+                       f"wait{'' if len(waiting) > 1 else 's'} in "
                        f"{waiting[0].collective}; rank{'s' if len(lost) > 1 else ''} "
                        f"{', '.join(str(v.rank) for v in lost)}: {lost[0].detail}, so the one that did not join is there.")
         elif odd is not None:
