@@ -12,6 +12,7 @@ pipe or socket the parent is blocked on.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import re
 import time
@@ -97,7 +98,7 @@ class ChildrenStep:
                 row["error"] = str(exc)
         comm = _comm(pid)
         row["role"] = role_of(comm, threads, data.get("cmdline") or [])
-        holders = _family_holders(data.get("blocked_on"), parent.process.pid, pid)
+        holders = _parent_holds(data.get("blocked_on"), parent.process.pid, pid)
         if isinstance(data.get("blocked_on"), dict) and holders:
             data["blocked_on"]["held_by"] = holders  # type: ignore[index]
         data["comm"] = comm
@@ -105,8 +106,8 @@ class ChildrenStep:
         return row, data
 
 
-def _family_holders(b: Any, parent: int, me: int) -> list[int]:
-    """Whether the parent holds what the child waits on: a worker waiting on its parent's queue is idle."""
+def _parent_holds(b: Any, parent: int, me: int) -> list[int]:
+    """The parent, if it holds what the child waits on: a worker waiting on its parent's queue is idle."""
     if not isinstance(b, dict) or not isinstance(b.get("object"), list):
         return []
     return [p for p in blocked.holders(b["object"], [parent]) if p != me]
@@ -121,8 +122,7 @@ def _comm(pid: int) -> str:
 
 
 def _threads(cdir: Path) -> list[dict[str, Any]]:
-    import json
-
+    """The stacks py-spy just wrote for the child (the plain dump first: it has the locals)."""
     for name in ("pyspy.json", "pyspy-native.json"):
         try:
             data = json.loads((cdir / name).read_text())
