@@ -82,6 +82,8 @@ def test_a_worker_stuck_reading_a_fifo_leads_the_verdict_and_is_in_the_incident(
     assert "QueueFeederThread" not in inc["verdict"] and "lock" not in inc["verdict"]
     children = json.loads((path / str(parent) / "children.json").read_text())
     assert {c["pid"] for c in children["children"]} == set(kids)
+    # The parent reads the results pipe that both workers hold: it waits for them.
+    assert children["blocked_on"]["kind"] == "pipe" and set(children["blocked_on"]["held_by"]) == set(kids)
     out = json.loads(hangwatchd("analyze", str(path), "--json").stdout)
     assert out["ranks"][0]["verdict"] == "child-stuck" and [r["pid"] for r in out["ranks"]] == [parent]
     assert {c["pid"]: c["role"] for c in out["children"]} == {pid: kk["role"] for pid, kk in kids.items()}
@@ -301,3 +303,85 @@ def test_the_verdict_catalogue_lists_every_verdict_the_analysis_gives() -> None:
     assert {"child-stuck", "thread-deadlock", "gil-held-in-c", "stream-deadlock", "exited", "not-here"} <= given
     listed = set(re.findall(r"^### `([a-z-]+)`", (ROOT / "docs" / "verdicts.md").read_text(), re.M))
     assert given - listed == set(), f"verdicts missing from docs/verdicts.md: {sorted(given - listed)}"
+
+
+def thread(name: str, tid: int, frames: list[tuple[str, str, int]], **extra: Any) -> dict[str, Any]:
+    return {"thread_name": name, "os_thread_id": tid, "active": False, "owns_gil": False,
+            "frames": [{"name": n, "filename": f, "short_filename": f.rsplit("/", 1)[-1], "line": ln, **extra}
+                       for n, f, ln in frames]}
+
+
+TORCH = "/opt/venv/lib/python3.11/site-packages/torch/utils/data"
+MP = "/usr/lib/python3.11/multiprocessing"
+
+
+def test_a_dataloader_incident_put_together_by_hand_leads_with_the_stuck_worker(tmp_path: Path) -> None:
+    """A PyTorch DataLoader's shapes, as py-spy shows them (CPU here; tests/gpu/run_cause.py runs the real one):
+    the training loop in _next_data, a QueueFeederThread in a condition wait, worker 1 in read_shard."""
+    from hangwatchd.capture.children import role_of
+
+    parent = tmp_path / "100"
+    parent.mkdir()
+    (parent / "proc.json").write_text(json.dumps({"pid": 100, "parent": 1, "blocked_on": {"text": "waiting in poll on a pipe"}}))
+    (parent / "pyspy.json").write_text(json.dumps([
+        thread("QueueFeederThread", 103, [("Condition.wait", "/usr/lib/python3.11/threading.py", 327),
+                                          ("Queue._feed", f"{MP}/queues.py", 231)]),
+        thread("MainThread", 100, [("poll", "/usr/lib/python3.11/selectors.py", 416), ("Queue.get", f"{MP}/queues.py", 113),
+                                   ("_MultiProcessingDataLoaderIter._try_get_data", f"{TORCH}/dataloader.py", 1275),
+                                   ("_MultiProcessingDataLoaderIter._get_data", f"{TORCH}/dataloader.py", 1446),
+                                   ("_MultiProcessingDataLoaderIter._next_data", f"{TORCH}/dataloader.py", 1485),
+                                   ("_BaseDataLoaderIter.__next__", f"{TORCH}/dataloader.py", 733),
+                                   ("train", "/srv/job/train.py", 33)])]))
+    worker = [("read_shard", "/srv/job/loader.py", 17), ("Shards.__getitem__", "/srv/job/loader.py", 30),
+              ("_MapDatasetFetcher.fetch", f"{TORCH}/_utils/fetch.py", 52), ("_worker_loop", f"{TORCH}/_utils/worker.py", 349)]
+    idle = [("poll", "/usr/lib/python3.11/selectors.py", 416), ("Queue.get", f"{MP}/queues.py", 113),
+            ("_worker_loop", f"{TORCH}/_utils/worker.py", 309)]
+    for pid, wid, frames, blocked in ((101, 0, idle, {"text": "waiting in poll on a pipe (pipe:[7])", "held_by": [100]}),
+                                      (102, 1, worker, {"syscall": "read", "kind": "FIFO", "path": "/data/shard-0042",
+                                                        "text": "reading FIFO /data/shard-0042"})):
+        threads = [thread("MainThread", pid, frames, locals=[{"name": "worker_id", "repr": str(wid)}])]
+        role = role_of("pt_data_worker", threads, ["python", "train.py"])
+        assert role == f"DataLoader worker {wid}"
+        d = tmp_path / str(pid)
+        d.mkdir()
+        (d / "proc.json").write_text(json.dumps({"pid": pid, "parent": 100, "role": role, "blocked_on": blocked}))
+        (d / "pyspy.json").write_text(json.dumps(threads))
+    out = json.loads(hangwatchd("analyze", str(tmp_path), "--json").stdout)
+    assert out["summary"] == ("DataLoader worker 1 (pid 102) is stuck in read_shard (loader.py:17), reading FIFO /data/shard-0042; "
+                              "the training loop waits for it in _next_data (train.py:33).")
+    assert [(c["role"], c["verdict"]) for c in out["children"]] == [("DataLoader worker 0", "idle-python"),
+                                                                     ("DataLoader worker 1", "child-stuck")]
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2, 100) | st.floats(allow_nan=False) | st.text(max_size=12),
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.sampled_from(
+        ["pid", "parent", "role", "blocked_on", "held_by", "text", "object", "thread_name", "os_thread_id", "active",
+         "owns_gil", "frames", "name", "filename", "short_filename", "line", "module", "threads", "tid", "wchan",
+         "process_sm_percent", "process_gpus", "devices", "index", "utilization_percent", "processes", "0", "77"]),
+        c, max_size=5), max_leaves=24)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.sampled_from(["77/proc.json", "77/pyspy.json", "77/nvml.json", "77/children.json",
+                                        "78/proc.json", "78/pyspy-native.json"]),
+                       _VALUES.map(lambda v: json.dumps(v).encode()), min_size=1, max_size=6))
+def test_a_process_tree_read_from_any_files_never_raises(tmp_path_factory: pytest.TempPathFactory, files: dict[str, bytes]) -> None:
+    root = tmp_path_factory.mktemp("tree")
+    # A child of 77 always, whatever else its proc.json holds, so the tree's own reading is what is fuzzed.
+    (root / "78").mkdir()
+    child = {"pid": 78, "parent": 77, "role": "DataLoader worker 1", "blocked_on": {"text": "reading FIFO /x"}}
+    raw = files.pop("78/proc.json", b"{}")
+    extra = json.loads(raw)
+    (root / "78" / "proc.json").write_text(json.dumps({**extra, **child} if isinstance(extra, dict) else child))
+    (root / "77").mkdir()
+    (root / "77" / "pyspy.json").write_text(json.dumps([thread("MainThread", 77, [("Queue.get", f"{MP}/queues.py", 1),
+                                                                                ("train", "/srv/train.py", 3)])]))
+    for name, content in files.items():
+        (root / name).parent.mkdir(exist_ok=True)
+        (root / name).write_bytes(content)
+    out = analyze(root)
+    assert out.summary

@@ -91,7 +91,8 @@ def deadlock(threads: list[Thread], wchans: dict[int, str]) -> list[tuple[Thread
     blocked = [(t, f) for t in threads if (f := lock_blocked_at(t, wchans)) is not None]
     if len(blocked) < 2 or any(t.get("active") for t in threads):
         return None
-    return sorted(blocked, key=lambda b: b[0].get("os_thread_id") or 0)  # in the order they were started
+    # In the order they were started (thread ids grow); a hand-made file may hold anything there.
+    return sorted(blocked, key=lambda b: b[0]["os_thread_id"] if isinstance(b[0].get("os_thread_id"), int) else 0)
 
 
 def deadlock_text(blocked: list[tuple[Thread, Frame]]) -> str:
