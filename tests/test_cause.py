@@ -87,6 +87,8 @@ def test_a_worker_stuck_reading_a_fifo_leads_the_verdict_and_is_in_the_incident(
     out = json.loads(hangwatchd("analyze", str(path), "--json").stdout)
     assert out["ranks"][0]["verdict"] == "child-stuck" and [r["pid"] for r in out["ranks"]] == [parent]
     assert {c["pid"]: c["role"] for c in out["children"]} == {pid: kk["role"] for pid, kk in kids.items()}
+    text = hangwatchd("analyze", str(path)).stdout
+    assert f"  {k['role']} pid {stuck} (of pid {parent}): child-stuck - stuck in read_shard (loader.py:9), reading FIFO" in text
     idle = next(c for c in out["children"] if c["pid"] != stuck)  # the other worker waits for work: not the story
     assert idle["verdict"] == "idle-python" and idle["detail"] == "waiting for work in Queue.get" and idle["parent"] == parent
     # Without the children's capture the parent is still read right: it waits for its children.

@@ -67,6 +67,11 @@ def render_analysis(a: dict[str, Any]) -> str:
             who += f" on node {r['node']}" if r.get("node") else ""
             out.append(f"  {who}: {r['verdict']} - {r['detail']}"
                        + (f" at {r['location']}" if r.get("location") else "") + last)
+    if a.get("children"):
+        out += ["", "Children of the hung processes:"]
+        for r in a["children"]:
+            out.append(f"  {r.get('role') or 'child'} pid {r['pid']} (of pid {r.get('parent')}): {r['verdict']} - {r['detail']}"
+                       + (f" at {r['location']}" if r.get("location") else ""))
     if a.get("collectives"):
         out += ["", "Collectives (flight recorder):"]
         for c in a["collectives"]:
