@@ -92,7 +92,8 @@ class ChildrenStep:
             row["error"] = "skipped: the capture's time budget was spent"
         else:
             try:
-                PySpyStep(native=self.native, locals=True).run(reg, cdir, left)
+                # Two dumps (native, then plain with locals), each given half: both end by the deadline.
+                PySpyStep(native=self.native, locals=True).run(reg, cdir, left / 2 if self.native else left)
                 threads = _threads(cdir)
             except StepFailed as exc:
                 row["error"] = str(exc)
