@@ -338,7 +338,8 @@ def test_a_dataloader_incident_put_together_by_hand_leads_with_the_stuck_worker(
               ("_MapDatasetFetcher.fetch", f"{TORCH}/_utils/fetch.py", 52), ("_worker_loop", f"{TORCH}/_utils/worker.py", 349)]
     idle = [("poll", "/usr/lib/python3.11/selectors.py", 416), ("Queue.get", f"{MP}/queues.py", 113),
             ("_worker_loop", f"{TORCH}/_utils/worker.py", 309)]
-    for pid, wid, frames, blocked in ((101, 0, idle, {"text": "waiting in poll on a pipe (pipe:[7])", "held_by": [100]}),
+    for pid, wid, frames, blocked in ((101, 0, idle, {"syscall": "poll", "fds": [{"fd": 5, "kind": "pipe", "path": "pipe:[7]"}],
+                                                      "text": "waiting in poll on a pipe (pipe:[7])"}),
                                       (102, 1, worker, {"syscall": "read", "kind": "FIFO", "path": "/data/shard-0042",
                                                         "text": "reading FIFO /data/shard-0042"})):
         threads = [thread("MainThread", pid, frames, locals=[{"name": "worker_id", "repr": str(wid)}])]

@@ -69,20 +69,27 @@ def _blocked_text(ev: Evidence) -> str | None:
 def stuck_at(m: Member) -> tuple[dict[str, Any] | None, str] | None:
     """Where a child is stuck and a phrase for it, if it is (None: it waits for work, it is idle).
 
-    Stuck: its main thread's innermost Python frame is its own code (a worker waiting for work
-    sits in the queue's code), or, with no such frame, it is blocked on something its parent
-    does not hold (a worker waiting on its parent's queue is idle).
+    Stuck: its main thread's innermost Python frame is its own code (a worker waiting for work sits
+    in the queue's code), or it waits on one descriptor its parent does not hold (a FIFO, a file, a
+    socket; a worker waiting on its parent's queue is idle, and a wait on many, poll or epoll, is
+    how idle programs wait). A child with no Python stack (another program) is read by the latter.
     """
     main = th.main_thread(list(m.ev.threads), m.pid)
-    if main is not None:
-        py = next((f for f in main.get("frames") or [] if th.is_python(f)), None)
-        if py is not None and th.innermost_user_frame(main) is py:
-            return py, th.short(py)
-    blocked = _blocked_text(m.ev)
-    if blocked and not _waits_on_parent(m.ev) and "futex" not in blocked and blocked != "sleeping":
-        frame = next((f for f in (main or {}).get("frames") or [] if th.is_python(f)), None)
+    frames = (main or {}).get("frames") or []
+    py = next((f for f in frames if th.is_python(f)), None)
+    if main is not None and py is not None and th.innermost_user_frame(main) is py:
+        return py, th.short(py)
+    b = m.ev.proc.get("blocked_on")
+    if _blocked_text(m.ev) and isinstance(b, dict) and b.get("fd") is not None and not _waits_on_parent(m.ev):
+        frame = (th.innermost_user_frame(main) if main else None) or py
         return frame, th.short(frame) if frame else "a system call"
     return None
+
+
+def _in_own_code(m: Member) -> bool:
+    main = th.main_thread(list(m.ev.threads), m.pid)
+    py = next((f for f in (main or {}).get("frames") or [] if th.is_python(f)), None)
+    return main is not None and py is not None and th.innermost_user_frame(main) is py
 
 
 def explain(v: RankVerdict, parent: Member, kids: list[tuple[Member, RankVerdict]]) -> RankVerdict:
@@ -93,6 +100,7 @@ def explain(v: RankVerdict, parent: Member, kids: list[tuple[Member, RankVerdict
     if (wait is None and not held) or not kids:  # without its children captured the parent's own verdict stands
         return v
     stuck = [(k, kv, s) for k, kv in kids if (s := stuck_at(k)) is not None]
+    stuck.sort(key=lambda x: 0 if _in_own_code(x[0]) else 1)  # stuck in its own code says most
     user = th.innermost_user_frame(main) if main else None
     waits_in = (f"{th.call_name(wait)} ({os.path.basename(str(user.get('filename')))}:{user.get('line')})"
                 if wait and user else th.call_name(wait) if wait else "a read of a pipe its children hold")
