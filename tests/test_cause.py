@@ -388,3 +388,21 @@ def test_a_process_tree_read_from_any_files_never_raises(tmp_path_factory: pytes
         (root / name).write_bytes(content)
     out = analyze(root)
     assert out.summary
+
+
+def test_a_worker_blocked_in_library_code_on_a_socket_its_parent_does_not_hold_is_the_stuck_one(tmp_path: Path) -> None:
+    (tmp_path / "200").mkdir()
+    (tmp_path / "200" / "proc.json").write_text(json.dumps({"pid": 200}))
+    (tmp_path / "200" / "pyspy.json").write_text(json.dumps([thread("MainThread", 200, [
+        ("Popen.wait", f"{MP}/popen_fork.py", 43), ("BaseProcess.join", f"{MP}/process.py", 149), ("main", "/srv/job/main.py", 8)])]))
+    socket_wait = [("SocketIO.readinto", "/usr/lib/python3.11/socket.py", 706), ("fetch", "/srv/job/fetch.py", 12),
+                   ("BaseProcess.run", f"{MP}/process.py", 108)]
+    waiting = [("Queue.get", f"{MP}/queues.py", 103), ("serve", "/srv/job/fetch.py", 20), ("BaseProcess.run", f"{MP}/process.py", 108)]
+    for pid, frames, blocked in ((201, waiting, {"fd": 3, "kind": "pipe", "text": "reading a pipe (pipe:[5])", "held_by": [200]}),
+                                 (202, socket_wait, {"fd": 7, "kind": "socket", "text": "receiving on a socket (socket:[99])"})):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "proc.json").write_text(json.dumps({"pid": pid, "parent": 200, "role": f"multiprocessing worker {pid - 200}",
+                                                                   "blocked_on": blocked}))
+        (tmp_path / str(pid) / "pyspy.json").write_text(json.dumps([thread("MainThread", pid, frames)]))
+    assert analyze(tmp_path).summary == ("multiprocessing worker 2 (pid 202) is stuck in fetch (fetch.py:12), receiving on a socket "
+                                         "(socket:[99]); its parent (pid 200) waits for it in BaseProcess.join (main.py:8).")
