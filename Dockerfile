@@ -1,14 +1,28 @@
-# hangwatchd as a sidecar image: the daemon, py-spy, nvdisasm (PyPI) and NVML bindings.
-#   docker build -t hangwatchd:0.1.0 .
-#   docker run --rm --pid=host --cap-add SYS_PTRACE -v /run/hangwatchd:/run/hangwatchd \
+# hangwatchd as a sidecar image: the daemon, py-spy, nvdisasm (PyPI) and NVML bindings, every
+# version pinned by constraints.txt (the same file the test environment is installed with).
+#   ./dev image          builds it (base included, no registry needed) and smoke-tests it
+#   podman build --build-arg BASE=IMAGE -t hangwatchd:0.1.0 .
+# BASE is any Debian bookworm (or newer) image with python3 and python3-venv; ./dev image makes
+# one from Debian's package archive with mmdebstrap, so no container registry is needed.
+#   podman run --pid=host --cap-add SYS_PTRACE -v /run/hangwatchd:/run/hangwatchd \
 #     -v /var/lib/hangwatchd:/var/lib/hangwatchd -p 9842:9842 hangwatchd:0.1.0
-FROM python:3.12-slim
+ARG BASE=localhost/hangwatchd-base:bookworm
+FROM ${BASE}
 
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# Where HTTPS goes through a proxy with its own CA, ./dev image passes the host's bundle
+# (--build-arg PIP_CERT=... with the file mounted); it is not kept in the image.
+ARG PIP_CERT
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY constraints.txt pyproject.toml README.md ./
 COPY hangwatchd ./hangwatchd
-RUN pip install ".[nvdisasm]" nvidia-ml-py && rm -rf /src
+# PIP_CONSTRAINT (not -c) so the pins hold in pip's isolated build environment too (setuptools).
+RUN python3 -m venv /opt/hangwatchd \
+ && PIP_CONSTRAINT=/src/constraints.txt /opt/hangwatchd/bin/pip install --no-compile "/src[nvdisasm]" \
+ && /opt/hangwatchd/bin/pip uninstall -y -q pip \
+ && cd / && rm -rf /src
+ENV PATH=/opt/hangwatchd/bin:$PATH
+WORKDIR /
 
 COPY config/hangwatchd.toml /etc/hangwatchd/hangwatchd.toml
 EXPOSE 9842
