@@ -17,9 +17,10 @@ WORKDIR /src
 COPY constraints.txt pyproject.toml README.md ./
 COPY hangwatchd ./hangwatchd
 # PIP_CONSTRAINT (not -c) so the pins hold in pip's isolated build environment too (setuptools).
+# The installers (the venv's own pip and setuptools, from Debian's python3-venv) are not shipped.
 RUN python3 -m venv /opt/hangwatchd \
  && PIP_CONSTRAINT=/src/constraints.txt /opt/hangwatchd/bin/pip install --no-compile "/src[nvdisasm]" \
- && /opt/hangwatchd/bin/pip uninstall -y -q pip \
+ && /opt/hangwatchd/bin/pip uninstall -y -q setuptools pip \
  && cd / && rm -rf /src
 ENV PATH=/opt/hangwatchd/bin:$PATH
 WORKDIR /

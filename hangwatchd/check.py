@@ -15,6 +15,7 @@ from .cudacore.cudagdb import find_cuda_gdb
 from .cudacore.nvdisasm import INSTALL_HINT, find_nvdisasm
 from .host import subproc
 from .host.pyspy_binary import find_pyspy, ptrace_hint
+from .workload import runtime_files
 
 CAP_SYS_PTRACE = 19
 
@@ -101,7 +102,7 @@ def _writable(name: str, path: Path) -> Check:
     return Check(name, True, f"{path} is writable")
 
 
-def _port(address: str) -> Check:
+def _port(address: str, runtime_dir: Path) -> Check:
     if not address:
         return Check("metrics port", True, "metrics are off (metrics_address = \"\")")
     host, _, port = address.rpartition(":")
@@ -109,7 +110,15 @@ def _port(address: str) -> Check:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host or "0.0.0.0", int(port)))
     except OSError as exc:
-        return Check("metrics port", False, f"{address}: {exc.strerror} (is a daemon already running?)")
+        # After `systemctl enable --now` the port is taken by the daemon itself: that is the
+        # node working, not a fault. Its daemon.json (checked against /proc) says whose it is.
+        daemon = runtime_files.daemon_info(runtime_dir)
+        theirs = str((daemon or {}).get("metrics_address") or "")
+        if daemon and theirs.rpartition(":")[2] == port:
+            return Check("metrics port", True, f"{address} is in use by the running daemon "
+                                               f"(pid {daemon.get('pid')}, version {daemon.get('version')})")
+        return Check("metrics port", False, f"{address}: {exc.strerror}, and not by a hangwatchd daemon on "
+                                            f"{runtime_dir}; free it or set metrics_address")
     return Check("metrics port", True, f"{address} is free")
 
 
@@ -129,7 +138,7 @@ def run_checks(config: Config) -> list[Check]:
     return [
         _ptrace(), _pyspy(), _nvdisasm(), _nvml(), _cuda_gdb(),
         _writable("state dir", Path(config.state_dir)), _writable("runtime dir", Path(config.runtime_dir)),
-        _writable("dump dir", config.dumps), _port(config.metrics_address), _inotify(),
+        _writable("dump dir", config.dumps), _port(config.metrics_address, Path(config.runtime_dir)), _inotify(),
     ]
 
 

@@ -6,6 +6,8 @@ import json
 import socket
 from pathlib import Path
 
+from hangwatchd.testing import Daemon
+
 from .conftest import hangwatchd
 
 
@@ -32,3 +34,17 @@ def test_check_fails_on_a_taken_port_and_an_unwritable_dir(tmp_path: Path) -> No
     assert res.returncode == 1
     assert "FAIL  metrics port" in res.stdout and "FAIL  state dir" in res.stdout
     assert "cannot run hangwatchd yet: fix state dir" in res.stdout
+
+
+def test_check_beside_a_running_daemon_takes_its_port_as_the_daemons(tmp_path: Path) -> None:
+    # After `systemctl enable --now`, as the README orders it: the port is the daemon's own.
+    with Daemon(tmp_path) as d:
+        address = d.info["metrics_address"]
+        res = hangwatchd("check", "--state-dir", str(d.state_dir), "--runtime-dir", str(d.runtime_dir),
+                         "--metrics-address", address)
+        assert res.returncode == 0, res.stdout
+        assert f"ok    metrics port  {address} is in use by the running daemon (pid {d.proc.pid}" in res.stdout
+        # The same port checked against another runtime dir (no daemon there) is a conflict.
+        res = hangwatchd("check", "--state-dir", str(tmp_path / "s2"), "--runtime-dir", str(tmp_path / "r2"),
+                         "--metrics-address", address)
+        assert res.returncode == 1 and "FAIL  metrics port" in res.stdout and "not by a hangwatchd daemon" in res.stdout

@@ -83,7 +83,9 @@ def test_the_kubernetes_example_holds_every_piece() -> None:
 
 def test_the_dockerfile_installs_the_package_with_its_tools() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    assert 'pip install ".[nvdisasm]" nvidia-ml-py' in text
+    # The package with its extra, every version from the one constraints file (built and run for
+    # real in tests/test_image.py).
+    assert 'PIP_CONSTRAINT=/src/constraints.txt /opt/hangwatchd/bin/pip install --no-compile "/src[nvdisasm]"' in text
     assert 'ENTRYPOINT ["hangwatchd"]' in text and "EXPOSE 9842" in text
-    for path in ("pyproject.toml", "hangwatchd", "config/hangwatchd.toml"):
+    for path in ("pyproject.toml", "hangwatchd", "config/hangwatchd.toml", "constraints.txt"):
         assert (ROOT / path).exists(), path

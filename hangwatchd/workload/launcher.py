@@ -54,7 +54,9 @@ def workload_env(base: Mapping[str, str], runtime_dir: Path, dump_dir: Path, tag
         "CUDA_COREDUMP_SHOW_PROGRESS": "1",
         "CUDA_COREDUMP_GENERATION_FLAGS": COREDUMP_FLAGS,
         "CUDA_COREDUMP_PIPE": str(runtime_dir / "pipes" / "cuda_pipe.%p"),
-        "CUDA_COREDUMP_FILE": str(dump_dir / dump_names.NAME_PATTERN),
+        # %h now, as this workload's host name: a daemon in another UTS namespace (a sidecar
+        # container beside a job on the node) would expand it to its own and never see the dump.
+        "CUDA_COREDUMP_FILE": str(dump_dir / dump_names.NAME_PATTERN.replace("%h", socket.gethostname())),
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         # PyTorch appends the rank (and ".pipe" to the pipe) to these prefixes.
         "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(runtime_dir / "pipes" / f"nccl_trace_{tag}_"),
