@@ -16,6 +16,10 @@ def is_user_frame(frame: dict[str, Any]) -> bool:
     filename = frame.get("filename") or ""
     if frame.get("module") or filename.endswith(".so") or ".so." in filename:
         return False  # native code
+    if filename in ("", "?"):
+        # py-spy's "0x4ce7c3 (?)": a native frame it could not name (a binary only the
+        # process's own mount namespace holds, say). Unknown code is nobody's code.
+        return False
     return not any(m in filename for m in _LIBRARY_MARKERS)
 
 

@@ -74,10 +74,17 @@ def start() -> None:
 
 
 def stop() -> None:
-    """Stop the fork server (it also stops by itself when this process exits)."""
-    from multiprocessing import forkserver
+    """Stop the fork server and multiprocessing's resource tracker, and remove multiprocessing's
+    temporary directory (pymp-*). They would go by themselves once this process has exited, but
+    under systemd (KillMode=mixed) whatever is left when the main process exits is SIGKILLed at
+    once, and the directory would stay behind in TMPDIR."""
+    from multiprocessing import forkserver, resource_tracker, util
 
     forkserver._forkserver._stop()  # noqa: SLF001 - the one way to stop it before exit
+    resource_tracker._resource_tracker._stop()  # noqa: SLF001
+    for finalizer in list(util._finalizer_registry.values()):  # noqa: SLF001
+        if getattr(finalizer, "_callback", None) is util._remove_temp_dir:  # noqa: SLF001
+            finalizer()  # runs once: removes the directory and forgets it, so exit does not try again
 
 
 def symbolize(path: str | os.PathLike[str], limits: Limits | None = None, strict: bool = False,

@@ -186,6 +186,7 @@ class Daemon:
                 self.fleet.stop()
             for s, h in old.items():
                 signal.signal(s, h)
+            sandbox.stop()  # the symboliser's helpers and their temporary directory, before systemd kills them
             self.status.remove()
             self.lock.release()
         return 0
