@@ -123,6 +123,10 @@ def test_the_watchdog_restarts_a_daemon_whose_loop_is_stopped(machine: Machine) 
     assert main_pid(machine) != first
     assert "Watchdog timeout" in machine.journal(UNIT)
     assert machine.exec("kill", "-0", str(first), check=False).returncode != 0  # the stopped one is gone
+    # The killed daemon could not remove its temporary directory; the new start emptied it.
+    wait_for(lambda: machine.exec("ls", "/var/lib/hangwatchd/tmp").stdout.split(), 30, "the new daemon's pymp-*")
+    (left,) = machine.exec("ls", "/var/lib/hangwatchd/tmp").stdout.split()
+    assert left.startswith("pymp-")
 
 
 def test_a_hang_of_another_user_in_another_mount_namespace_is_captured_under_every_directive(machine: Machine) -> None:
