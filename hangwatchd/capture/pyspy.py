@@ -8,10 +8,11 @@ its process group past it.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..host import procfs, subproc
+from ..host import native_frames, procfs, subproc
 from ..host.pyspy_binary import find_pyspy, ptrace_hint
 from ..model import Registration
 from .base import StepFailed
@@ -28,6 +29,7 @@ class PySpyStep:
         if tool is None:
             raise StepFailed("py-spy is not installed; pip install py-spy")
         pid = target.process.pid
+        deadline = time.monotonic() + timeout
         errors: list[str] = []
         files: list[str] = []
         for native, name in ((True, "pyspy-native.json"), (False, "pyspy.json")):
@@ -49,6 +51,9 @@ class PySpyStep:
             except json.JSONDecodeError:
                 errors.append(f"{label} printed no JSON")
                 continue
+            if native and isinstance(stacks, list):
+                # A process in another mount namespace maps files py-spy cannot open by name.
+                native_frames.name_unknown_frames(pid, stacks, deadline)
             (outdir / name).write_text(json.dumps(stacks, indent=1))
             files.append(name)
         if not procfs.alive(target.process):
