@@ -8,6 +8,8 @@
 #     -v /var/lib/hangwatchd:/var/lib/hangwatchd -p 9842:9842 hangwatchd:0.1.0
 ARG BASE=localhost/hangwatchd-base:bookworm
 FROM ${BASE}
+# ./dev image prunes the superseded (dangling) builds carrying this label, and only those.
+LABEL io.hangwatchd.image=sidecar
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # Where HTTPS goes through a proxy with its own CA, ./dev image passes the host's bundle
