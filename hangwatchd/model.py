@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from .host.untrusted import UserFile
+
 
 @dataclass(frozen=True, order=True)
 class ProcessId:
@@ -37,6 +39,10 @@ class Registration:
     ras_addr: str | None = None  # the job's NCCL RAS service (NCCL_RAS_ADDR), as hangwatchd run gave it
     role: str = "workload"  # "launcher": torchrun and the like, watched for its exit, never for beats
     launcher: int | None = None  # a rank that registered itself: the pid of the launched process above it
+    # Where the daemon reads beat_file and status_file: resolved once when the registration was
+    # admitted (a trusted directory's descriptor and a base name), never looked up by path again.
+    beat_at: UserFile | None = field(default=None, compare=False)
+    status_at: UserFile | None = field(default=None, compare=False)
 
 
 class State(str, enum.Enum):

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..host import subproc
+from ..host import subproc, untrusted
 from ..host.pyspy_binary import find_pyspy
 from ..model import Registration
 from ..watch.stack_history import signature_of
@@ -26,17 +26,21 @@ WINDOW = 1.0
 
 
 def _beats(target: Registration) -> beat_segment.Reading | None:
-    if not target.beat_file:
+    if not target.beat_at:  # resolved at admission; a process nobody registered has none
         return None
     try:
-        return beat_segment.read(target.beat_file)
-    except beat_segment.SegmentError:
+        return beat_segment.read(target.beat_at)
+    except (beat_segment.SegmentError, untrusted.Refused):
         return None
 
 
-def _stack(pid: int, timeout: float) -> tuple[object, ...] | None:
+def _stack(pid: int, uid: int, timeout: float) -> tuple[object, ...] | None:
     tool = find_pyspy()
     if tool is None:
+        return None
+    try:  # right before py-spy attaches: only while the process is still its user's alone
+        untrusted.check_owner(pid, uid)
+    except untrusted.Refused:
         return None
     res = subproc.run([tool, "dump", "--json", "--nonblocking", "--pid", str(pid)], timeout=timeout)
     if not res.ok:
@@ -64,9 +68,9 @@ class ProgressStep:
             data = {"window_seconds": window, "beats": beats, "beating": beats > 0,
                     "last_beat_age_seconds": after.age() if after else None, "stack_moved": None}
         else:
-            first = _stack(pid, timeout / 3)
+            first = _stack(pid, target.uid, timeout / 3)
             time.sleep(window)
-            second = _stack(pid, timeout / 3)
+            second = _stack(pid, target.uid, timeout / 3)
             if first is None or second is None:
                 raise StepFailed("no beat segment and no readable stack: progress unknown")
             data = {"window_seconds": window, "beats": None, "beating": None, "stack_moved": first != second}

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..host import native_frames, procfs, subproc
+from ..host import native_frames, procfs, subproc, untrusted
 from ..host.pyspy_binary import find_pyspy, ptrace_hint
 from ..model import Registration
 from .base import StepFailed
@@ -37,6 +37,10 @@ class PySpyStep:
                 continue
             if not procfs.alive(target.process):
                 raise StepFailed(f"pid {pid} started at {target.process.start_time} is gone")
+            try:  # right before py-spy attaches, as root: a process that exec'd a setuid program is not read
+                untrusted.check_owner(pid, target.uid)
+            except untrusted.Refused as exc:
+                raise StepFailed(f"not read: {exc}") from None
             argv = [tool, "dump", "--json", "--pid", str(pid)] + (["--native"] if native else ["--locals"] if self.locals else [])
             res = subproc.run(argv, timeout=timeout)
             label = "py-spy --native" if native else "py-spy"

@@ -94,7 +94,7 @@ class CaptureWorkers:
         assert self.machine is not None
         self.machine.captured(group)
         self.dumping.update(x.process.pid for x in group)
-        gone = self.registrations.departures.of_job(w.registration.job, w.registration.registered_at)  # job-mates that exited: often the cause
+        gone = self.registrations.departures.of_job(w.registration.job, w.registration.uid, w.registration.registered_at)  # job-mates that exited: often the cause
         if gone:
             log.info("exited_job_mates", job=w.registration.job, pids=[d.registration.process.pid for d in gone])
         future = self.pool.submit(self._capture, group, suspicion, gone, job_incident)

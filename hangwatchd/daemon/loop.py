@@ -49,7 +49,7 @@ from ..watch.watched import Watched, Watchlist
 from ..workload import registration_file
 from . import exception_dumps
 from .capture_workers import CaptureWorkers
-from .instance_lock import AlreadyRunning, InstanceLock
+from .instance_lock import AlreadyRunning, InstanceLock, LockDirError
 from .loop_guard import Guard
 from .status_file import STATUS_EVERY, StatusFile
 
@@ -106,7 +106,7 @@ class Daemon:
         """Everything that can fail on bad setup, before READY=1."""
         try:
             self._prepare()
-        except AlreadyRunning as exc:
+        except (AlreadyRunning, LockDirError) as exc:
             raise SetupError(str(exc)) from None
         except OSError as exc:
             where = exc.filename or self.config.runtime_dir

@@ -38,11 +38,11 @@ class HeartbeatDetector:
     name: str = "heartbeat"
 
     def observe(self, w: Watched, now: float) -> Observation:
-        path = w.registration.beat_file
-        if path is None:
+        beat_at = w.registration.beat_at  # resolved once, at admission: never reopened by path
+        if beat_at is None:
             return Observation(w.state, now + 3600.0)  # nothing to read: the stack detector's business
         try:
-            reading = beat_segment.read(path, w.registration.uid)
+            reading = beat_segment.read(beat_at)
         except beat_segment.SegmentError as exc:
             return Observation(State.SUSPECT, now, Suspicion("heartbeat", f"beat segment unreadable: {exc}", time.time(), ("heartbeat",)))
         if w.beat is None or reading.count != w.beat.count:

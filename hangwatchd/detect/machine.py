@@ -201,9 +201,11 @@ class StateMachine:
                     reason=suspicion.reason, detail=suspicion.detail, signals=list(suspicion.signals))
         w.suspicion = None
         # Every rank of the same job on this node goes into the same incident: the rank
-        # that differs is the answer, and it may be one that looks healthy.
+        # that differs is the answer, and it may be one that looks healthy. A job is
+        # (owner uid, name): another user's process under the same name is not a rank of it.
         mates = [x for x in self.watched.values() if x is not w and w.registration.job
-                 and x.registration.job == w.registration.job and x.role != "launcher"
+                 and x.registration.job == w.registration.job and x.registration.uid == w.registration.uid
+                 and x.role != "launcher"
                  and x.state in (State.STARTING, State.HEALTHY, State.SUSPECT)]
         for x in mates:
             x.suspicion = None

@@ -44,7 +44,7 @@ class Sampler:
         w.sampling = True
         pid = w.process
         native = w.state is State.SUSPECT and w.suspicion is not None and w.suspicion.reason == "stack"
-        future = self.pool.submit(take_sample, pid.pid, self.pyspy_timeout, native)
+        future = self.pool.submit(take_sample, pid.pid, self.pyspy_timeout, native, w.registration.uid)
 
         def done(f: concurrent.futures.Future[Sample]) -> None:
             if not f.cancelled() and f.exception() is None:
@@ -67,6 +67,8 @@ class Sampler:
             w.sampling = False
             if not procfs.alive(pid):
                 continue
+            if sample.refused:
+                w.next_check = 0.0  # looked at now: its files and owner are checked, and it is dropped
             if sample.error:
                 log.warning("stack_sample_failed", pid=pid.pid, error=sample.error)
             else:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import psutil
 
-from ..host import subproc
+from ..host import subproc, untrusted
 from ..host.pyspy_binary import find_pyspy
 from ..watch.stack_history import Sample, signature_of
 from . import patterns
@@ -47,13 +47,19 @@ def _cpu_and_ctx(pid: int) -> tuple[float | None, int | None]:
     return times.user + times.system, ctx.voluntary + ctx.involuntary
 
 
-def take_sample(pid: int, timeout: float, native: bool = False) -> Sample:
-    """One py-spy dump of ``pid``; never raises (an error is in the sample)."""
+def take_sample(pid: int, timeout: float, native: bool = False, uid: int | None = None) -> Sample:
+    """One py-spy dump of ``pid``; never raises (an error is in the sample). With ``uid``, only
+    while the process still runs as that user alone (checked right before py-spy attaches)."""
     now = time.monotonic()
     cpu, ctx = _cpu_and_ctx(pid)
     tool = find_pyspy()
     if tool is None:
         return Sample(now, (), (), cpu, ctx, "py-spy is not installed; pip install py-spy")
+    if uid is not None:
+        try:
+            untrusted.check_owner(pid, uid)
+        except untrusted.Refused as exc:
+            return Sample(now, (), (), cpu, ctx, f"not sampled: {exc}", refused=True)
     # --nonblocking: read without pausing the target. A frozen process reads the same either
     # way; a moving one may read torn, which only ever looks like movement.
     flags = ["--native"] if native else ["--nonblocking"]

@@ -232,3 +232,10 @@ def ancestors(pid: int, limit: int = 64) -> list[int]:
         out.append(p)
         p = parent(p)
     return out
+
+
+def descends_from(pid: int, ancestor: ProcessId, max_depth: int = 64) -> bool:
+    """True when ``pid`` is ``ancestor`` itself or runs somewhere below it (while it lives)."""
+    if not alive(ancestor):
+        return False
+    return pid == ancestor.pid or ancestor.pid in ancestors(pid, max_depth)

@@ -24,12 +24,16 @@ Refusals raise ``Refused``: ``reason`` is a metric label, the message the log li
 from __future__ import annotations
 
 import errno
+import json
 import os
+import re
 import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 READ_CHUNK = 1 << 20
 
@@ -221,3 +225,132 @@ def write_replacing(path: Path, data: bytes, mode: int = 0o644) -> None:
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+def open_dir(path: str | os.PathLike[str]) -> int:
+    """A descriptor of a directory the daemon made (owned by root or by us, never a link): the
+    trusted half of every ``UserFile`` in it. Raises OSError when it is not that."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if st.st_uid not in (0, os.geteuid()):
+        os.close(fd)
+        raise PermissionError(errno.EPERM, f"belongs to uid {st.st_uid}, not to the daemon", str(path))
+    return fd
+
+
+@dataclass(frozen=True)
+class UserFile:
+    """A file a user named, resolved once (at registration) to a trusted directory's descriptor
+    and a plain base name. Every later look is ``openat(dir_fd, name, O_NOFOLLOW)``: whatever the
+    user does to any path afterwards (a directory on the way swapped for a link), nothing
+    outside that directory is ever reached, and the name is never looked up again from ``/``."""
+
+    dir_fd: int
+    name: str  # no '/', not '.' or '..'
+    uid: int  # the owner it must have: the user whose process named it
+    allow_root: bool = False  # root's own files only where root named the file
+    inode: tuple[int, int] | None = None  # (st_dev, st_ino) when it was accepted; None: not made yet
+    shown: str = ""  # the path as it was named, for messages and the status
+
+    def __str__(self) -> str:
+        return self.shown or self.name
+
+    def open_fd(self, max_size: int | None = None) -> int:
+        """A checked fd of the file now (Refused as ``open_fd`` refuses)."""
+        return open_fd(self.name, self.uid, allow_root=self.allow_root, max_size=max_size, dir_fd=self.dir_fd)
+
+    def read_bytes(self, max_size: int, deadline: float = 5.0) -> bytes:
+        fd = self.open_fd(max_size)
+        try:
+            return read_fd(fd, str(self), max_size, deadline)
+        finally:
+            os.close(fd)
+
+    def unlink(self) -> bool:
+        """Remove the file, only if it is still the very file accepted (same inode, same owner):
+        never another file put under its name since. True when removed."""
+        if self.inode is None:
+            return False
+        try:
+            st = os.stat(self.name, dir_fd=self.dir_fd, follow_symlinks=False)
+            if (st.st_dev, st.st_ino) != self.inode or st.st_uid != self.uid or not stat.S_ISREG(st.st_mode):
+                return False
+            # The directory is sticky: between this look and the unlink only the file's owner
+            # could put another file of theirs under the name; never someone else's file.
+            os.unlink(self.name, dir_fd=self.dir_fd)
+            return True
+        except OSError:
+            return False
+
+
+def resolve_in(dir_fd: int, dir_path: str | os.PathLike[str], named: str, uid: int, *, allow_root: bool = False,
+               must_exist: bool = True, max_size: int | None = None) -> UserFile:
+    """Resolve a path a user named to a ``UserFile`` in the trusted directory ``dir_fd``
+    (whose path is ``dir_path``), once; Refused unless the path is that directory's own path
+    followed by one plain base name, and the file (where it exists) passes ``check``.
+
+    The path is taken only as written: no link, no '..', no directory in between, no other
+    spelling of the directory. What the file is checked against is the object found
+    through ``dir_fd``, not anything the path leads to.
+    """
+    base = os.path.basename(named)
+    parent = os.path.dirname(named)
+    spellings = {os.fspath(dir_path), os.path.realpath(dir_path)}
+    if parent not in spellings or base in ("", ".", "..") or "\0" in base:
+        raise Refused("outside_dir", f"{named} is not a file directly in {os.fspath(dir_path)} "
+                                     "(named as that directory's path and one plain file name)")
+    f = UserFile(dir_fd, base, uid, allow_root, None, named)
+    try:
+        fd = f.open_fd(max_size)
+    except Refused as exc:
+        if exc.reason == "missing" and not must_exist:
+            return f
+        raise
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return UserFile(dir_fd, base, uid, allow_root, (st.st_dev, st.st_ino), named)
+
+
+def check_owner(pid: int, uid: int) -> None:
+    """Refused unless ``pid`` runs now as ``uid`` alone (all four uids): a process registered
+    as a user's that later exec'd a setuid program is not that user's to have ptraced by root.
+    A root registration is root's to act on whatever the process became."""
+    if uid == 0:
+        return
+    now = process_uid(pid)
+    if now != uid:
+        raise Refused("wrong_owner", f"pid {pid} runs as uid {now} now, not uid {uid} it was registered as")
+
+
+def json_object(raw: bytes, max_depth: int) -> dict[str, Any]:
+    """A small untrusted JSON object, nested at most ``max_depth`` deep; Refused otherwise.
+
+    The depth is counted before parsing, in one pass that cannot recurse, so ``[[[[...``
+    is a refusal, never a RecursionError in whoever reads it.
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise Refused("bad_json", f"not UTF-8 ({exc})") from None
+    depth = 0
+    for m in _JSON_NESTING.finditer(text):
+        c = m.group()
+        if c in "[{":
+            depth += 1
+            if depth > max_depth:
+                raise Refused("bad_json", f"JSON nested more than {max_depth} deep")
+        elif c in "]}":
+            depth -= 1
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise Refused("bad_json", f"not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise Refused("bad_json", "not a JSON object")
+    return data
+
+
+# A string (with its escapes) is skipped whole; what is left of interest are the brackets.
+_JSON_NESTING = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]', re.DOTALL)

@@ -52,6 +52,7 @@ class Registrations:
         self.refused: dict[str, float] = {}  # registration name -> mtime already refused (no log spam)
         self.over_limit: set[str] = set()  # registrations waiting for their user to drop under the limit
         self.recent: dict[int, tuple[Registration, float]] = {}  # exited processes, to link late dumps
+        self.beats = registration_file.BeatsDir(config.beats)  # opened once, every beat and status file read through it
         self.departures = exits.Departures(Path(config.runtime_dir), config.exited_keep)  # for job-mates' incidents
 
     def changed(self, name: str, mask: int) -> None:
@@ -93,7 +94,7 @@ class Registrations:
         if self.refused.get(path.name) == mtime:
             return
         try:
-            reg = registration_file.load(path, self.config.beats)
+            reg = registration_file.load(path, self.beats)
         except RegistrationError as exc:
             self.refused[path.name] = mtime
             self.metrics.registration_errors.labels(**self.metrics.labels(reason=exc.reason)).inc()
@@ -194,11 +195,10 @@ class Registrations:
                 self.departures.add(w.departed(time.time()))
             self.forget(w, "exited")
             registration_file.remove(self.config.registrations, process)
-            if w.registration.beat_file:
-                try:
-                    Path(w.registration.beat_file).unlink(missing_ok=True)
-                except OSError:
-                    pass  # swapped for a directory: the user's to clean up
+            if w.registration.beat_at:
+                # Only the very file accepted, through the beats dir's descriptor: never a path
+                # the user named, never a file put under its name since (that is left to its owner).
+                w.registration.beat_at.unlink()
 
     def forget(self, w: Watched, why: str) -> None:
         self.watched.set_state(w, State.EXITED)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ..host import untrusted
 from ..workload import beat_segment
 from .watched import Watched
 
@@ -37,9 +38,9 @@ def ranks_below(launcher: Watched, watched: Iterable[Watched]) -> bool:
 def _has_beaten(w: Watched) -> bool:
     if w.beat is not None and w.beat.count:
         return True
-    if w.registration.beat_file:
+    if w.registration.beat_at:
         try:
-            return beat_segment.read(w.registration.beat_file).count > 0
-        except beat_segment.SegmentError:
+            return beat_segment.read(w.registration.beat_at).count > 0
+        except (beat_segment.SegmentError, untrusted.Refused):
             return False
     return False

@@ -15,6 +15,7 @@ class Sample:
     cpu_seconds: float | None  # all threads, so far
     ctx_switches: int | None
     error: str | None = None
+    refused: bool = False  # not taken: the process is no longer its registered user's alone
 
 
 def signature_of(threads: Sequence[dict[str, Any]]) -> tuple[tuple[tuple[str, str, int], ...], ...]:

@@ -9,6 +9,7 @@ its only writer; the detectors read and update the record they are handed.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from ..metrics import Metrics
 from ..model import ProcessId, Registration, State, Suspicion
 from ..workload import beat_segment, exits
 from ..workload.beat_segment import Reading
-from ..workload.registration_file import READ_DEADLINE, check_file
+from ..workload.registration_file import READ_DEADLINE
 from .stack_history import StackHistory
 
 log = structlog.get_logger("hangwatchd.daemon")
@@ -64,11 +65,11 @@ class Watched:
 
     def notify_status(self) -> str | None:
         """The workload's last STATUS= text; None when there is none or its file is not to be trusted."""
-        path = self.registration.status_file
-        if not path:
+        status_at = self.registration.status_at  # resolved once, at admission: never reopened by path
+        if status_at is None:
             return None
         try:
-            raw = untrusted.read_bytes(path, self.registration.uid, STATUS_MAX, READ_DEADLINE)
+            raw = status_at.read_bytes(STATUS_MAX, READ_DEADLINE)
         except untrusted.Refused:
             return None
         return raw.decode("utf-8", "replace").strip() or None
@@ -76,13 +77,22 @@ class Watched:
     def check_files(self) -> None:
         """Raise untrusted.Refused when the status file was swapped for a directory, FIFO, link or
         another user's file since the registration was accepted (the beat file is checked at each
-        read). A missing status file is fine: it is written only once the workload sends STATUS=."""
-        if self.registration.status_file:
+        read), or the process now runs as another user (it exec'd a setuid program: nothing is
+        done to it as root for its user any more). A missing status file is fine: it is written
+        only once the workload sends STATUS=."""
+        try:
+            untrusted.check_owner(self.process.pid, self.registration.uid)
+        except untrusted.Refused as exc:
+            if exc.reason != "no_process":  # gone: its pidfd says so, as an exit
+                raise
+        if self.registration.status_at:
             try:
-                check_file(self.registration.status_file, self.registration.uid)
+                fd = self.registration.status_at.open_fd(STATUS_MAX)
             except untrusted.Refused as exc:
                 if exc.reason != "missing":
                     raise untrusted.Refused(exc.reason, f"status file {exc}") from None
+            else:
+                os.close(fd)
 
     @property
     def process(self) -> ProcessId:
@@ -105,10 +115,10 @@ class Watched:
     def departed(self, noticed_at: float) -> exits.Departed:
         """What the daemon knew of this process when it exited: its last beat read once more, its last stack."""
         beat = self.beat
-        if self.registration.beat_file:
+        if self.registration.beat_at:
             try:
-                beat = beat_segment.read(self.registration.beat_file)
-            except beat_segment.SegmentError:
+                beat = beat_segment.read(self.registration.beat_at)
+            except (beat_segment.SegmentError, untrusted.Refused):
                 pass  # removed at its exit already: what was last read stands
         last_beat = None
         if beat is not None and beat.count:

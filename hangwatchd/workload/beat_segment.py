@@ -93,17 +93,20 @@ class Reading:
         return None if age is None else time.time() - age
 
 
-def read(path: str, uid: int | None = None) -> Reading:
+def read(path: str | untrusted.UserFile, uid: int | None = None) -> Reading:
     """One read of the segment; never follows a symlink, never blocks.
 
-    With ``uid`` (the daemon's reads), a segment swapped for a directory, a FIFO,
-    a symlink or another user's file raises ``untrusted.Refused``: that costs the
-    registration, not a false hang. A missing or malformed segment is a SegmentError.
+    The daemon reads through the ``UserFile`` the registration was resolved to
+    (the beats directory's descriptor and a base name, its owner with it): a
+    segment swapped for a directory, a FIFO, a symlink or another user's file
+    raises ``untrusted.Refused``, which costs the registration, not a false hang;
+    so does a plain path with ``uid``. A missing or malformed segment is a SegmentError.
     """
+    checked = isinstance(path, untrusted.UserFile) or uid is not None
     try:
-        fd = untrusted.open_fd(path, uid, max_size=None)
+        fd = path.open_fd() if isinstance(path, untrusted.UserFile) else untrusted.open_fd(path, uid, max_size=None)
     except untrusted.Refused as exc:
-        if exc.reason in ("missing", "unreadable") or uid is None:
+        if exc.reason in ("missing", "unreadable") or not checked:
             raise SegmentError(str(exc)) from None
         raise
     try:

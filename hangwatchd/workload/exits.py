@@ -7,8 +7,10 @@ daemon sees every exit through its pidfd, keeps what it knew of the process
 job-mate hangs, writes it into the incident as ``PID/exit.json``.
 
 The exit file is written by the workload's user: it is read without
-following links, without blocking, only if it is a small regular file owned
-by that user (or root), and every field is checked.
+following links, without blocking, only if it is a small, shallow regular file
+owned by that user (or root: the name is the daemon's choice, PID-START, never
+the user's), and every field is checked. A job is (owner uid, name): a
+departed process joins only its own user's job.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..model import ProcessId, Registration
 from . import beat_segment
 
 MAX_FILE = 4096
+MAX_DEPTH = 4  # a flat object: anything deeper is not one of ours
 DIR = "exits"
 
 
@@ -91,10 +94,10 @@ def read(runtime_dir: Path, process: ProcessId, uid: int) -> ExitRecord | None:
     except untrusted.Refused:
         return None
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        data = untrusted.json_object(raw, MAX_DEPTH)
+    except untrusted.Refused:
         return None
-    if not isinstance(data, dict) or data.get("pid") != process.pid or data.get("start_time") != process.start_time:
+    if data.get("pid") != process.pid or data.get("start_time") != process.start_time:
         return None
     status, sig, when = data.get("status"), data.get("signal"), data.get("time")
     status = status if isinstance(status, int) and not isinstance(status, bool) and 0 <= status < 256 else None
@@ -197,15 +200,18 @@ class Departures:
                 del self._gone[key]
                 remove(self.runtime_dir, key)
 
-    def of_job(self, job: str | None, after: float = 0.0) -> list[Departed]:
-        """The job's ranks that exited after ``after`` (Unix time; an earlier run of a job of the same
-        name is not this one), each with how it ended (read now: the launcher writes it just after the exit)."""
+    def of_job(self, job: str | None, uid: int, after: float = 0.0) -> list[Departed]:
+        """The ranks of job ``job`` of user ``uid`` that exited after ``after`` (Unix time; an earlier
+        run of a job of the same name is not this one), each with how it ended (read now: the
+        launcher writes it just after the exit). A job is (owner uid, name): another user's
+        processes that took the same name, and their exit records, are never its ranks."""
         if not job:
             return []
         self.expire()
         out = []
         for key, d in self._gone.items():
-            if d.registration.job != job or d.registration.role == "launcher" or d.noticed_at < after:
+            if (d.registration.job != job or d.registration.uid != uid or d.registration.role == "launcher"
+                    or d.noticed_at < after):
                 continue
             if d.exit is None:
                 record = read(self.runtime_dir, key, d.registration.uid)

@@ -13,6 +13,7 @@ import secrets
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -24,7 +25,7 @@ from pathlib import Path
 from ..config import RUNTIME_DIR_ENV, Config
 from ..cudacore import driverlog
 from ..host import pdeathsig, procfs, untrusted
-from ..model import Registration
+from ..model import ProcessId, Registration
 from . import beat_segment, dump_names, exits, registration_file, runtime_files
 from .client import BEAT_FILE_ENV, JOB_ENV, STACK_TIMEOUT_ENV, TIMEOUT_ENV
 
@@ -158,6 +159,7 @@ def run(launch: Launch) -> int:
     tee = StderrTee(child, launch.runtime_dir / "driver-logs" / f"{child.pid}.log")
     tee.start()
     if notify is not None:
+        notify.workload, notify.workload_uid = procfs.identify(child.pid), procfs.uid(child.pid)
         notify.start()
     for sig in FORWARDED:
         signal.signal(sig, lambda s, _f: _forward(child, s))
@@ -198,6 +200,14 @@ class NotifyProxy(threading.Thread):
     WATCHDOG=1 (and READY=1) count as a beat; STATUS= is kept for the status and
     the incident. Every datagram is passed on to the launcher's own NOTIFY_SOCKET,
     if it has one (hangwatchd run under systemd). Anything else is ignored.
+
+    The socket lies in the shared beats dir and may be reached by anyone (the
+    workload may run as another user than the launcher), so, like systemd's own
+    NotifyAccess=all, only datagrams that the kernel says (SCM_CREDENTIALS) come
+    from the workload or a process below it count: anyone else's WATCHDOG=1 would
+    keep a hung job "alive", their STATUS= would land in its incident, and their
+    WATCHDOG=trigger would reach the unit around ``hangwatchd run``. Those are dropped,
+    never forwarded.
     """
 
     def __init__(self, base: Path, beat_file: Path, upstream: str | None) -> None:
@@ -205,8 +215,13 @@ class NotifyProxy(threading.Thread):
         self.address = base.with_suffix(".notify")
         self.status_file = base.with_suffix(".status")
         self.upstream = upstream
+        self.workload: ProcessId | None = None  # set once it is started; nothing counts before
+        self.workload_uid: int | None = None
+        self.dropped = 0
         self.address.unlink(missing_ok=True)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        # The kernel attaches each sender's real pid, uid and gid to what it sends.
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self.sock.bind(str(self.address))
         os.chmod(self.address, 0o666)  # the workload may run as another user than the launcher
         self.mm, self.counter = beat_segment.open_for_writing(str(beat_file))
@@ -215,10 +230,25 @@ class NotifyProxy(threading.Thread):
     def run(self) -> None:
         while not self.closed:
             try:
-                data = self.sock.recv(4096)
+                data, ancdata, _flags, _addr = self.sock.recvmsg(4096, socket.CMSG_SPACE(UCRED.size))
             except OSError:
                 return
-            self._handle(data)
+            if self.from_workload(sender(ancdata)):
+                self._handle(data)
+            else:
+                self.dropped += 1
+
+    def from_workload(self, cred: tuple[int, int] | None) -> bool:
+        """Did the workload (or a process below it) send this? Only then does it count.
+
+        A sender that has exited already (``systemd-notify`` from a shell script) can no
+        longer be placed in the tree: it counts when it ran as the workload's own user."""
+        if cred is None or self.workload is None:
+            return False
+        pid, uid = cred
+        if procfs.descends_from(pid, self.workload):
+            return True
+        return procfs.start_time(pid) is None and uid == self.workload_uid
 
     def _handle(self, data: bytes) -> None:
         for line in data.decode("utf-8", "replace").splitlines():
@@ -240,6 +270,18 @@ class NotifyProxy(threading.Thread):
         self.sock.close()
         self.address.unlink(missing_ok=True)
         self.status_file.unlink(missing_ok=True)
+
+
+UCRED = struct.Struct("=iII")  # struct ucred: pid, uid, gid
+
+
+def sender(ancdata: list[tuple[int, int, bytes]]) -> tuple[int, int] | None:
+    """The sender's (pid, uid) from SCM_CREDENTIALS, as the kernel vouches for them; None when absent."""
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= UCRED.size:
+            pid, uid, _gid = UCRED.unpack_from(data)
+            return int(pid), int(uid)
+    return None
 
 
 class StderrTee(threading.Thread):

@@ -5,8 +5,12 @@ one, it checks the claim against /proc: the file is a regular file directly in
 the directory, the process lives and started when the file says (a reused pid
 is another process), it runs as one uid (real, effective, saved and fs uids
 equal: never a setuid program), the file belongs to that user, and the beat
-file lies in RUNTIME_DIR/beats and belongs to that user too. Every read goes
-through ``untrusted``.
+and status files are named as RUNTIME_DIR/beats/NAME (that directory's own
+path and one plain name: no link, no '..', no directory in between) and
+belong to that user too, never to root unless root wrote the registration.
+They are resolved once, here, to the beats directory's descriptor and the base
+name (``untrusted.UserFile``); the daemon never looks them up by path again.
+Every read goes through ``untrusted``.
 """
 
 from __future__ import annotations
@@ -23,8 +27,23 @@ from ..host import procfs, untrusted
 from ..model import ProcessId, Registration
 
 MAX_FILE = 64 * 1024
+MAX_DEPTH = 8  # a registration is one flat object (cmdline a list in it): deeper is an attack
 READ_DEADLINE = 1.0  # seconds: these are small regular files, a read that takes longer is an attack
 SUFFIX = ".json"
+
+
+class BeatsDir:
+    """RUNTIME_DIR/beats as the daemon holds it: opened once, when first needed (the daemon makes
+    the directory after it starts), and kept open for the daemon's life."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._fd: int | None = None
+
+    def fd(self) -> int:
+        if self._fd is None:
+            self._fd = untrusted.open_dir(self.path)
+        return self._fd
 
 
 class RegistrationError(Exception):
@@ -54,7 +73,8 @@ def write(directory: Path, reg: Registration) -> Path:
     data = asdict(reg)
     data["pid"] = reg.process.pid
     data["start_time"] = reg.process.start_time
-    del data["process"]
+    for key in ("process", "beat_at", "status_at"):  # the daemon's own resolution, never written
+        del data[key]
     data["version"] = 1
     path = directory / file_name(reg.process)
     untrusted.write_replacing(path, json.dumps(data).encode())
@@ -115,8 +135,9 @@ def _field(data: dict[str, Any], key: str, kind: type | tuple[type, ...], requir
     return value
 
 
-def load(path: Path, beats_dir: Path) -> Registration:
+def load(path: Path, beats_dir: Path | BeatsDir) -> Registration:
     """Read and check one registration file; raise RegistrationError saying why it is refused."""
+    beats = beats_dir if isinstance(beats_dir, BeatsDir) else BeatsDir(beats_dir)
     name = path.name
     if "/" in name or name.startswith(".") or not name.endswith(SUFFIX):
         raise RegistrationError("bad_name", f"{path}: not a registration file name")
@@ -133,11 +154,9 @@ def load(path: Path, beats_dir: Path) -> Registration:
     finally:
         os.close(fd)
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RegistrationError("bad_json", f"{path}: not JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise RegistrationError("bad_json", f"{path}: not a JSON object")
+        data = untrusted.json_object(raw, MAX_DEPTH)
+    except untrusted.Refused as exc:
+        raise RegistrationError("bad_json", f"{path}: {exc}") from None
     try:
         pid = _field(data, "pid", int, required=True)
         start = _field(data, "start_time", int, required=True)
@@ -174,15 +193,19 @@ def load(path: Path, beats_dir: Path) -> Registration:
         raise RegistrationError(exc.reason, f"{path}: {exc}") from None
     if st.st_uid not in (0, owner):
         raise RegistrationError("wrong_owner", f"{path}: file of uid {st.st_uid} registers pid {pid}, which runs as uid {owner}")
-    if beat_file is not None:
-        _check_beat_file(path, beat_file, beats_dir, owner)
-    if status_file is not None:  # written only once the workload sends STATUS=
-        _check_beat_file(path, status_file, beats_dir, owner, may_be_missing=True)
+    # Root's own files count only where root wrote the registration: a user never gets
+    # the daemon to read, or later delete, a file of root's by naming it.
+    by_root = st.st_uid == 0
+    beat_at = _resolve(path, "beat file", beat_file, beats, owner, by_root) if beat_file is not None else None
+    # The status file is written only once the workload sends STATUS=: it may not exist yet.
+    status_at = (_resolve(path, "status file", status_file, beats, owner, by_root, must_exist=False)
+                 if status_file is not None else None)
     return Registration(
         process=process, uid=owner, job=job, rank=rank,
         local_rank=local_rank, world_size=world, heartbeat_timeout=float(timeout) if timeout else None,
         stack_timeout=float(stack_timeout) if stack_timeout else None, beat_file=beat_file, status_file=status_file, cmdline=tuple(str(c) for c in cmd)[:64], source=source,
         registered_at=float(registered_at), ras_addr=_ras_addr(data), role=role, launcher=launcher,
+        beat_at=beat_at, status_at=status_at,
     )
 
 
@@ -192,20 +215,15 @@ def _ras_addr(data: dict[str, Any]) -> str | None:
     return value if isinstance(value, str) and 0 < len(value) <= 300 and ":" in value else None
 
 
-def _check_beat_file(path: Path, beat_file: str, beats_dir: Path, owner: int, may_be_missing: bool = False) -> None:
-    real_dir = os.path.realpath(beats_dir)
-    parent = os.path.realpath(os.path.dirname(beat_file))
-    if parent != real_dir:
-        raise RegistrationError("bad_beat_file", f"{path}: beat file {beat_file} lies outside {beats_dir}")
+def _resolve(path: Path, what: str, named: str, beats: BeatsDir, owner: int, by_root: bool,
+             must_exist: bool = True) -> untrusted.UserFile:
     try:
-        check_file(beat_file, owner)
+        beats_fd = beats.fd()
+    except OSError as exc:
+        raise RegistrationError("bad_beat_file", f"{path}: {beats.path} is not the daemon's beats directory "
+                                                 f"({exc.strerror or exc})") from None
+    try:
+        return untrusted.resolve_in(beats_fd, beats.path, named, owner, allow_root=by_root, must_exist=must_exist,
+                                    max_size=MAX_FILE)
     except untrusted.Refused as exc:
-        if exc.reason == "missing" and may_be_missing:
-            return
-        raise RegistrationError("bad_beat_file", f"{path}: beat file {exc}") from None
-
-
-def check_file(path: str, owner: int) -> None:
-    """Refused unless ``path`` (a beat or status file) is a regular file of ``owner`` (or root)."""
-    fd = untrusted.open_fd(path, owner, max_size=MAX_FILE)
-    os.close(fd)
+        raise RegistrationError("bad_beat_file", f"{path}: {what} {exc}") from None
