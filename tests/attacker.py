@@ -2,11 +2,14 @@
 system's Python (standard library only; it needs nothing of hangwatchd's to attack it).
 
     python3 attacker.py register RUNTIME_DIR [--pid PID] [--timeout S] [--status] [--no-beat]
+        [--beat-path PATH] [--status-path PATH] [--job NAME]
 
 registers PID (itself by default) the way a workload does, writing the registration,
 beat segment and status file by hand, prints "registered PID" and then beats every
 0.1 s until killed (``--no-beat``: only sleeps). Registering another process than
-itself is the attack: the daemon must refuse it.
+itself is the attack: the daemon must refuse it. ``--beat-path``/``--status-path``
+name those files in the registration as given (a beat segment is made there when
+the path leads anywhere the attacker may write; otherwise the name alone is the attack).
 """
 
 from __future__ import annotations
@@ -28,13 +31,18 @@ def register(args: argparse.Namespace) -> int:
     pid = args.pid or os.getpid()
     start = start_time(pid)
     beats = os.path.join(args.runtime_dir, "beats")
-    beat = os.path.join(beats, f"evil-{os.getpid()}-{pid}.beat")
-    with open(beat, "wb") as f:
-        f.write(struct.pack("<4sII", b"HWB1", 1, pid) + bytes(64 - 12))
+    beat = args.beat_path or os.path.join(beats, f"evil-{os.getpid()}-{pid}.beat")
+    try:
+        with open(beat, "wb") as f:
+            f.write(struct.pack("<4sII", b"HWB1", 1, pid) + bytes(64 - 12))
+    except OSError:
+        pass  # someone else's file: named, not written
     data = {"version": 1, "pid": pid, "start_time": start, "heartbeat_timeout": args.timeout,
             "stack_timeout": args.stack_timeout, "beat_file": None if args.no_beat_file else beat,
-            "job": f"evil-{pid}", "cmdline": ["attacker"], "source": "run", "registered_at": time.time()}
-    if args.status:
+            "job": args.job or f"evil-{pid}", "cmdline": ["attacker"], "source": "run", "registered_at": time.time()}
+    if args.status_path:
+        data["status_file"] = args.status_path
+    elif args.status:
         data["status_file"] = beat[: -len(".beat")] + ".status"
         with open(data["status_file"], "w") as f:
             f.write("training, step 1")
@@ -44,7 +52,10 @@ def register(args: argparse.Namespace) -> int:
         json.dump(data, f)
     os.replace(tmp, os.path.join(regs, f"{pid}-{start}.json"))
     print("registered", pid, beat, data.get("status_file", ""), flush=True)
-    fd = os.open(beat, os.O_RDWR)
+    try:
+        fd = os.open(beat, os.O_RDWR)
+    except OSError:
+        fd = -1
     count = 0
     while True:
         if not args.no_beat:
@@ -67,6 +78,9 @@ def main() -> int:
     r.add_argument("--status", action="store_true")
     r.add_argument("--no-beat", action="store_true")
     r.add_argument("--no-beat-file", action="store_true", help="watched by its stack alone")
+    r.add_argument("--beat-path", help="the beat file named in the registration")
+    r.add_argument("--status-path", help="the status file named in the registration")
+    r.add_argument("--job", help="the job name claimed")
     args = p.parse_args()
     return register(args)
 
