@@ -23,7 +23,7 @@ from ..metrics import Metrics
 from ..model import ProcessId, Registration, State, Suspicion
 from ..workload import beat_segment, exits
 from ..workload.beat_segment import Reading
-from ..workload.registration_file import READ_DEADLINE
+from ..workload.registration_file import MAX_FILE, READ_DEADLINE
 from .stack_history import StackHistory
 
 log = structlog.get_logger("hangwatchd.daemon")
@@ -87,7 +87,7 @@ class Watched:
                 raise
         if self.registration.status_at:
             try:
-                fd = self.registration.status_at.open_fd(STATUS_MAX)
+                fd = self.registration.status_at.open_fd(MAX_FILE)
             except untrusted.Refused as exc:
                 if exc.reason != "missing":
                     raise untrusted.Refused(exc.reason, f"status file {exc}") from None
