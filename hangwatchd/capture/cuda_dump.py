@@ -49,22 +49,29 @@ class CudaDumpStep:
         target_glob = Path(dump_names.expand(pattern, pid))
         if not target_glob.is_absolute():
             target_glob = cwd / target_glob
+        # The dump's directory is the workload's choice: held as a descriptor from here on.
         watch = Watch(target_glob.parent, target_glob.name, owner)
         try:
             poke_held_fifo(pid, pipes[0], b"\0", owner)
             found = watch.wait(timeout, lambda: not procfs.alive(proc))
-            partial = watch.new_files()
+            if found is None:
+                partial = watch.new_files()
+                if partial:
+                    size = watch.lstat(partial[0]).st_size
+                    raise StepFailed(f"the driver wrote {size} bytes of {partial[0]} and did not finish within {timeout:g} s")
+                raise StepFailed(f"no dump appeared as {target_glob} within {timeout:g} s")
+            try:
+                fd = watch.open(found, owner, dump_artifacts.MAX_DUMP)
+            except untrusted.Refused as exc:
+                raise StepFailed(f"refusing to read the dump: {exc}") from None
+            try:
+                stored = dump_artifacts.store_fd(fd, found, outdir, remove_source=False)
+                if "coredump.nvcudmp.zst" in stored.files:  # kept: the workload's copy goes
+                    watch.unlink_same(found, os.fstat(fd))
+            finally:
+                os.close(fd)
         finally:
             watch.close()
-        if found is None:
-            if partial:
-                size = partial[0].lstat().st_size
-                raise StepFailed(f"the driver wrote {size} bytes of {partial[0]} and did not finish within {timeout:g} s")
-            raise StepFailed(f"no dump appeared as {target_glob} within {timeout:g} s")
-        try:
-            stored = dump_artifacts.store(found, outdir, owner)
-        except untrusted.Refused as exc:
-            raise StepFailed(f"refusing to read the dump: {exc}") from None
         files = list(stored.files)
         if self.driver_logs is not None and dump_artifacts.copy_text(self.driver_logs / f"{pid}.log", outdir / "driver.log", owner):
             files.append("driver.log")

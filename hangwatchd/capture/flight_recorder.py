@@ -46,20 +46,21 @@ class FlightRecorderStep:
         dump = Path(temp + rank)
         if not dump.is_absolute():
             dump = Path(os.readlink(f"/proc/{pid}/cwd")) / dump
+        # The trace's directory is the workload's choice: held as a descriptor from here on.
         watch = Watch(dump.parent, dump.name, owner)
         try:
             poke_held_fifo(pid, fifo, b"1", owner)
             found = watch.wait(timeout, lambda: not procfs.alive(target.process))
+            if found is None:
+                raise StepFailed(f"the flight recorder wrote nothing to {dump} within {timeout:g} s")
+            try:
+                fd = watch.open(found, owner, MAX_TRACE)
+                try:
+                    untrusted.copy_fd(fd, found, outdir / "flight-recorder.pkl", MAX_TRACE, max(1.0, timeout))
+                finally:
+                    os.close(fd)
+            except untrusted.Refused as exc:
+                raise StepFailed(f"refusing to read the trace: {exc}") from None
         finally:
             watch.close()
-        if found is None:
-            raise StepFailed(f"the flight recorder wrote nothing to {dump} within {timeout:g} s")
-        try:
-            fd = untrusted.open_fd(found, owner, allow_root=owner == 0, max_size=MAX_TRACE)
-            try:
-                untrusted.copy_fd(fd, found, outdir / "flight-recorder.pkl", MAX_TRACE, max(1.0, timeout))
-            finally:
-                os.close(fd)
-        except untrusted.Refused as exc:
-            raise StepFailed(f"refusing to read the trace: {exc}") from None
         return ("flight-recorder.pkl",)

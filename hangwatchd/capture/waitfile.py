@@ -3,6 +3,12 @@
 A file counts as complete when its writer closes it (inotify CLOSE_WRITE) or
 moves it into place (MOVED_TO), or when ``finished()`` says the writer is gone.
 A file still being written is never handed out early.
+
+The directory is the workload's choice (its CUDA_COREDUMP_FILE, its flight
+recorder's temp file), so it is resolved once, when the watch starts, to a
+descriptor: the listing, the inotify watch, the open of what was found and its
+removal all go through that descriptor and a base name, never through the path
+again (a directory on the way swapped for a link later leads nowhere else).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from pathlib import Path
 from inotify_simple import INotify
 from inotify_simple import flags as inflags
 
+from ..host import untrusted
+
 
 class Watch:
     """Start watching before you trigger the writer, so no close is missed."""
@@ -25,26 +33,54 @@ class Watch:
         self.directory = directory
         self.pattern = pattern
         self.owner = owner  # only files of this uid count: the dir may be shared with other users
-        self.before = {p.name for p in directory.glob(pattern)}
-        self.inotify = INotify()
-        self.inotify.add_watch(directory, inflags.CLOSE_WRITE | inflags.MOVED_TO)
+        self.dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            self.before = set(self._matching())
+            self.inotify = INotify()
+            self.inotify.add_watch(untrusted.fd_path(self.dir_fd), inflags.CLOSE_WRITE | inflags.MOVED_TO)
+        except BaseException:
+            os.close(self.dir_fd)
+            raise
 
     def close(self) -> None:
         self.inotify.close()
+        os.close(self.dir_fd)
+
+    def _matching(self) -> list[str]:
+        return [n for n in os.listdir(self.dir_fd) if fnmatch.fnmatch(n, self.pattern)]
 
     def new_files(self) -> list[Path]:
-        return sorted(p for p in self.directory.glob(self.pattern) if p.name not in self.before and self._ours(p))
+        return sorted(self.directory / n for n in self._matching() if n not in self.before and self._ours(n))
 
-    def _ours(self, path: Path) -> bool:
+    def _ours(self, name: str) -> bool:
         """A regular file of the owner: another user's file (or FIFO, or link) planted under the
         expected name is passed over, so it can neither stand in for the real one nor hide it."""
         if self.owner is None:
             return True
         try:
-            st = os.lstat(path)
+            st = os.stat(name, dir_fd=self.dir_fd, follow_symlinks=False)
         except OSError:
             return False
         return stat.S_ISREG(st.st_mode) and st.st_uid == self.owner
+
+    def open(self, found: Path, uid: int | None, max_size: int | None = None) -> int:
+        """A checked fd of a file this watch found (``untrusted.open_fd``, in the watched
+        directory's descriptor): root's own files only for root's processes."""
+        return untrusted.open_fd(found.name, uid, allow_root=uid == 0, max_size=max_size, dir_fd=self.dir_fd)
+
+    def lstat(self, found: Path) -> os.stat_result:
+        return os.stat(found.name, dir_fd=self.dir_fd, follow_symlinks=False)
+
+    def unlink_same(self, found: Path, st: os.stat_result) -> bool:
+        """Remove a found file only while its name still holds the file read (same inode)."""
+        try:
+            now = os.stat(found.name, dir_fd=self.dir_fd, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                return False
+            os.unlink(found.name, dir_fd=self.dir_fd)
+            return True
+        except OSError:
+            return False
 
     def wait(self, timeout: float, finished: Callable[[], bool] = lambda: False) -> Path | None:
         """The first new complete file, or None at the deadline."""
@@ -55,7 +91,7 @@ class Watch:
                 return None
             for event in self.inotify.read(timeout=int(min(left, 0.5) * 1000)):
                 # Any close after the watch began is a new write, even to a name seen before.
-                if event.name and fnmatch.fnmatch(event.name, self.pattern) and self._ours(self.directory / event.name):
+                if event.name and fnmatch.fnmatch(event.name, self.pattern) and self._ours(event.name):
                     return self.directory / event.name
             if finished():
                 fresh = self.new_files()

@@ -273,7 +273,8 @@ class UserFile:
             return False
         try:
             st = os.stat(self.name, dir_fd=self.dir_fd, follow_symlinks=False)
-            if (st.st_dev, st.st_ino) != self.inode or st.st_uid != self.uid or not stat.S_ISREG(st.st_mode):
+            owner_ok = st.st_uid == self.uid or (self.allow_root and st.st_uid == 0)
+            if (st.st_dev, st.st_ino) != self.inode or not owner_ok or not stat.S_ISREG(st.st_mode):
                 return False
             # The directory is sticky: between this look and the unlink only the file's owner
             # could put another file of theirs under the name; never someone else's file.
