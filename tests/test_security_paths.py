@@ -328,7 +328,9 @@ def test_another_users_process_under_the_same_job_name_never_joins_the_job(base:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
         wait_for(lambda: forgotten(d, nested.pid) and forgotten(d, lying.pid), 15, "the fake ranks' exits seen")
+        root = Hang(d)
         try:
+            root.stored_in_time()
             last = wait_for(lambda: stopped, 60, "the victim's last beat")[0]
             inc = wait_for(lambda: next((i for i in d.store().list() if i["job"] == job), None), TIMEOUT + 30,
                            "the victim's incident")
@@ -342,6 +344,7 @@ def test_another_users_process_under_the_same_job_name_never_joins_the_job(base:
             assert not [e for e in d.logs() if e.get("event") == "loop_error"]
             assert d.proc.poll() is None
         finally:
+            root.stop()
             stop(victim, group=True)
 
 
