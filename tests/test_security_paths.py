@@ -147,6 +147,36 @@ def test_an_exit_record_of_another_user_never_joins_a_job(tmp_path: Path) -> Non
     assert gone.of_job("train", os.getuid())[0].exit is None
 
 
+def test_the_notify_proxy_counts_only_what_the_workload_itself_sends(tmp_path: Path) -> None:
+    from hangwatchd.host import procfs
+    from hangwatchd.workload import beat_segment
+    from hangwatchd.workload.launcher import NotifyProxy
+
+    beat = tmp_path / "run-x.beat"
+    beat_segment.create(str(beat), 0)
+    proxy = NotifyProxy(tmp_path / "run-x", beat, None)
+    send = ("import socket, sys\ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\nsys.stdin.readline()\n"
+            "s.sendto(b'WATCHDOG=1\\nSTATUS=mine', sys.argv[1])\nprint('sent', flush=True)\nsys.stdin.readline()")
+    # The workload, and a process started beside it (same user, alive, not below it).
+    work = subprocess.Popen([sys.executable, "-c", send, str(proxy.address)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    beside = subprocess.Popen([sys.executable, "-c", send.replace("mine", "not mine"), str(proxy.address)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        proxy.workload, proxy.workload_uid = procfs.identify(work.pid), os.getuid()
+        proxy.start()
+        for p in (beside, work):
+            p.stdin.write("go\n")  # type: ignore[union-attr]
+            p.stdin.flush()  # type: ignore[union-attr]
+            assert p.stdout.readline().strip() == "sent"  # type: ignore[union-attr]
+            wait_for(lambda: proxy.dropped + beat_segment.read(str(beat)).count >= (1 if p is beside else 2), 10, "the datagram read")
+        assert proxy.dropped == 1
+        assert beat_segment.read(str(beat)).count == 1
+        assert proxy.status_file.read_text() == "mine"
+    finally:
+        stop(work, beside)
+        proxy.close()
+
+
 # -- attacks (root daemon, nobody attacker) ------------------------------------
 
 @needs_root
