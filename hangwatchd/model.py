@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from .host.untrusted import UserFile
+if TYPE_CHECKING:  # the records stay free of the host's imports at run time
+    from .host.untrusted import UserFile
 
 
 @dataclass(frozen=True, order=True)

@@ -298,7 +298,7 @@ def resolve_in(dir_fd: int, dir_path: str | os.PathLike[str], named: str, uid: i
     parent = os.path.dirname(named)
     spellings = {os.fspath(dir_path), os.path.realpath(dir_path)}
     if parent not in spellings or base in ("", ".", "..") or "\0" in base:
-        raise Refused("outside_dir", f"{named} is not a file directly in {os.fspath(dir_path)} "
+        raise Refused("outside_dir", f"{named[:300]} is not a file directly in {os.fspath(dir_path)} "
                                      "(named as that directory's path and one plain file name)")
     f = UserFile(dir_fd, base, uid, allow_root, None, named)
     try:
