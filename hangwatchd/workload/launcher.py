@@ -223,7 +223,11 @@ class NotifyProxy(threading.Thread):
         # The kernel attaches each sender's real pid, uid and gid to what it sends.
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self.sock.bind(str(self.address))
-        os.chmod(self.address, 0o666)  # the workload may run as another user than the launcher
+        # Sending needs write permission on the socket. An ordinary user's workload runs as that
+        # user: nobody else may send at all (no flood can fill the queue the workload writes to).
+        # Root's launcher may start a workload that runs as another user: anyone may send, and
+        # the credentials decide.
+        os.chmod(self.address, 0o666 if os.geteuid() == 0 else 0o600)
         self.mm, self.counter = beat_segment.open_for_writing(str(beat_file))
         self.closed = False
 
