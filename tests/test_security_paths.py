@@ -172,6 +172,7 @@ def test_the_notify_proxy_counts_only_what_the_workload_itself_sends(tmp_path: P
             wait_for(lambda: proxy.dropped + beat_segment.read(str(beat)).count >= (1 if p is beside else 2), 10, "the datagram read")
         assert proxy.dropped == 1
         assert beat_segment.read(str(beat)).count == 1
+        wait_for(proxy.status_file.exists, 10, "the workload's STATUS= kept")  # written just after the beat
         assert proxy.status_file.read_text() == "mine"
     finally:
         stop(work, beside)
