@@ -121,6 +121,31 @@ def test_a_user_named_path_resolves_once_to_a_plain_name_in_the_trusted_dir(tmp_
         os.close(dir_fd)
 
 
+def test_a_dump_dir_the_workload_names_is_held_as_a_descriptor_for_the_whole_wait(tmp_path: Path) -> None:
+    from hangwatchd.capture.waitfile import Watch
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "trace0").write_bytes(b"elsewhere")
+    (tmp_path / "L").symlink_to("a")
+    watch = Watch(tmp_path / "L", "trace*", os.getuid())
+    try:
+        # The named directory now leads elsewhere, to a file of the same name.
+        (tmp_path / "L").unlink()
+        (tmp_path / "L").symlink_to("b")
+        (tmp_path / "a" / "trace0").write_bytes(b"the trace")
+        found = wait_for(lambda: watch.wait(0.5), 10, "the trace")
+        fd = watch.open(found, os.getuid(), 1024)
+        try:
+            assert os.pread(fd, 100, 0) == b"the trace"
+            assert watch.unlink_same(found, os.fstat(fd))
+        finally:
+            os.close(fd)
+        assert not (tmp_path / "a" / "trace0").exists() and (tmp_path / "b" / "trace0").read_bytes() == b"elsewhere"
+    finally:
+        watch.close()
+
+
 def test_deeply_nested_json_from_a_user_is_a_refusal_not_a_recursion_error() -> None:
     assert untrusted.json_object(b'{"a": "[[[[[[[[[[{{{{", "b": [1, [2, {"c": 3}]]}', 8)["b"] == [1, [2, {"c": 3}]]
     for raw in (b"[" * 4000, b'{"a":' + b"[" * 100_000, b'{"a": [[[[[[[[[1]]]]]]]]]}'):
