@@ -497,3 +497,18 @@ os.execv({str(suid)!r}, [{str(suid)!r}, "-c", "import time; time.sleep(600)"])
             assert d.proc.poll() is None
         finally:
             victim.stop()
+
+
+@needs_root
+def test_a_lock_dir_planted_by_a_user_stops_the_daemon_with_one_clear_line(base: Path, attacker: Attacker) -> None:
+    run = base / "run"
+    run.mkdir()
+    os.chmod(run, 0o1777)  # a runtime dir others may write: the only way a user gets to plant it
+    attacker.run(f"import os\nos.mkdir({str(run / 'private')!r}, 0o777)")
+    res = subprocess.run([sys.executable, "-m", "hangwatchd", "daemon", "--state-dir", str(base / "state"),
+                          "--runtime-dir", str(run), "--metrics-address", "127.0.0.1:0"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1].endswith(
+        f"{run / 'private'} belongs to uid {NOBODY}, not to the daemon's uid 0; remove it, or pass another --runtime-dir")
+    assert not (run / "private" / "daemon.lock").exists()
