@@ -90,7 +90,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UsageError(f"run: {flag} must be a number of seconds greater than 0")
     runtime_dir = Path(args.runtime_dir) if args.runtime_dir else client_runtime_dir()
     try:
-        return run(Launch(tuple(command), runtime_dir, args.job, args.rank, args.heartbeat_timeout, args.stack_timeout))
+        return run(Launch(tuple(command), runtime_dir, args.job, args.rank, args.heartbeat_timeout, args.stack_timeout,
+                          args.on_hang))
     except LaunchError as exc:
         print(f"hangwatchd: {exc}", file=sys.stderr)
         return 127

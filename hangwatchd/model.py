@@ -37,6 +37,7 @@ class Registration:
     ras_addr: str | None = None  # the job's NCCL RAS service (NCCL_RAS_ADDR), as hangwatchd run gave it
     role: str = "workload"  # "launcher": torchrun and the like, watched for its exit, never for beats
     launcher: int | None = None  # a rank that registered itself: the pid of the launched process above it
+    on_hang: str | None = None  # "report" or "abort", the job owner's choice (hangwatchd run --on-hang); None: the config's
 
 
 class State(str, enum.Enum):

@@ -47,7 +47,8 @@ from ..metrics import Metrics, create, serve
 from ..watch.admission import Registrations
 from ..watch.watched import Watched, Watchlist
 from ..workload import registration_file
-from . import exception_dumps
+from . import act, exception_dumps
+from .act import Acting
 from .capture_workers import CaptureWorkers
 from .instance_lock import AlreadyRunning, InstanceLock
 from .loop_guard import Guard
@@ -90,6 +91,7 @@ class Daemon:
                                     tuple(BLOCKING) + tuple(cfg.stack_blocking_patterns), cfg.stack_idle_pattern or IDLE,
                                     on_hung=self.workers.on_hung, on_tampered=self.registrations.tampered)
         self.workers.machine = self.machine
+        self.workers.act = Acting(Path(cfg.runtime_dir), cfg.on_hang, cfg.abort_grace, self.metrics)
         self.sampler = Sampler(cfg.pyspy_timeout, cfg.pyspy_samples_per_uid, self.limits, self._wake)
         self.lock = InstanceLock(Path(cfg.runtime_dir))
         self.rescan_due = False  # the inotify queue overflowed: events were lost
@@ -135,6 +137,7 @@ class Daemon:
         if self.fleet:
             self.fleet.start()
         registration_file.prepare_dirs(Path(cfg.runtime_dir))
+        act.prepare(Path(cfg.runtime_dir))
         cfg.dumps.mkdir(parents=True, exist_ok=True)
         if os.stat(cfg.dumps).st_uid == os.geteuid():
             os.chmod(cfg.dumps, 0o1777)  # workloads of any user write their CUDA dumps here
@@ -182,6 +185,8 @@ class Daemon:
             log.info("daemon_stopping", captures_in_flight=len(self.workers.captures))
             self.workers.shutdown()
             self.sampler.shutdown()
+            if self.workers.act:
+                self.workers.act.stop()
             if self.fleet:
                 self.fleet.stop()
             for s, h in old.items():
