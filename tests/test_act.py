@@ -191,3 +191,200 @@ def test_abort_ends_the_jobs_ranks_on_every_node_after_each_nodes_capture(tmp_pa
         assert inc_b["reason"] == "job-request"
         (ab,) = events(b, "job_aborted")
         assert ab["incident"] == inc_b["id"] and ab["timestamp"] >= events(b, "incident_stored")[0]["timestamp"]
+
+
+# -- GPU faults: NVML's XID events, the verdict, the node's health ---------------
+
+FAKE_NVML = Path(__file__).parent / "fake_nvml"
+
+
+def fake_nvml_module(directory: Path):  # type: ignore[no-untyped-def]
+    """tests/fake_nvml/pynvml.py as a module object: NVML's API over files in ``directory``."""
+    import importlib.util
+
+    os.environ["HANGWATCHD_FAKE_NVML"] = str(directory)
+    spec = importlib.util.spec_from_file_location("fake_pynvml", FAKE_NVML / "pynvml.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def nvml_dir(base: Path, gpus: int = 4) -> Path:
+    d = base / "nvml"
+    (d / "events").mkdir(parents=True)
+    (d / "gpus").write_text(str(gpus))
+    return d
+
+
+def xid(directory: Path, **event: int) -> None:
+    n = len(list((directory / "events").iterdir())) + int(time.time() * 1000)
+    tmp = directory / f".{n}.tmp"
+    tmp.write_text(json.dumps(event))
+    tmp.replace(directory / "events" / f"{n}.json")
+
+
+def nvml_env(directory: Path) -> dict[str, str]:
+    return {"HANGWATCHD_FAKE_NVML": str(directory),
+            "PYTHONPATH": os.pathsep.join(p for p in (str(FAKE_NVML), os.environ.get("PYTHONPATH", "")) if p)}
+
+
+def test_the_listener_records_nvml_xid_events_on_its_own_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hangwatchd.host.gpu_events import Listener, Recorder
+
+    monkeypatch.setenv("HANGWATCHD_FAKE_NVML", "")
+    d = nvml_dir(tmp_path)
+    nv = fake_nvml_module(d)
+    seen: list = []
+    found: list = []
+    rec = Recorder(limit=3)
+    listener = Listener(rec, seen.append, found.append, nvml=nv, wait_ms=200)
+    listener.start()
+    try:
+        assert listener.ready.wait(10) and found == [[0, 1, 2, 3]]
+        before = time.time()
+        for gpu, code in ((1, 13), (3, 79), (0, 48), (3, 31)):
+            xid(d, gpu=gpu, xid=code)
+            wait_for(lambda: not list((d / "events").iterdir()), 10, "the event taken")
+        xid(d, lost=2)
+        wait_for(lambda: len(seen) == 5, 10, "five events")
+    finally:
+        listener.stop()
+        listener.join(5)
+    assert not listener.is_alive()  # it looks at its stop flag between waits: the daemon's stop is never held up
+    assert [(e.gpu, e.xid, e.lost) for e in seen] == [(1, 13, False), (3, 79, False), (0, 48, False), (3, 31, False), (2, 0, True)]
+    assert all(e.time >= before for e in seen) and seen[1].uuid == "GPU-fake-3" and seen[1].what == "fell off the bus"
+    assert [e.node_fault for e in seen] == [False, True, True, False, True]  # 13 and 31 are a job's own errors
+    assert [(e.gpu, e.xid) for e in rec.events()] == [(0, 48), (3, 31), (2, 0)]  # bounded: the newest kept
+
+
+def test_without_nvml_the_listener_says_why_and_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hangwatchd.host.gpu_events import Listener, Recorder
+
+    monkeypatch.setenv("HANGWATCHD_FAKE_NVML", "")
+    nv = fake_nvml_module(tmp_path)
+    monkeypatch.setenv("HANGWATCHD_FAKE_NVML", "")  # no library: what a node without a driver answers
+    rec = Recorder()
+    listener = Listener(rec, lambda e: None, nvml=nv)
+    listener.start()
+    listener.join(10)
+    assert not listener.is_alive() and rec.unavailable and "NVML is not available" in rec.unavailable
+
+
+def hand_made_incident(base: Path, offset: float, xid_code: int = 79, gpu: int = 3) -> Path:
+    inc = base / "by-hand"
+    pdir = inc / "4174"
+    pdir.mkdir(parents=True)
+    stopped = 1_764_000_000.0
+    (inc / "incident.json").write_text(json.dumps({"id": "x", "reason": "heartbeat", "since": stopped,
+                                                    "processes": [{"pid": 4174, "rank": 3}]}))
+    (pdir / "proc.json").write_text(json.dumps({"pid": 4174, "rank": 3, "job": "train", "state": "S (sleeping)"}))
+    (pdir / "pyspy.json").write_text(json.dumps([{"thread_name": "MainThread", "frames": [
+        {"name": "synchronize", "filename": "/usr/lib/python3/site-packages/torch/cuda/__init__.py", "line": 800},
+        {"name": "train_step", "filename": "/home/u/train.py", "line": 42}]}]))
+    (pdir / "gpu-events.json").write_text(json.dumps({"pid": 4174, "gpus": [gpu], "stopped": stopped, "events": [
+        {"time": stopped + offset, "gpu": gpu, "xid": xid_code, "what": "fell off the bus" if xid_code == 79 else "graphics engine exception",
+         "needs_reset": xid_code == 79, "lost": False}]}))
+    return inc
+
+
+def test_the_verdict_says_when_a_gpu_fault_explains_the_hang(tmp_path: Path) -> None:
+    from .conftest import hangwatchd
+
+    inc = hand_made_incident(tmp_path / "near", -2.0)
+    res = hangwatchd("analyze", str(inc), "--json")
+    assert res.returncode == 0, res.stderr
+    summary = json.loads(res.stdout)["summary"]
+    assert summary.startswith("GPU 3 reported XID 79 (fell off the bus) 2 s before rank 3 stopped"), summary
+    text = hangwatchd("analyze", str(inc)).stdout
+    assert "GPU 3 reported XID 79 (fell off the bus) 2 s before rank 3 stopped" in text
+    # An XID long before the stop is not its cause: the verdict is the program's.
+    far = hand_made_incident(tmp_path / "far", -3 * 3600.0)
+    assert "XID" not in json.loads(hangwatchd("analyze", str(far), "--json").stdout)["summary"]
+
+
+def health(d: Daemon | Path, *extra: str) -> tuple[int, str]:
+    runtime_dir = d.runtime_dir if isinstance(d, Daemon) else d
+    res = subprocess.run([sys.executable, "-m", "hangwatchd", "health", "--runtime-dir", str(runtime_dir), *extra],
+                         capture_output=True, text=True, timeout=60)
+    lines = res.stdout.splitlines()
+    assert len(lines) == 1, res.stdout + res.stderr  # NPD's contract: one line on stdout
+    return res.returncode, lines[0]
+
+
+def test_health_speaks_of_the_node_never_of_a_jobs_hang(tmp_path: Path) -> None:
+    # Not running: the node cannot be watched.
+    code, line = health(tmp_path / "nothing-here")
+    assert code == 1 and "not running" in line
+    d = nvml_dir(tmp_path)
+    with Daemon(tmp_path / "hw", env=nvml_env(d), config=FAST) as daemon:
+        wait_for(lambda: daemon.metric("hangwatchd_gpu_xid_errors_total", gpu="3", xid="79") == 0.0, 10,
+                 "the GPUs found, their XID series at 0")
+        code, line = health(daemon)
+        assert code == 0 and "4 GPUs without faults" in line, line
+        # A job's own hang, captured: still the node is fine.
+        work = daemon.run(workload_argv(beats=5), "--heartbeat-timeout", str(TIMEOUT), stdout=subprocess.PIPE)
+        try:
+            wait_for(daemon.store().list, 30, "the job's incident")
+            wait_for(lambda: "hung process" in health(daemon)[1], 10, "the captured hang in the status")
+            code, line = health(daemon)
+            assert code == 0 and "not a node fault" in line, line
+        finally:
+            stop(work)
+        # A job's own GPU error (XID 13): counted, never a node condition.
+        xid(d, gpu=1, xid=13)
+        wait_for(lambda: daemon.metric("hangwatchd_gpu_xid_errors_total", gpu="1", xid="13") == 1.0, 10, "XID 13 counted")
+        assert health(daemon)[0] == 0
+        # A GPU that fell off the bus: the node is at fault.
+        xid(d, gpu=3, xid=79)
+        wait_for(lambda: daemon.metric("hangwatchd_gpu_xid_errors_total", gpu="3", xid="79") == 1.0, 10, "XID 79 counted")
+        code, line = health(daemon)
+        assert code == 1 and "GPU 3 reported XID 79 (fell off the bus)" in line and "reset" in line, line
+        # The loop stalled (SIGSTOP): it cannot watch.
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            def stalled() -> tuple[int, str] | None:
+                got = health(daemon, "--stalled-after", "3")
+                return got if got[0] == 1 and "loop" in got[1] else None
+
+            code, line = wait_for(stalled, 20, "the stall seen")
+            assert "has not run for" in line
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        # A health file nobody can read: unknown, never a verdict on the node.
+        (daemon.runtime_dir / "health.json").write_text("{not json")
+        assert health(daemon)[0] == 3
+    # py-spy unusable: hangs would go without stacks.
+    with Daemon(tmp_path / "no-pyspy", env={"HANGWATCHD_PYSPY": "none"}, config=FAST) as daemon:
+        code, line = health(daemon)
+        assert code == 1 and "py-spy" in line, line
+
+
+@needs_root
+def test_an_xid_on_a_hung_ranks_gpu_is_in_its_incident_and_its_verdict(tmp_path: Path) -> None:
+    device = Path("/dev/nvidia3")
+    made = not device.exists()
+    if made:
+        device.write_text("")  # a file named like GPU 3's device node: holding it open is how a CUDA process shows its GPU
+    d = nvml_dir(tmp_path)
+    try:
+        with Daemon(tmp_path / "hw", env=nvml_env(d), config=FAST) as daemon:
+            wait_for(lambda: daemon.metric("hangwatchd_gpu_xid_errors_total", gpu="3", xid="79") == 0.0, 10, "GPUs found")
+            code = ("import threading, time, hangwatchd\nf = open('/dev/nvidia3')\n"
+                    "for _ in range(10): hangwatchd.beat(); time.sleep(0.05)\n"
+                    "print('stopped', flush=True)\nthreading.Event().wait()\n")
+            work = daemon.run([sys.executable, "-c", code], "--rank", "3", "--heartbeat-timeout", "2", stdout=subprocess.PIPE)
+            try:
+                assert work.stdout is not None and work.stdout.readline().strip() == b"stopped"
+                xid(d, gpu=3, xid=79)
+                xid(d, gpu=1, xid=13)  # another GPU's: not this process's
+                (inc,) = wait_for(daemon.store().list, 30, "the incident")
+            finally:
+                stop(work)
+            (events_file,) = Path(inc["dir"]).rglob("gpu-events.json")
+            data = json.loads(events_file.read_text())
+            assert data["gpus"] == [3] and [(e["gpu"], e["xid"], e["what"]) for e in data["events"]] == [(3, 79, "fell off the bus")]
+            assert "GPU 3 reported XID 79 (fell off the bus)" in inc["summary"] and "rank 3 stopped" in inc["summary"]
+    finally:
+        if made:
+            device.unlink()

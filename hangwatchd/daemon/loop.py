@@ -52,6 +52,7 @@ from .act import Acting
 from .capture_workers import CaptureWorkers
 from .instance_lock import AlreadyRunning, InstanceLock
 from .loop_guard import Guard
+from .node_health import NodeHealth
 from .status_file import STATUS_EVERY, StatusFile
 
 log = structlog.get_logger("hangwatchd.daemon")
@@ -94,6 +95,7 @@ class Daemon:
         self.workers.act = Acting(Path(cfg.runtime_dir), cfg.on_hang, cfg.abort_grace, self.metrics)
         self.sampler = Sampler(cfg.pyspy_timeout, cfg.pyspy_samples_per_uid, self.limits, self._wake)
         self.lock = InstanceLock(Path(cfg.runtime_dir))
+        self.node_health = NodeHealth(Path(cfg.runtime_dir), self.metrics)  # GPU faults (XIDs), health.json
         self.rescan_due = False  # the inotify queue overflowed: events were lost
         self.next_dump_scan = float("inf")  # a scan found dumps still being written: look again then
         self.stopping = False
@@ -154,6 +156,7 @@ class Daemon:
             self.metrics_address = serve(self.metrics.registry, cfg.metrics_address)
         self.metrics.info.info({"version": __version__})
         self.status.write_daemon(cfg.state_dir, cfg.dumps, self.metrics_address)
+        self.node_health.start()
 
     def stop(self, *_: object) -> None:
         self.stopping = True
@@ -193,6 +196,7 @@ class Daemon:
                 signal.signal(s, h)
             sandbox.stop()  # the symboliser's helpers and their temporary directory, before systemd kills them
             self.status.remove()
+            self.node_health.stop()
             self.lock.release()
         return 0
 
