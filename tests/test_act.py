@@ -388,3 +388,23 @@ def test_an_xid_on_a_hung_ranks_gpu_is_in_its_incident_and_its_verdict(tmp_path:
     finally:
         if made:
             device.unlink()
+
+
+def test_the_node_problem_detector_plugin_calls_hangwatchd_health(tmp_path: Path) -> None:
+    import yaml
+
+    doc = yaml.safe_load((Path(__file__).parent.parent / "deploy" / "kubernetes" / "node-problem-detector.yaml").read_text())
+    monitor = json.loads(doc["data"]["hangwatchd-health.json"])
+    assert monitor["plugin"] == "custom"
+    (rule,) = monitor["rules"]
+    assert rule["type"] == "permanent" and rule["condition"] in {c["type"] for c in monitor["conditions"]}
+    assert Path(rule["path"]).name == "hangwatchd" and rule["args"][0] == "health"
+    # The rule's own arguments, run as NPD runs them (with this runtime dir): one line, NPD's exit codes.
+    args = [a if a != "/run/hangwatchd" else str(tmp_path / "run") for a in rule["args"]]
+    res = subprocess.run([sys.executable, "-m", "hangwatchd", *args], capture_output=True, text=True, timeout=10)
+    assert res.returncode == 1 and len(res.stdout.splitlines()) == 1 and "not running" in res.stdout
+    with Daemon(tmp_path, config=FAST) as d:
+        wait_for(lambda: (d.runtime_dir / "health.json").exists(), 10, "the health file")
+        res = subprocess.run([sys.executable, "-m", "hangwatchd", *args], capture_output=True, text=True, timeout=10)
+        assert res.returncode == 0 and len(res.stdout.splitlines()) == 1, res.stdout
+        assert len(res.stdout) <= monitor["pluginConfig"]["max_output_length"]

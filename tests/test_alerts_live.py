@@ -98,22 +98,29 @@ def test_every_alert_fires_on_the_first_event_of_its_kind_on_a_fresh_daemon(tmp_
     failing_pyspy = tmp_path / "py-spy-broken"
     failing_pyspy.write_text("#!/bin/sh\necho 'Permission denied (os error 13)' >&2\nexit 1\n")
     failing_pyspy.chmod(0o755)
-    good = Daemon(tmp_path / "good", env={"NODE_NAME": "node-good"}, config=FAST)
+    nvml = tmp_path / "nvml"  # NVML's API over files (tests/fake_nvml): a GPU fault on demand, without a GPU
+    (nvml / "events").mkdir(parents=True)
+    (nvml / "gpus").write_text("4")
+    fake = str(Path(__file__).parent / "fake_nvml")
+    good = Daemon(tmp_path / "good", env={"NODE_NAME": "node-good", "HANGWATCHD_FAKE_NVML": str(nvml),
+                                          "PYTHONPATH": os.pathsep.join(p for p in (fake, os.environ.get("PYTHONPATH", "")) if p)},
+                  config=FAST)
     broken = Daemon(tmp_path / "broken", env={"NODE_NAME": "node-broken", "HANGWATCHD_PYSPY": str(failing_pyspy)}, config=FAST)
     prom = Prometheus(tmp_path / "prom", [good.info["metrics_address"], broken.info["metrics_address"]])
     work: list[subprocess.Popen[bytes]] = []
     try:
         # Both daemons scraped before anything happens: every series Prometheus will judge starts here.
         wait_for(lambda: len(prom.api("query", query='up{job="hangwatchd"} == 1')["result"]) == 2, 30, "both fresh daemons scraped")
-        for name in ("GPUProcessHung", "GPUExceptionDump", "HangwatchdCaptureFailing"):
+        for name in ("GPUProcessHung", "GPUExceptionDump", "HangwatchdCaptureFailing", "GPUXidError", "GPUJobAborted"):
             assert prom.firing(name) == []
 
         # The first event of each kind: a heartbeat hang and a stack hang on one node, an exception dump,
         # and a hang on the node whose py-spy cannot read processes.
-        work.append(good.run(workload_argv(beats=5, interval=0.05), "--job", "hb", "--heartbeat-timeout", "1"))
+        work.append(good.run(workload_argv(beats=5, interval=0.05), "--job", "hb", "--heartbeat-timeout", "1", "--on-hang", "abort"))
         work.append(good.run([sys.executable, "-c", "import time\ndef poll_forever():\n    while True: time.sleep(0.2)\npoll_forever()"],
                              "--job", "st", "--stack-timeout", "2", "--heartbeat-timeout", "3600"))
         raw_dump(good.state_dir / "dumps", 4242)
+        (nvml / "events" / "1.json").write_text(json.dumps({"gpu": 3, "xid": 79}))
         work.append(broken.run(workload_argv(beats=5, interval=0.05), "--job", "hb", "--heartbeat-timeout", "1"))
 
         hb = wait_for(lambda: prom.firing("GPUProcessHung", Hostname="node-good", reason="heartbeat"), 45, "GPUProcessHung (heartbeat)")
@@ -121,6 +128,10 @@ def test_every_alert_fires_on_the_first_event_of_its_kind_on_a_fresh_daemon(tmp_
         exc = wait_for(lambda: prom.firing("GPUExceptionDump", Hostname="node-good"), 45, "GPUExceptionDump")
         cap = wait_for(lambda: prom.firing("HangwatchdCaptureFailing", Hostname="node-broken"), 45, "HangwatchdCaptureFailing")
 
+        xid = wait_for(lambda: prom.firing("GPUXidError", Hostname="node-good"), 45, "GPUXidError")
+        wait_for(lambda: prom.firing("GPUJobAborted", Hostname="node-good"), 45, "GPUJobAborted")
+
+        assert (xid[0]["labels"]["gpu"], xid[0]["labels"]["xid"]) == ("3", "79")
         assert exc[0]["labels"]["type"] == "WARP_ILLEGAL_ADDRESS"
         assert cap[0]["labels"]["step"] == "pyspy"
         # Each is the first of its kind: the counter went from 0 to 1, and the annotations name the incident.
