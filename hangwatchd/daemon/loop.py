@@ -155,8 +155,8 @@ class Daemon:
         if cfg.metrics_address:
             self.metrics_address = serve(self.metrics.registry, cfg.metrics_address)
         self.metrics.info.info({"version": __version__})
+        self.node_health.start()  # before daemon.json: a daemon that clients see running has its health file
         self.status.write_daemon(cfg.state_dir, cfg.dumps, self.metrics_address)
-        self.node_health.start()
 
     def stop(self, *_: object) -> None:
         self.stopping = True
