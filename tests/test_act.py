@@ -340,6 +340,10 @@ def test_health_speaks_of_the_node_never_of_a_jobs_hang(tmp_path: Path) -> None:
         wait_for(lambda: daemon.metric("hangwatchd_gpu_xid_errors_total", gpu="3", xid="79") == 1.0, 10, "XID 79 counted")
         code, line = health(daemon)
         assert code == 1 and "GPU 3 reported XID 79 (fell off the bus)" in line and "reset" in line, line
+        # A GPU that stops answering NVML at all: lost, the node's fault too.
+        xid(d, lost=2)
+        wait_for(lambda: "GPU 2 is lost" in health(daemon)[1], 10, "the lost GPU in the health line")
+        assert health(daemon)[0] == 1
         # The loop stalled (SIGSTOP): it cannot watch.
         daemon.proc.send_signal(signal.SIGSTOP)
         try:
