@@ -412,3 +412,16 @@ def test_the_node_problem_detector_plugin_calls_hangwatchd_health(tmp_path: Path
         res = subprocess.run([sys.executable, "-m", "hangwatchd", *args], capture_output=True, text=True, timeout=10)
         assert res.returncode == 0 and len(res.stdout.splitlines()) == 1, res.stdout
         assert len(res.stdout) <= monitor["pluginConfig"]["max_output_length"]
+
+
+def test_a_daemon_stopped_during_the_grace_ends_the_job_now_not_never(tmp_path: Path) -> None:
+    d = Daemon(tmp_path, config={**FAST, "on_hang": "abort", "abort_grace": 3600.0})
+    work = d.run([sys.executable, "-c", STUBBORN], "--heartbeat-timeout", str(TIMEOUT), stdout=subprocess.PIPE)
+    try:
+        wait_for(lambda: events(d, "job_aborted"), 30, "the SIGABRT, which it ignores")
+        assert work.poll() is None
+        assert d.stop() == 0
+        assert work.wait(timeout=10) == 128 + signal.SIGKILL
+    finally:
+        stop(work)
+        d.stop()

@@ -116,6 +116,7 @@ class Acting:
         with self._cond:
             self._stopping = True
             self._cond.notify()
+        self._thread.join(timeout=5)  # pidfd sends do not block: this is the pending SIGKILLs' time, no more
 
     # -- the pieces ----------------------------------------------------------
 
@@ -163,8 +164,10 @@ class Acting:
                 while not self._stopping and (not self._due or self._due[0][0] > time.monotonic()):
                     self._cond.wait(timeout=self._due[0][0] - time.monotonic() if self._due else None)
                 if self._stopping:
-                    for _, fd, _ in self._due:
-                        os.close(fd)
+                    # The daemon stops during a grace: the owner asked for the job to end, so it ends now,
+                    # rather than never (nobody would be left to send the SIGKILL).
+                    for _, fd, pid in self._due:
+                        _kill(fd, pid)
                     self._due.clear()
                     return
                 _, pidfd, pid = heapq.heappop(self._due)

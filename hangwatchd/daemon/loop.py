@@ -48,7 +48,6 @@ from ..watch.admission import Registrations
 from ..watch.watched import Watched, Watchlist
 from ..workload import registration_file
 from . import act, exception_dumps
-from .act import Acting
 from .capture_workers import CaptureWorkers
 from .instance_lock import AlreadyRunning, InstanceLock
 from .loop_guard import Guard
@@ -92,7 +91,7 @@ class Daemon:
                                     tuple(BLOCKING) + tuple(cfg.stack_blocking_patterns), cfg.stack_idle_pattern or IDLE,
                                     on_hung=self.workers.on_hung, on_tampered=self.registrations.tampered)
         self.workers.machine = self.machine
-        self.workers.act = Acting(Path(cfg.runtime_dir), cfg.on_hang, cfg.abort_grace, self.metrics)
+        self.workers.act = act.Acting(Path(cfg.runtime_dir), cfg.on_hang, cfg.abort_grace, self.metrics)
         self.sampler = Sampler(cfg.pyspy_timeout, cfg.pyspy_samples_per_uid, self.limits, self._wake)
         self.lock = InstanceLock(Path(cfg.runtime_dir))
         self.node_health = NodeHealth(Path(cfg.runtime_dir), self.metrics)  # GPU faults (XIDs), health.json
