@@ -13,6 +13,7 @@ The daemon writes ``RUNTIME_DIR/health.json`` at start and on each GPU fault
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -157,8 +158,6 @@ def judge(runtime_dir: Path, stalled_after: float = LOOP_STALLED_AFTER, now: flo
 
 
 def _read(path: Path) -> dict[str, Any] | None:
-    import json
-
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
