@@ -90,7 +90,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UsageError(f"run: {flag} must be a number of seconds greater than 0")
     runtime_dir = Path(args.runtime_dir) if args.runtime_dir else client_runtime_dir()
     try:
-        return run(Launch(tuple(command), runtime_dir, args.job, args.rank, args.heartbeat_timeout, args.stack_timeout))
+        return run(Launch(tuple(command), runtime_dir, args.job, args.rank, args.heartbeat_timeout, args.stack_timeout,
+                          args.on_hang))
     except LaunchError as exc:
         print(f"hangwatchd: {exc}", file=sys.stderr)
         return 127
@@ -334,8 +335,23 @@ def cmd_show(args: argparse.Namespace) -> int:
     return _print_incident(args, path)
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    """Node Problem Detector's custom plugin contract: one line on stdout; 0 OK, 1 the node is at fault, 3 unknown."""
+    from .daemon.node_health import UNKNOWN, judge
+
+    runtime_dir = Path(args.runtime_dir) if args.runtime_dir else client_runtime_dir()
+    try:
+        health = judge(runtime_dir, args.stalled_after)
+    except Exception as exc:  # noqa: BLE001 - NPD reads any failure of ours as unknown, never as the node's fault
+        print(f"hangwatchd health could not judge the node: {type(exc).__name__}: {exc}")
+        return UNKNOWN
+    print(health.line)
+    return health.code
+
+
 COMMANDS = {"daemon": cmd_daemon, "run": cmd_run, "status": cmd_status, "incidents": cmd_incidents, "show": cmd_show,
-            "capture": cmd_capture, "analyze": cmd_analyze, "check": cmd_check, "symbolize": cmd_symbolize}
+            "capture": cmd_capture, "analyze": cmd_analyze, "check": cmd_check, "symbolize": cmd_symbolize,
+            "health": cmd_health}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -135,6 +135,10 @@ def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
     r.add_argument("--stack-timeout", type=_duration, metavar="DURATION",
                    help="time its Python stack may stay the same, for workloads that never beat "
                         "(default: none, not watched by its stack unless the daemon's config says so)")
+    r.add_argument("--on-hang", choices=["report", "abort"],
+                   help="once a hang's incident is stored: report (leave it running) or abort (the daemon sends its "
+                        "ranks on each node SIGABRT, then SIGKILL after abort_grace; this command exits non-zero) "
+                        "(default: the daemon's on_hang, report unless the node's admin chose otherwise)")
     r.add_argument("--runtime-dir", help="the daemon's runtime dir (default: $HANGWATCHD_RUNTIME_DIR, "
                                          f"else {_default('runtime_dir')})")
     r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]", help="the workload and its arguments")
@@ -193,6 +197,17 @@ def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
     ck.add_argument("--dump-dir", help="where CUDA writes coredumps (default: STATE_DIR/dumps)")
     ck.add_argument("--metrics-address", metavar="HOST:PORT",
                     help=f"the address to check is free (default: {_default('metrics_address')})")
+
+    h = _command(sub, "health", commands["health"], "is the node at fault? Node Problem Detector's custom plugin contract",
+                 "One line on stdout and the exit status NPD's custom plugins use: 0 the node is fine, 1 the node is at "
+                 "fault (a GPU that needs a reset or is lost, or hangwatchd cannot watch: not running, its loop stalled, "
+                 "py-spy or ptrace unusable), 3 unknown. A job's own hang is never the node's fault: it is 0 here, and "
+                 "surfaces through the GPUProcessHung alert and its incident.",
+                 ["hangwatchd health", "hangwatchd health --runtime-dir /run/hangwatchd"])
+    h.add_argument("--stalled-after", type=_duration, default=30.0, metavar="DURATION",
+                   help="the daemon's loop is stalled when it has not written its status for this long (default: 30 s)")
+    h.add_argument("--runtime-dir", help="the daemon's runtime dir (default: $HANGWATCHD_RUNTIME_DIR, "
+                                         f"else {_default('runtime_dir')})")
 
     s = _command(sub, "symbolize", commands["symbolize"], "explain a CUDA coredump: kernels, warps, exceptions, inline chains",
                  "Read a CUDA coredump (.nvcudmp) in pure Python: every kernel, every warp's PC grouped, each "

@@ -256,6 +256,10 @@ KEYS: dict[str, Key] = {
     "store_poll_interval": Key(2.0, _seconds, "seconds between polls of the store for capture requests, per watched job"),
     "store_spool_max": Key(1000, _count, "uploads kept queued on disk while the store is down (the oldest dropped first)"),
     "job_incident_window": Key(300.0, _seconds, "seconds during which a job's hang reported by any node is the same job incident"),
+    "on_hang": Key("report", _one_of("report", "abort"),
+                   "after a hang's incident is stored: report (leave the job running) or abort (SIGABRT its ranks on "
+                   "this node, SIGKILL after abort_grace); a job's own hangwatchd run --on-hang wins"),
+    "abort_grace": Key(10.0, _seconds, "seconds between SIGABRT and SIGKILL when a hung job is aborted"),
     "log_format": Key("json", _one_of("json", "console"), "json: one JSON object a line; console: for a person"),
     "log_level": Key("info", _one_of("debug", "info", "warning", "error"), "the least severe events logged"),
 }
@@ -304,6 +308,8 @@ class Config:
     store_poll_interval: float = KEYS["store_poll_interval"].default
     store_spool_max: int = KEYS["store_spool_max"].default
     job_incident_window: float = KEYS["job_incident_window"].default
+    on_hang: str = KEYS["on_hang"].default
+    abort_grace: float = KEYS["abort_grace"].default
     log_format: str = KEYS["log_format"].default
     log_level: str = KEYS["log_level"].default
 

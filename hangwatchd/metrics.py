@@ -21,6 +21,29 @@ from prometheus_client import (
     start_http_server,
 )
 
+from .config import STEP_NAMES
+from .cudacore.layout import EXCEPTIONS
+
+# Every label value a counter that an alert reads can take, each series made at 0 when the daemon
+# starts: Prometheus's increase() sees no increase in a series born at 1, so a counter created on
+# first use would never fire its alert for the first event on a node (issue 20).
+HANG_REASONS = ("heartbeat", "stack")  # the detectors that declare a hang (detect/)
+# The CUDA driver's exception types (CUDBGException_t names), what a dump that cannot be read counts
+# as, and OTHER for a code this table does not know: a closed set, so the label cannot grow.
+EXCEPTION_TYPES = tuple(dict.fromkeys((*EXCEPTIONS.values(), "UNREADABLE", "OTHER")))
+# The XIDs the daemon listens for (NVML's critical error events), by number; any other is "other".
+XID_LABELS = ("13", "31", "43", "48", "63", "64", "74", "79", "94", "95", "109", "119", "other")
+
+
+def exception_type(name: str) -> str:
+    """The label for an exception type: itself when in the closed set, else OTHER."""
+    return name if name in EXCEPTION_TYPES else "OTHER"
+
+
+def xid_label(xid: int) -> str:
+    return str(xid) if str(xid) in XID_LABELS else "other"
+
+
 STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 LOOP_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5)
 LAST_INCIDENT_SERIES = 64
@@ -56,6 +79,8 @@ class Metrics:
     loop_errors: Counter
     info: Info
     last_incident: Gauge
+    jobs_aborted: Counter
+    xid_errors: Counter
     const: dict[str, str]
     # (reason, job) -> the incident id its series carries now: one series each, the latest.
     _last: dict[tuple[str, str], str] = field(default_factory=dict)
@@ -63,6 +88,12 @@ class Metrics:
     def labels(self, **labels: str) -> dict[str, str]:
         """The constant labels plus these, for ``metric.labels(**m.labels(step="pyspy"))``."""
         return {**self.const, **labels}
+
+    def gpus_seen(self, gpus: list[int]) -> None:
+        """The node's GPUs, found at start: their XID series made at 0, for the same reason as above."""
+        for gpu in gpus:
+            for xid in XID_LABELS:
+                self.xid_errors.labels(**self.labels(gpu=str(gpu), xid=xid))
 
     def incident_stored(self, incident: str, reason: str, job: str | None, when: float) -> None:
         """Point the latest-incident series of (reason, job) at this incident, so an alert can name it.
@@ -131,10 +162,23 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
         last_incident=Gauge("hangwatchd_last_incident_timestamp_seconds",
                             "Unix time of the latest incident stored for a reason and job; its id is the incident label.",
                             labels("incident", "reason", "job"), registry=reg),
+        jobs_aborted=Counter("hangwatchd_jobs_aborted_total",
+                             "Jobs whose ranks on this node the daemon ended after storing their incident (on_hang = abort).",
+                             names, registry=reg),
+        xid_errors=Counter("hangwatchd_gpu_xid_errors_total", "XID errors NVML reported, by GPU index and XID "
+                           "(\"other\": one outside the critical set).", labels("gpu", "xid"), registry=reg),
         const=const,
     )
-    for metric in (m.hangs, m.incidents):
-        metric.labels(**m.labels(reason="heartbeat"))  # present at 0 from the start, so increase() works
+    # Every series an alert reads, present at 0 from the start, so increase() sees the first event.
+    for reason in HANG_REASONS:
+        m.hangs.labels(**m.labels(reason=reason))
+        m.incidents.labels(**m.labels(reason=reason))
+    m.incidents.labels(**m.labels(reason="gpu-exception"))
+    for exc_type in EXCEPTION_TYPES:
+        m.gpu_exceptions.labels(**m.labels(type=exc_type))
+    for step in STEP_NAMES:
+        m.step_failures.labels(**m.labels(step=step))
+    m.jobs_aborted.labels(**const)
     m.loop_duration.labels(**const)
     m.store_write_failures.labels(**const)
     m.incidents_pending.labels(**const)

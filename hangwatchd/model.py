@@ -41,6 +41,7 @@ class Registration:
     ras_addr: str | None = None  # the job's NCCL RAS service (NCCL_RAS_ADDR), as hangwatchd run gave it
     role: str = "workload"  # "launcher": torchrun and the like, watched for its exit, never for beats
     launcher: int | None = None  # a rank that registered itself: the pid of the launched process above it
+    on_hang: str | None = None  # "report" or "abort", the job owner's choice (hangwatchd run --on-hang); None: the config's
     # Where the daemon reads beat_file and status_file: resolved once when the registration was
     # admitted (a trusted directory's descriptor and a base name), never looked up by path again.
     beat_at: UserFile | None = field(default=None, compare=False)

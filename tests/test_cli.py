@@ -13,7 +13,7 @@ from hangwatchd import __version__
 from .conftest import hangwatchd
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = ["daemon", "run", "status", "incidents", "show", "capture", "analyze", "check", "symbolize"]
+COMMANDS = ["daemon", "run", "status", "incidents", "show", "capture", "analyze", "check", "symbolize", "health"]
 
 
 def _sections(text: str) -> dict[str, list[str]]:

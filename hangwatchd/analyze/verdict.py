@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..detect import patterns
-from . import evidence, flight, lockstep, process_tree, ras, ras_blame, stream_deadlock
+from . import evidence, flight, gpu_events, lockstep, process_tree, ras, ras_blame, stream_deadlock
 from . import threads as th
 from .gone import account
 from .records import Analysis, Collective, Culprit, RankVerdict
@@ -205,6 +205,7 @@ def analyze(incident: Path) -> Analysis:
                      for v, ev in zip(ranks, found))
     rests_on += tuple(f"{k.role} (pid {k.pid}): {', '.join(k.ev.used) or 'nothing readable'}" for k in kids)
     unreadable = tuple(problems) + tuple(p for ev in found for p in ev.problems) + tuple(p for k in kids for p in k.ev.problems)
+    summary = gpu_events.explain(incident, ranks, summary, meta)  # an XID on a rank's GPU near its stop comes first
     return account(incident, meta, Analysis(summary, tuple(culprits), tuple(ranks), tuple(collectives), rests_on, unreadable,
                                             tuple(kid_verdicts)))
 

@@ -32,6 +32,7 @@ from ..watch.admission import Registrations
 from ..watch.watched import Watched, Watchlist
 from ..workload import dump_names, exits
 from . import exception_dumps
+from .act import Acting
 from .gpu_dump_gate import gpu_dump_veto
 from .make_incident import make_incident
 
@@ -47,6 +48,7 @@ class _Capture:
     started: float
     future: concurrent.futures.Future[str | None]
     job_incident: str | None = None
+    requested: str | None = None  # the action another node's capture request carried
 
 
 class CaptureWorkers:
@@ -62,6 +64,7 @@ class CaptureWorkers:
         self.fleet = fleet
         self.wake = wake  # a worker is done: wake the loop to collect it
         self.machine: StateMachine | None = None  # set once made: it hands hangs here
+        self.act: Acting | None = None  # set by the daemon: what follows a stored incident (on_hang)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="capture")
         self.captures: list[_Capture] = []
         self.dumping: set[int] = set()  # pids whose GPU dump a capture is taking: not exception dumps
@@ -85,10 +88,11 @@ class CaptureWorkers:
         """A confirmed hang here (the hung process and its job-mates): capture them."""
         job = group[0].registration.job
         # Every other node watching a rank of this job captures it too, under one job incident id.
-        job_incident = self.fleet.declare(job, suspicion.reason, suspicion.detail) if self.fleet and job else None
+        on_hang = self.act.action(w.registration for w in group) if self.act else "report"
+        job_incident = self.fleet.declare(job, suspicion.reason, suspicion.detail, on_hang) if self.fleet and job else None
         self.start(group, suspicion, job_incident)
 
-    def start(self, group: list[Watched], suspicion: Suspicion, job_incident: str | None) -> None:
+    def start(self, group: list[Watched], suspicion: Suspicion, job_incident: str | None, requested: str | None = None) -> None:
         """Capture the group on a worker, into one incident."""
         w = group[0]
         assert self.machine is not None
@@ -99,7 +103,7 @@ class CaptureWorkers:
             log.info("exited_job_mates", job=w.registration.job, pids=[d.registration.process.pid for d in gone])
         future = self.pool.submit(self._capture, group, suspicion, gone, job_incident)
         future.add_done_callback(self.wake)
-        self.captures.append(_Capture(group, suspicion, time.monotonic(), future, job_incident))
+        self.captures.append(_Capture(group, suspicion, time.monotonic(), future, job_incident, requested))
 
     def serve_requests(self) -> None:
         """Another node declared a job hung: capture this node's ranks of it now, whatever they look like here."""
@@ -120,7 +124,7 @@ class CaptureWorkers:
                 x.suspicion = None
                 self.watched.set_state(x, State.HUNG)
             why = Suspicion("job-request", f"node {req.node} declared job {req.job} hung ({req.reason}: {req.detail})", req.time)
-            self.start(group, why, req.job_incident)
+            self.start(group, why, req.job_incident, req.on_hang)
 
     def _capture(self, group: list[Watched], suspicion: Suspicion, gone: list[exits.Departed],
                  job_incident: str | None = None) -> str | None:
@@ -158,6 +162,8 @@ class CaptureWorkers:
                 elif self.fleet and incident_id:
                     job = next((w.registration.job for w in c.watched if w.registration.job), None)
                     self.fleet.stored(incident_id, self.store.dir / incident_id, job, c.job_incident)
+                if self.act and c.suspicion.reason != "gpu-exception":  # stored (or its report kept): now the job's policy acts
+                    self.act.after_store([w.registration for w in c.watched], incident_id, c.requested)
             for w in c.watched:
                 self.dumping.discard(w.process.pid)
                 w.incident = incident_id

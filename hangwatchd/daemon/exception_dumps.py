@@ -25,7 +25,7 @@ from ..cudacore import driverlog
 from ..host import procfs, untrusted
 from ..incidents.spool import Spool, begin_draft, finish_draft
 from ..incidents.store import Store
-from ..metrics import Metrics
+from ..metrics import Metrics, exception_type
 from ..model import Incident, ProcessCapture, ProcessId, Registration, StepResult
 from ..workload import dump_names
 from .make_incident import write_pages
@@ -120,7 +120,7 @@ def ingest_counted(store: Store, path: Path, pid: int | None, claimed: Registrat
     """``ingest`` as the daemon runs it: a linked exception counted in
     ``hangwatchd_gpu_exceptions_total``; a refused file counted and logged, and no incident."""
     def count(exc_type: str) -> None:
-        metrics.gpu_exceptions.labels(**metrics.labels(type=exc_type)).inc()
+        metrics.gpu_exceptions.labels(**metrics.labels(type=exception_type(exc_type))).inc()
     try:
         return ingest(store, path, pid, claimed, driver_logs, count, spool, metrics)
     except untrusted.Refused as exc:

@@ -47,10 +47,11 @@ from ..metrics import Metrics, create, serve
 from ..watch.admission import Registrations
 from ..watch.watched import Watched, Watchlist
 from ..workload import registration_file
-from . import exception_dumps
+from . import act, exception_dumps
 from .capture_workers import CaptureWorkers
 from .instance_lock import AlreadyRunning, InstanceLock, LockDirError
 from .loop_guard import Guard
+from .node_health import NodeHealth
 from .status_file import STATUS_EVERY, StatusFile
 
 log = structlog.get_logger("hangwatchd.daemon")
@@ -90,8 +91,10 @@ class Daemon:
                                     tuple(BLOCKING) + tuple(cfg.stack_blocking_patterns), cfg.stack_idle_pattern or IDLE,
                                     on_hung=self.workers.on_hung, on_tampered=self.registrations.tampered)
         self.workers.machine = self.machine
+        self.workers.act = act.Acting(Path(cfg.runtime_dir), cfg.on_hang, cfg.abort_grace, self.metrics)
         self.sampler = Sampler(cfg.pyspy_timeout, cfg.pyspy_samples_per_uid, self.limits, self._wake)
         self.lock = InstanceLock(Path(cfg.runtime_dir))
+        self.node_health = NodeHealth(Path(cfg.runtime_dir), self.metrics)  # GPU faults (XIDs), health.json
         self.rescan_due = False  # the inotify queue overflowed: events were lost
         self.next_dump_scan = float("inf")  # a scan found dumps still being written: look again then
         self.stopping = False
@@ -135,6 +138,7 @@ class Daemon:
         if self.fleet:
             self.fleet.start()
         registration_file.prepare_dirs(Path(cfg.runtime_dir))
+        act.prepare(Path(cfg.runtime_dir))
         cfg.dumps.mkdir(parents=True, exist_ok=True)
         if os.stat(cfg.dumps).st_uid == os.geteuid():
             os.chmod(cfg.dumps, 0o1777)  # workloads of any user write their CUDA dumps here
@@ -150,6 +154,7 @@ class Daemon:
         if cfg.metrics_address:
             self.metrics_address = serve(self.metrics.registry, cfg.metrics_address)
         self.metrics.info.info({"version": __version__})
+        self.node_health.start()  # before daemon.json: a daemon that clients see running has its health file
         self.status.write_daemon(cfg.state_dir, cfg.dumps, self.metrics_address)
 
     def stop(self, *_: object) -> None:
@@ -182,12 +187,15 @@ class Daemon:
             log.info("daemon_stopping", captures_in_flight=len(self.workers.captures))
             self.workers.shutdown()
             self.sampler.shutdown()
+            if self.workers.act:
+                self.workers.act.stop()
             if self.fleet:
                 self.fleet.stop()
             for s, h in old.items():
                 signal.signal(s, h)
             sandbox.stop()  # the symboliser's helpers and their temporary directory, before systemd kills them
             self.status.remove()
+            self.node_health.stop()
             self.lock.release()
         return 0
 

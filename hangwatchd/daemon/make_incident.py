@@ -18,6 +18,7 @@ import structlog
 from ..analyze.verdict import analyze
 from ..capture.base import Step
 from ..capture.pipeline import capture_all
+from ..host import gpu_events
 from ..incidents.spool import Spool, begin_draft, finish_draft
 from ..incidents.store import Store, incident_to_json
 from ..metrics import Metrics
@@ -56,6 +57,7 @@ def make_incident(
         gate = lambda _outdir: why  # noqa: E731
     captures = capture_all(steps, targets, draft.path, budget, metrics, gate)
     exits.write_into(draft.path, list(gone), targets[0] if targets else None, suspicion.since)
+    gpu_events.attach(draft.path, pids, suspicion.since)  # the GPU faults (XIDs) of the GPUs these ran on
     try:
         analysis = analyze(draft.path)
         verdict, analysis_dict = analysis.summary, analysis.to_dict()

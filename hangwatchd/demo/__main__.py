@@ -66,7 +66,9 @@ def main() -> int:
             print()
             cli(["show", incidents[0]["id"], "--state-dir", str(state)])
             with urllib.request.urlopen(f"http://{info['metrics_address']}/metrics", timeout=5) as resp:
-                hangs = [ln for ln in resp.read().decode().splitlines() if ln.startswith("hangwatchd_hangs_total")]
+                # Every reason's series exists from the start (at 0, for the alerts): show the one that counted.
+                hangs = [ln for ln in resp.read().decode().splitlines()
+                         if ln.startswith("hangwatchd_hangs_total") and not ln.endswith(" 0.0")]
             print("\n/metrics: " + "\n/metrics: ".join(hangs))
             print(f"\ndemo: the daemon's log is {base / 'daemon.log'}; incidents stay in {state}")
             # The daemon is gone after this, so a bare 'hangwatchd show' would look in /var/lib/hangwatchd.

@@ -40,6 +40,7 @@ class CaptureRequest:
     time: float
     reason: str
     detail: str
+    on_hang: str = "report"  # what the job's owner asked for where it was declared: every node acts after its own capture
 
 
 def new_job_incident(now: float) -> str:
@@ -92,7 +93,7 @@ class Agent:
 
     # -- on the daemon's thread: never touches the network ----------------
 
-    def declare(self, job: str, reason: str, detail: str) -> str:
+    def declare(self, job: str, reason: str, detail: str, on_hang: str = "report") -> str:
         """This node declares ``job`` hung: the job incident id to tag the capture with, and a request queued."""
         now = time.monotonic()
         with self._lock:
@@ -103,7 +104,7 @@ class Agent:
             self.current[job] = (job_incident, now)
         self.spool.put(Task("request", job, job_incident, detail={
             "job": job, "job_incident": job_incident, "node": self.node, "time": time.time(),
-            "reason": reason, "detail": detail}))
+            "reason": reason, "detail": detail, "on_hang": on_hang}))
         self.requester.kick()
         return job_incident
 
@@ -190,7 +191,8 @@ class Agent:
         try:
             d = json.loads(resp["Body"].read())
             return CaptureRequest(str(d["job"]), str(d["job_incident"]), str(d["node"]), float(d["time"]),
-                                  str(d.get("reason", "")), str(d.get("detail", "")))
+                                  str(d.get("reason", "")), str(d.get("detail", "")),
+                                  "abort" if d.get("on_hang") == "abort" else "report")
         except (ValueError, KeyError, TypeError):
             log.warning("store_request_unreadable", key=key)
             return None

@@ -25,6 +25,7 @@ BEAT_FILE_ENV = "HANGWATCHD_BEAT_FILE"
 JOB_ENV = "HANGWATCHD_JOB"
 TIMEOUT_ENV = "HANGWATCHD_HEARTBEAT_TIMEOUT"
 STACK_TIMEOUT_ENV = "HANGWATCHD_STACK_TIMEOUT"
+ON_HANG_ENV = "HANGWATCHD_ON_HANG"  # hangwatchd run --on-hang, carried into the ranks' own registrations
 
 
 # The segment's mapping: None until the first beat looks for it, False when there is none.
@@ -71,7 +72,7 @@ def _register_as_rank(launcher: int) -> bool:
     env = os.environ
     return register(job=env.get(JOB_ENV) or registration_file.job_of(env) or f"run-{launcher}",
                     heartbeat_timeout=_positive(env.get(TIMEOUT_ENV)), stack_timeout=_positive(env.get(STACK_TIMEOUT_ENV)),
-                    launcher=launcher)
+                    launcher=launcher, on_hang=env.get(ON_HANG_ENV) if env.get(ON_HANG_ENV) in ("report", "abort") else None)
 
 
 def _positive(text: str | None) -> float | None:
@@ -102,6 +103,7 @@ def register(
     runtime_dir: str | os.PathLike[str] | None = None,
     stack_timeout: float | None = None,
     launcher: int | None = None,
+    on_hang: str | None = None,
 ) -> bool:
     """Register this process with the daemon and start beating into a segment of its own.
 
@@ -123,7 +125,7 @@ def register(
             **registration_file.ranks_from_env(env, rank),
             heartbeat_timeout=heartbeat_timeout, stack_timeout=stack_timeout, beat_file=str(beat_file),
             cmdline=procfs.cmdline(me.pid), source="rank" if launcher else "register", registered_at=time.time(),
-            launcher=launcher,
+            launcher=launcher, on_hang=on_hang,
         )
         path = registration_file.write(base / "registrations", reg)
     except OSError as exc:

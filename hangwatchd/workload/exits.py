@@ -62,7 +62,8 @@ def file_name(process: ProcessId) -> str:
     return f"{process.pid}-{process.start_time}.json"
 
 
-def write(runtime_dir: Path, process: ProcessId, returncode: int | None, when: float, beat_file: str | None = None) -> None:
+def write(runtime_dir: Path, process: ProcessId, returncode: int | None, when: float, beat_file: str | None = None,
+          ended_by: str | None = None) -> None:
     """The launcher's side: ``returncode`` as subprocess gives it (negative: killed by that signal).
 
     None: a process saying, at its own exit (atexit), that it is going; it cannot know its status.
@@ -70,6 +71,8 @@ def write(runtime_dir: Path, process: ProcessId, returncode: int | None, when: f
     record: dict[str, Any] = {"pid": process.pid, "start_time": process.start_time, "time": when, "status": None, "signal": None}
     if returncode is not None:
         record["status" if returncode >= 0 else "signal"] = abs(returncode)
+    if ended_by:  # the daemon ended it after storing this incident (on_hang = abort)
+        record["ended_by"] = {"daemon": True, "incident": ended_by}
     if beat_file:
         try:
             reading = beat_segment.read(beat_file)

@@ -26,8 +26,8 @@ from ..config import RUNTIME_DIR_ENV, Config
 from ..cudacore import driverlog
 from ..host import pdeathsig, procfs, untrusted
 from ..model import ProcessId, Registration
-from . import beat_segment, dump_names, exits, registration_file, runtime_files
-from .client import BEAT_FILE_ENV, JOB_ENV, STACK_TIMEOUT_ENV, TIMEOUT_ENV
+from . import beat_segment, dump_names, ended, exits, registration_file, runtime_files
+from .client import BEAT_FILE_ENV, JOB_ENV, ON_HANG_ENV, STACK_TIMEOUT_ENV, TIMEOUT_ENV
 
 COREDUMP_FLAGS = ("skip_nonrelocated_elf_images,skip_global_memory,skip_shared_memory,"
                   "skip_local_memory,skip_constbank_memory")
@@ -45,6 +45,7 @@ class Launch:
     rank: int | None = None
     heartbeat_timeout: float | None = None
     stack_timeout: float | None = None
+    on_hang: str | None = None  # "abort": the daemon ends the job's ranks once the hang's incident is stored
 
 
 def workload_env(base: Mapping[str, str], runtime_dir: Path, dump_dir: Path, tag: str) -> dict[str, str]:
@@ -108,6 +109,8 @@ def ranks_env(env: dict[str, str], job: str | None, launch: Launch) -> None:
     for key, value in ((TIMEOUT_ENV, launch.heartbeat_timeout), (STACK_TIMEOUT_ENV, launch.stack_timeout)):
         if value:
             env[key] = f"{value:g}"
+    if launch.on_hang:
+        env[ON_HANG_ENV] = launch.on_hang
 
 
 def run(launch: Launch) -> int:
@@ -173,7 +176,7 @@ def run(launch: Launch) -> int:
             **registration_file.ranks_from_env(env, launch.rank), role=role_of(launch.command),
             heartbeat_timeout=launch.heartbeat_timeout, stack_timeout=launch.stack_timeout,
             beat_file=str(beat_file), status_file=str(notify.status_file) if notify else None,
-            cmdline=tuple(launch.command), source="run", registered_at=time.time(), ras_addr=env.get("NCCL_RAS_ADDR"),
+            cmdline=tuple(launch.command), source="run", registered_at=time.time(), ras_addr=env.get("NCCL_RAS_ADDR"), on_hang=launch.on_hang,
         )
         try:
             registration_file.write(launch.runtime_dir / "registrations", reg)
@@ -182,9 +185,15 @@ def run(launch: Launch) -> int:
             print(f"hangwatchd: cannot register the workload ({exc.strerror}); it runs unwatched", file=sys.stderr)
     try:
         code = child.wait()
-        ended = time.time()
+        ended_at = time.time()
+        by = ended.read(launch.runtime_dir, reg_written) if reg_written is not None else None
+        if by is not None:  # the daemon ended it (on_hang = abort): say so, and never exit 0
+            print(f"hangwatchd: the job was ended by the daemon after incident {by.incident} (on_hang = abort); "
+                  f"see `hangwatchd show {by.incident}`", file=sys.stderr)
+            code = code if code != 0 else 1
         if reg_written is not None:  # how it ended, for the daemon to tell its job-mates' incidents
-            exits.write(launch.runtime_dir, reg_written, code, ended, str(beat_file) if beat_file else None)
+            exits.write(launch.runtime_dir, reg_written, code, ended_at, str(beat_file) if beat_file else None,
+                        by.incident if by else None)
         tee.join(timeout=5)
         _report_lost_dump(tee.driver_lines, dump_dir, child.pid)
     finally:

@@ -173,10 +173,13 @@ def load(path: Path, beats_dir: Path | BeatsDir) -> Registration:
         registered_at = _field(data, "registered_at", (int, float)) or st.st_mtime
         role = _field(data, "role", str) or "workload"
         launcher = _field(data, "launcher", int)
+        on_hang = _field(data, "on_hang", str)
     except RegistrationError as exc:
         raise RegistrationError(exc.reason, f"{path}: {exc}") from None
     if role not in ("workload", "launcher"):
         raise RegistrationError("bad_field", f"{path}: role {role!r} is neither 'workload' nor 'launcher'")
+    if on_hang not in (None, "report", "abort"):
+        raise RegistrationError("bad_field", f"{path}: on_hang {on_hang!r} is neither 'report' nor 'abort'")
     if pid <= 0 or any(t is not None and t <= 0 for t in (timeout, stack_timeout)):
         raise RegistrationError("bad_field", f"{path}: pid, heartbeat_timeout and stack_timeout must be positive")
     process = ProcessId(pid, start)
@@ -204,7 +207,7 @@ def load(path: Path, beats_dir: Path | BeatsDir) -> Registration:
         process=process, uid=owner, job=job, rank=rank,
         local_rank=local_rank, world_size=world, heartbeat_timeout=float(timeout) if timeout else None,
         stack_timeout=float(stack_timeout) if stack_timeout else None, beat_file=beat_file, status_file=status_file, cmdline=tuple(str(c) for c in cmd)[:64], source=source,
-        registered_at=float(registered_at), ras_addr=_ras_addr(data), role=role, launcher=launcher,
+        registered_at=float(registered_at), ras_addr=_ras_addr(data), role=role, launcher=launcher, on_hang=on_hang,
         beat_at=beat_at, status_at=status_at,
     )
 

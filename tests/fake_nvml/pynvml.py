@@ -1,0 +1,104 @@
+"""A stand-in for ``pynvml`` on a machine without a GPU: NVML's own records, fed from files.
+
+Put this directory first on PYTHONPATH (or load this file as a module) with
+$HANGWATCHD_FAKE_NVML naming a directory holding ``gpus`` (how many GPUs) and
+``events/NNN.json`` files, each ``{"gpu": 3, "xid": 79}`` or ``{"lost": 2}``.
+Everything else is the real library's: its constants, its error classes, and
+``c_nvmlEventData_t``, the very record ``nvmlEventSetWait_v2`` returns.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+_here = Path(__file__).resolve().parent
+_path = next(Path(p) / "pynvml.py" for p in sys.path if p and Path(p).resolve() != _here and (Path(p) / "pynvml.py").is_file())
+_spec = importlib.util.spec_from_file_location("_real_pynvml", _path)
+assert _spec and _spec.loader
+_real = importlib.util.module_from_spec(_spec)
+sys.modules["_real_pynvml"] = _real  # it looks itself up there to make its error classes
+_spec.loader.exec_module(_real)
+globals().update({k: v for k, v in vars(_real).items() if not k.startswith("__")})
+
+BASE = 0x1000
+_lost: set[int] = set()
+
+
+def _dir() -> Path:
+    d = os.environ.get("HANGWATCHD_FAKE_NVML")
+    if not d:
+        raise _real.NVMLError(_real.NVML_ERROR_LIBRARY_NOT_FOUND)
+    return Path(d)
+
+
+def _index(handle: object) -> int:
+    return int(ctypes.cast(handle, ctypes.c_void_p).value or 0) - BASE
+
+
+def nvmlInit() -> None:
+    _dir()
+
+
+def nvmlShutdown() -> None:
+    pass
+
+
+def nvmlDeviceGetCount() -> int:
+    return int((_dir() / "gpus").read_text())
+
+
+def nvmlDeviceGetHandleByIndex(i: int) -> object:
+    return ctypes.cast(ctypes.c_void_p(BASE + i), _real.c_nvmlDevice_t)
+
+
+def nvmlDeviceGetIndex(handle: object) -> int:
+    return _index(handle)
+
+
+def nvmlDeviceGetMinorNumber(handle: object) -> int:
+    return _index(handle)
+
+
+def nvmlDeviceGetUUID(handle: object) -> str:
+    if _index(handle) in _lost:
+        raise _real.NVMLError(_real.NVML_ERROR_GPU_IS_LOST)
+    return f"GPU-fake-{_index(handle)}"
+
+
+def nvmlEventSetCreate() -> object:
+    return _real.c_nvmlEventSet_t()
+
+
+def nvmlDeviceRegisterEvents(handle: object, types: int, event_set: object) -> None:
+    pass
+
+
+def nvmlEventSetFree(event_set: object) -> None:
+    pass
+
+
+def nvmlEventSetWait_v2(event_set: object, timeout_ms: int) -> object:
+    end = time.monotonic() + timeout_ms / 1000
+    events = _dir() / "events"
+    while True:
+        files = sorted(events.glob("*.json")) if events.is_dir() else []
+        if files:
+            data = json.loads(files[0].read_text())
+            files[0].unlink()
+            if "lost" in data:
+                _lost.add(int(data["lost"]))
+                raise _real.NVMLError(_real.NVML_ERROR_GPU_IS_LOST)
+            return _real.c_nvmlEventData_t(device=nvmlDeviceGetHandleByIndex(int(data["gpu"])),
+                                           eventType=_real.nvmlEventTypeXidCriticalError, eventData=int(data["xid"]))
+        if time.monotonic() >= end:
+            raise _real.NVMLError(_real.NVML_ERROR_TIMEOUT)
+        time.sleep(0.05)
+
+
+nvmlEventSetWait = nvmlEventSetWait_v2

@@ -1,0 +1,153 @@
+"""The project's alert rules against a real Prometheus server scraping real daemons every second.
+
+promtool's unit tests feed hand-written series that start at 0; a real daemon's
+counters are what Prometheus really sees. Each alert must fire on the *first*
+event of its kind on a fresh daemon: a counter born at 1 on first use would
+show no increase() and never fire.
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
+
+from .conftest import FIXTURES
+
+ROOT = Path(__file__).resolve().parent.parent
+RULES = ROOT / "config" / "alerts.yaml"
+PROMETHEUS = shutil.which("prometheus")
+
+pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="the prometheus server is not installed (./dev test installs Debian's)")
+
+FAST = {"stack_interval": 0.5, "stack_window": 3.0, "pyspy_native": False, "gpu_dump": "never",
+        "capture_steps": ["proc", "pyspy"]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Prometheus:
+    """A real Prometheus on loopback: scrapes every second, evaluates the project's rules every second."""
+
+    def __init__(self, base: Path, targets: list[str]) -> None:
+        base.mkdir(parents=True, exist_ok=True)
+        # Rules as shipped, evaluated every second instead of every minute: only the interval changes.
+        rules = base / "alerts.yaml"
+        rules.write_text(RULES.read_text().replace("- name: hangwatchd\n", "- name: hangwatchd\n    interval: 1s\n", 1))
+        assert "interval: 1s" in rules.read_text()
+        cfg = base / "prometheus.yml"
+        cfg.write_text(json.dumps({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(rules)],
+            "scrape_configs": [{"job_name": "hangwatchd", "static_configs": [{"targets": targets}]}],
+        }))
+        self.port = free_port()
+        self.log = open(base / "prometheus.log", "ab")
+        self.proc = subprocess.Popen([PROMETHEUS or "prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={base / 'data'}",
+                                      f"--web.listen-address=127.0.0.1:{self.port}"], stdout=self.log, stderr=self.log)
+        wait_for(self._ready, 30, "Prometheus ready", every=0.2)
+
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"prometheus exited with {self.proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def api(self, path: str, **params: str) -> Any:
+        url = f"http://127.0.0.1:{self.port}/api/v1/{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return json.loads(r.read())["data"]
+
+    def firing(self, name: str, **labels: str) -> list[dict[str, Any]]:
+        return [a for a in self.api("alerts")["alerts"] if a["labels"].get("alertname") == name and a["state"] == "firing"
+                and all(a["labels"].get(k) == v for k, v in labels.items())]
+
+    def stop(self) -> None:
+        stop(self.proc)
+        self.log.close()
+
+
+def raw_dump(dump_dir: Path, pid: int) -> None:
+    path = dump_dir / f"core_{socket.gethostname()}.{pid}.1.nvcudmp"
+    tmp = dump_dir / f".{path.name}.tmp"
+    tmp.write_bytes(lzma.decompress((FIXTURES / "cpp_ima" / "coredump.nvcudmp.xz").read_bytes()))
+    tmp.replace(path)
+
+
+def test_every_alert_fires_on_the_first_event_of_its_kind_on_a_fresh_daemon(tmp_path: Path) -> None:
+    failing_pyspy = tmp_path / "py-spy-broken"
+    failing_pyspy.write_text("#!/bin/sh\necho 'Permission denied (os error 13)' >&2\nexit 1\n")
+    failing_pyspy.chmod(0o755)
+    nvml = tmp_path / "nvml"  # NVML's API over files (tests/fake_nvml): a GPU fault on demand, without a GPU
+    (nvml / "events").mkdir(parents=True)
+    (nvml / "gpus").write_text("4")
+    fake = str(Path(__file__).parent / "fake_nvml")
+    good = Daemon(tmp_path / "good", env={"NODE_NAME": "node-good", "HANGWATCHD_FAKE_NVML": str(nvml),
+                                          "PYTHONPATH": os.pathsep.join(p for p in (fake, os.environ.get("PYTHONPATH", "")) if p)},
+                  config=FAST)
+    broken = Daemon(tmp_path / "broken", env={"NODE_NAME": "node-broken", "HANGWATCHD_PYSPY": str(failing_pyspy)}, config=FAST)
+    prom = Prometheus(tmp_path / "prom", [good.info["metrics_address"], broken.info["metrics_address"]])
+    work: list[subprocess.Popen[bytes]] = []
+    try:
+        # Both daemons scraped before anything happens: every series Prometheus will judge starts here.
+        wait_for(lambda: len(prom.api("query", query='up{job="hangwatchd"} == 1')["result"]) == 2, 30, "both fresh daemons scraped")
+        for name in ("GPUProcessHung", "GPUExceptionDump", "HangwatchdCaptureFailing", "GPUXidError", "GPUJobAborted"):
+            assert prom.firing(name) == []
+
+        # The first event of each kind: a heartbeat hang and a stack hang on one node, an exception dump,
+        # and a hang on the node whose py-spy cannot read processes.
+        work.append(good.run(workload_argv(beats=5, interval=0.05), "--job", "hb", "--heartbeat-timeout", "1", "--on-hang", "abort"))
+        work.append(good.run([sys.executable, "-c", "import time\ndef poll_forever():\n    while True: time.sleep(0.2)\npoll_forever()"],
+                             "--job", "st", "--stack-timeout", "2", "--heartbeat-timeout", "3600"))
+        raw_dump(good.state_dir / "dumps", 4242)
+        (nvml / "events" / "1.json").write_text(json.dumps({"gpu": 3, "xid": 79}))
+        work.append(broken.run(workload_argv(beats=5, interval=0.05), "--job", "hb", "--heartbeat-timeout", "1"))
+
+        hb = wait_for(lambda: prom.firing("GPUProcessHung", Hostname="node-good", reason="heartbeat"), 45, "GPUProcessHung (heartbeat)")
+        st = wait_for(lambda: prom.firing("GPUProcessHung", Hostname="node-good", reason="stack"), 45, "GPUProcessHung (stack)")
+        exc = wait_for(lambda: prom.firing("GPUExceptionDump", Hostname="node-good"), 45, "GPUExceptionDump")
+        cap = wait_for(lambda: prom.firing("HangwatchdCaptureFailing", Hostname="node-broken"), 45, "HangwatchdCaptureFailing")
+
+        xid = wait_for(lambda: prom.firing("GPUXidError", Hostname="node-good"), 45, "GPUXidError")
+        wait_for(lambda: prom.firing("GPUJobAborted", Hostname="node-good"), 45, "GPUJobAborted")
+
+        assert (xid[0]["labels"]["gpu"], xid[0]["labels"]["xid"]) == ("3", "79")
+        assert exc[0]["labels"]["type"] == "WARP_ILLEGAL_ADDRESS"
+        assert cap[0]["labels"]["step"] == "pyspy"
+        # Each is the first of its kind: the counter went from 0 to 1, and the annotations name the incident.
+        assert good.metric("hangwatchd_hangs_total", reason="heartbeat") == 1.0
+        assert good.metric("hangwatchd_hangs_total", reason="stack") == 1.0
+        assert good.metric("hangwatchd_gpu_exceptions_total", type="WARP_ILLEGAL_ADDRESS") == 1.0
+        ids = {i["reason"]: i["id"] for i in good.store().list()}
+        wait_for(lambda: prom.firing("GPUProcessHung", Hostname="node-good", reason="heartbeat")[0]["annotations"].get("incident"),
+                 20, "the incident id in the annotation")
+        assert prom.firing("GPUProcessHung", Hostname="node-good", reason="heartbeat")[0]["annotations"]["incident"] == ids["heartbeat"]
+        assert hb and st
+        # Nothing fired that should not: the good node's py-spy worked, the broken one had no exception.
+        assert prom.firing("HangwatchdCaptureFailing", Hostname="node-good") == []
+        assert prom.firing("GPUExceptionDump", Hostname="node-broken") == []
+    finally:
+        for w in work:
+            stop(w)
+        prom.stop()
+        good.stop()
+        broken.stop()
