@@ -111,6 +111,11 @@ class Daemon:
     def store(self) -> Store:
         return Store(self.state_dir)
 
+    def settled(self) -> list[dict[str, Any]]:
+        """The stored incidents whose evidence is all in: an incident is listed once its stacks are,
+        and its flight recorders and GPU dumps are added after (``pending`` counts what is coming)."""
+        return [i for i in self.store().list() if not i.get("pending")]
+
     def run(self, command: Sequence[str], *options: str, **kw: Any) -> subprocess.Popen[bytes]:
         """``hangwatchd run --runtime-dir ... OPTIONS -- COMMAND`` as a child process."""
         return subprocess.Popen(hangwatchd_argv("run", "--runtime-dir", str(self.runtime_dir), *options, "--", *command), **kw)

@@ -204,7 +204,7 @@ def test_a_hanging_py_spy_is_killed_at_its_deadline(tmp_path: Path) -> None:
     d = Daemon(tmp_path / "d", env={"PATH": f"{fake}:{os.environ['PATH']}"}, config={"pyspy_timeout": 1.0, "pyspy_native": False})
     work = d.run(workload_argv(beats=5, interval=0.02), "--heartbeat-timeout", "1")
     try:
-        (inc,) = wait_for(d.store().list, 15, "an incident")
+        (inc,) = wait_for(d.settled, 15, "an incident")
         data = json.loads((Path(inc["dir"]) / "incident.json").read_text())
         steps = {s["step"]: s for s in data["processes"][0]["steps"]}
         assert steps["proc"]["ok"] is True
@@ -272,7 +272,7 @@ def test_a_dump_written_while_the_daemon_was_down_is_ingested_at_start_and_only_
     dump_dir = tmp_path / "state" / "dumps"
     dump = raw_dump(dump_dir, 4242)
     with Daemon(tmp_path) as d:
-        (inc,) = wait_for(d.store().list, 30, "the dump made into an incident")
+        (inc,) = wait_for(d.settled, 30, "the dump made into an incident")
         assert inc["reason"] == "gpu-exception" and inc["processes"] == [4242]
         assert "WARP_ILLEGAL_ADDRESS" in inc["summary"]
     # The same dump again (restored from a backup, say): remembered across the restart, not ingested twice.
@@ -294,7 +294,7 @@ def test_an_inotify_overflow_rescans_registrations_and_dumps(tmp_path: Path) -> 
             raw_dump(d.state_dir / "dumps", 4343)  # its event is one of those dropped
         finally:
             d.proc.send_signal(signal.SIGCONT)
-        (inc,) = wait_for(d.store().list, 30, "the dump found by the rescan")
+        (inc,) = wait_for(d.settled, 30, "the dump found by the rescan")
         assert inc["processes"] == [4343]
         assert any(e.get("event") == "inotify_overflow" for e in d.logs())
 

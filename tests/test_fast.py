@@ -4,13 +4,17 @@ incident after it is stored; discovery finds a new GPU process within seconds.""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from .conftest import hangwatchd
+from hangwatchd.testing import Daemon, stop, wait_for
+
+from .conftest import FIXTURES, hangwatchd
 
 # What `hangwatchd symbolize` must never load: the daemon's logging, metrics, store, S3 and config.
 NOT_FOR_SYMBOLIZE = ("structlog", "prometheus_client", "boto3", "botocore", "sqlite3", "zstandard",
@@ -60,3 +64,72 @@ def test_a_store_error_is_still_exit_1(tmp_path: Path) -> None:
     res = hangwatchd("incidents", "--state-dir", str(state), "--runtime-dir", str(tmp_path / "run"))
     assert res.returncode == 1, res.stderr
     assert res.stderr.startswith("hangwatchd: ") and "Traceback" not in res.stderr
+
+
+# -- an incident is stored before its slow evidence, which is added as it comes ------------------
+
+def _gpu_rank(d: Daemon, rank: int, cuda: str) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29556")
+    argv = [sys.executable, "-m", "hangwatchd.testing", "gpu-workload", "--cuda", cuda,
+            "--dump", str(FIXTURES / "cpp_hang" / "coredump.nvcudmp.xz")]
+    return d.run(argv, "--job", "J", "--heartbeat-timeout", "1", "--rank", str(rank), env=env, start_new_session=True)
+
+
+def _incident_json(inc: dict[str, Any]) -> dict[str, Any]:
+    return json.loads((Path(inc["dir"]) / "incident.json").read_text())
+
+
+def _steps(data: dict[str, Any], pid: int) -> dict[str, dict[str, Any]]:
+    proc = next(p for p in data["processes"] if p["pid"] == pid)
+    return {s["step"]: s for s in proc["steps"]}
+
+
+def test_a_job_incident_is_stored_before_its_dumps_and_a_dump_that_never_comes_holds_nobody_back(tmp_path: Path) -> None:
+    config = {"gpu_dump": "always", "pyspy_native": False, "gpu_dump_timeout": 8.0}
+    with Daemon(tmp_path, config=config) as d:
+        ranks = [_gpu_rank(d, 0, "dump"), _gpu_rank(d, 1, "ignore")]  # rank 1's driver never writes its dump
+        try:
+            (inc,) = wait_for(d.store().list, 30, "the incident listed", every=0.02)
+            pids = sorted(inc["processes"])
+            assert len(pids) == 2
+            # Listed while rank 1's dump is still coming (it never will: 8 s), with every rank's stacks in.
+            data = _incident_json(inc)
+            assert any(p["step"] == "cuda_dump" for p in data["pending"])
+            for pid in pids:
+                assert _steps(data, pid)["pyspy"]["ok"]
+                assert (Path(inc["dir"]) / str(pid) / "pyspy.json").exists()
+            assert not list(Path(inc["dir"]).glob("*/.*tmp*"))  # nothing half-written is visible
+            shown = hangwatchd("show", inc["id"], "--state-dir", str(d.state_dir)).stdout
+            assert "evidence still coming" in shown and "still coming: " in shown
+            listed = hangwatchd("incidents", "--state-dir", str(d.state_dir), "--runtime-dir", str(d.runtime_dir)).stdout
+            assert "(evidence coming)" in listed
+
+            # Rank 0's dump is added, symbolised, while rank 1's is still pending: nobody waits for rank 1.
+            def rank0_dumped() -> dict[str, Any] | None:
+                now = _incident_json(inc)
+                done = {p["pid"] for p in now["processes"] if "cuda_dump" in _steps(now, p["pid"])}
+                return now if len(done) == 1 and now["pending"] else None
+            data = wait_for(rank0_dumped, 20, "one rank's dump added while the other's is pending", every=0.05)
+            (dumped,) = [p["pid"] for p in data["processes"] if "cuda_dump" in _steps(data, p["pid"])]
+            assert _steps(data, dumped)["cuda_dump"]["ok"] and _steps(data, dumped)["flight_recorder"]["ok"]
+            sym = json.loads((Path(inc["dir"]) / str(dumped) / "symbolized.json").read_text())
+            assert sym["kernels"][0]["name"] == "consumer_kernel(int volatile*, int*)"
+            assert {p["pid"] for p in data["pending"]} == {next(p for p in pids if p != dumped)}
+
+            # Rank 1's deadline passes: marked as never come, nothing pending, the index row settled.
+            (done,) = wait_for(d.settled, 30, "the incident settled", every=0.2)
+            data = _incident_json(done)
+            missing = next(p for p in pids if p != dumped)
+            step = _steps(data, missing)["cuda_dump"]
+            assert not step["ok"] and "no dump appeared" in step["error"]
+            assert data["pending"] == [] and "still coming" not in (done["summary"] or "")
+            shown = hangwatchd("show", inc["id"], "--state-dir", str(d.state_dir)).stdout
+            assert "still coming" not in shown and "no dump appeared" in shown
+            assert not list(Path(inc["dir"]).glob(".late-*"))
+            stored = [e for e in d.logs() if e.get("event") == "incident_stored_first"]
+            amended = [e for e in d.logs() if e.get("event") == "incident_amended"]
+            assert len(stored) == 1 and len(amended) == 4  # a flight recorder and a dump of each rank
+            assert stored[0]["seconds"] < min(e["seconds"] for e in amended)
+        finally:
+            for r in ranks:
+                stop(r)

@@ -23,7 +23,7 @@ def test_py_spy_missing_is_recorded_and_the_rest_is_captured(tmp_path: Path) -> 
     with Daemon(tmp_path, env={"HANGWATCHD_PYSPY": "none"}, config={"gpu_dump": "never"}) as d:
         work = d.run(workload_argv(beats=3, interval=0.02), "--heartbeat-timeout", "1")
         try:
-            (inc,) = wait_for(d.store().list, 20, "an incident")
+            (inc,) = wait_for(d.settled, 20, "an incident")
             steps = {s["step"]: s for s in json.loads((Path(inc["dir"]) / "incident.json").read_text())["processes"][0]["steps"]}
             assert steps["proc"]["ok"] and not steps["pyspy"]["ok"]
             assert "py-spy is not installed; pip install py-spy" in steps["pyspy"]["error"]

@@ -224,7 +224,7 @@ def test_the_ranks_of_a_node_are_captured_side_by_side(tmp_path: Path) -> None:
         procs = [d.run(argv, "--job", "side", "--rank", str(r), "--heartbeat-timeout", "2",
                        env=dict(os.environ, RANK=str(r), WORLD_SIZE="4"), stdout=subprocess.DEVNULL) for r in range(4)]
         try:
-            (inc,) = wait_for(d.store().list, 60, "the incident")
+            (inc,) = wait_for(d.settled, 60, "the incident")
             data = json.loads((Path(inc["dir"]) / "incident.json").read_text())
             assert sorted(p["rank"] for p in data["processes"]) == [0, 1, 2, 3]
             waits = [s["seconds"] for p in data["processes"] for s in p["steps"] if s["step"] == "flight_recorder"]

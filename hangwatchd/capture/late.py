@@ -1,0 +1,87 @@
+"""The capture in two stages: what a person needs first (facts, stacks, GPU state), then the slow
+evidence (flight recorders, GPU dumps), which is added to the incident after it is stored.
+
+On an H200 the flight recorder took 4.6 s and a GPU dump 2.7 s; one rank whose
+dump never came held a whole job's incident in ``.partial-`` for minutes. So the
+incident is stored once every rank's stacks are in, and each rank's slow steps
+run on their own, each under its own deadline, handing over what they wrote as
+soon as that rank is done: no rank waits for another's dump.
+
+Within a rank the flight recorder is asked first and the GPU dump (which ends
+the process) follows once the trace is in or after ``HEAD_START`` seconds,
+whichever is first: PyTorch reads its pipe and writes the trace while the
+driver writes the dump.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ..metrics import Metrics
+from ..model import Registration, StepResult
+from .base import Step
+from .pipeline import run_steps
+
+LATE = frozenset({"flight_recorder", "cuda_dump"})  # slow, and nothing in the verdict's first line waits on them
+HEAD_START = 1.0  # seconds the flight recorder has before the GPU dump ends its process
+
+
+def is_late(step: Step) -> bool:
+    return step.name in LATE or bool(getattr(step, "destructive", False))
+
+
+def split(steps: Sequence[tuple[Step, float]]) -> tuple[list[tuple[Step, float]], list[tuple[Step, float]]]:
+    """(the steps stored first, the steps added after), each in the configured order."""
+    return [x for x in steps if not is_late(x[0])], [x for x in steps if is_late(x[0])]
+
+
+StepDone = Callable[[Registration, Path, StepResult], None]
+
+
+def run_late(
+    steps: Sequence[tuple[Step, float]],
+    targets: Sequence[Registration],
+    outdir_of: Callable[[Registration, str], Path],
+    gate: Callable[[Path], str | None] | None,
+    metrics: Metrics | None,
+    done: StepDone,
+    head_start: float = HEAD_START,
+) -> None:
+    """Run the late ``steps`` on every target at once, each step into its own ``outdir_of(target,
+    step)``; call ``done(target, outdir, result)`` on that step's thread as soon as it is over,
+    so each piece of evidence is handed over as it comes. Returns when every rank is done."""
+    if not steps or not targets:
+        return
+    gentle = [x for x in steps if not getattr(x[0], "destructive", False)]
+    last = [x for x in steps if getattr(x[0], "destructive", False)]
+
+    def one(target: Registration, step: Step, timeout: float, step_gate: Callable[[Path], str | None] | None) -> None:
+        outdir = outdir_of(target, step.name)
+        # Each under its own deadline, whatever the others took.
+        for result in run_steps([(step, timeout)], target, outdir, timeout, metrics, step_gate).steps:
+            done(target, outdir, result)
+
+    def rank(target: Registration) -> None:
+        gentle_done = threading.Event()
+
+        def first() -> None:
+            try:
+                for step, timeout in gentle:
+                    one(target, step, timeout, None)
+            finally:
+                gentle_done.set()
+
+        lane = threading.Thread(target=first, name=f"late-{target.process.pid}", daemon=True)
+        lane.start()
+        if last:
+            gentle_done.wait(head_start)
+            for step, timeout in last:
+                one(target, step, timeout, gate)
+        lane.join()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(targets), thread_name_prefix="late") as pool:
+        for f in [pool.submit(rank, t) for t in targets]:
+            f.result()
