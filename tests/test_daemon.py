@@ -331,7 +331,7 @@ def test_a_captured_hang_rearms_only_after_the_process_beats_again(tmp_path: Pat
             # Twelve silent seconds with a moving stack: one hang, one incident.
             assert len(d.store().list()) == 1
             assert work.stdout.readline().strip() == b"stopped"
-            incs = wait_for(lambda: (lambda x: x if len(x) == 2 else None)(d.store().list()), 15, "the second hang's incident")
+            incs = wait_for(lambda: (lambda x: x if len(x) == 2 else None)(d.settled()), 15, "the second hang's incident")
             assert all(i["reason"] == "heartbeat" for i in incs)
             recovered = [e for e in d.logs() if e.get("event") == "process_recovered"]
             assert len(recovered) == 1 and "new beats" in str(recovered[0]["why"])
@@ -356,7 +356,7 @@ def test_a_beat_file_swapped_for_a_directory_does_not_stop_the_loop(tmp_path: Pa
             try:
                 assert work.stdout is not None and work.stdout.readline().strip() == b"stopped beating"
                 started = time.monotonic()
-                incs = wait_for(lambda: [i for i in d.store().list() if i["processes"][0] != victim.pid
+                incs = wait_for(lambda: [i for i in d.settled() if i["processes"][0] != victim.pid
                                          and "hang_here" in hangwatchd("show", i["id"], "--state-dir", str(d.state_dir)).stdout],
                                 15, "the real hang's incident")
                 assert time.monotonic() - started < 1 + 6 and incs

@@ -133,3 +133,44 @@ def test_a_job_incident_is_stored_before_its_dumps_and_a_dump_that_never_comes_h
         finally:
             for r in ranks:
                 stop(r)
+
+
+# -- discovery: a new GPU process found within seconds, not at the next rescan ----------------------
+
+def test_a_process_that_opens_the_gpu_is_discovered_within_5_s(tmp_path: Path) -> None:
+    """The stand-in device is a regular file whose path the config names (no root needed); the full
+    rescan is a minute away, so only the discovery thread can find it in time."""
+    device = tmp_path / "nvidia-stand-in0"
+    device.write_text("")
+    config = {"discover": True, "discover_devices": str(device), "rescan_interval": 60.0, "gpu_dump": "never"}
+    code = (f"import sys, time\ntime.sleep(1.5)\nf = open({str(device)!r})\nprint(time.time(), flush=True)\n"
+            "time.sleep(120)\n")
+    with Daemon(tmp_path, config=config) as d:
+        ignored = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # holds no device
+        work = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        try:
+            assert work.stdout is not None
+            opened = float(work.stdout.readline())
+
+            def discovered() -> list[dict[str, Any]]:
+                st = json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)
+                return [p for p in st["processes"] if p["pid"] == work.pid]
+            (proc,) = wait_for(discovered, 10, "the process discovered", every=0.1)
+            assert proc["source"] == "discovered"
+            assert any(e.get("event") == "gpu_processes_found" and work.pid in e["pids"] for e in d.logs())
+            seen = [e for e in d.logs() if e.get("event") == "process_registered" and e.get("pid") == work.pid]
+            assert len(seen) == 1
+            lag = _log_time(seen[0]) - opened
+            assert lag < 5.0, f"found {lag:.1f} s after it opened the device"
+            assert not [p for p in json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)
+                        ["processes"] if p["pid"] == ignored.pid]
+        finally:
+            stop(work)
+            stop(ignored)
+
+
+def _log_time(event: dict[str, Any]) -> float:
+    """The wall-clock time of a daemon log event (structlog's ISO timestamp)."""
+    import datetime
+
+    return datetime.datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()

@@ -75,7 +75,7 @@ def test_sixty_four_watched_and_eight_hanging_at_once(tmp_path: Path) -> None:
         try:
             wait_for(lambda: len(json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)["processes"]) == 64,
                      60, "64 watched", every=0.5)
-            incidents = wait_for(lambda: (lambda x: x if len(x) >= 8 else None)(d.store().list()), 60, "8 incidents", every=0.5)
+            incidents = wait_for(lambda: (lambda x: x if len(x) >= 8 else None)(d.settled()), 60, "8 incidents", every=0.5)
             assert sorted(i["processes"][0] for i in incidents) == sorted(p.pid for p in hanging)
             time.sleep(4)
             assert len(d.store().list()) == 8  # the 56 healthy ones raised nothing

@@ -115,7 +115,7 @@ def test_a_process_without_pipes_and_a_fifo_of_another_user(tmp_path: Path) -> N
         if os.geteuid() != 0:
             pytest.skip("chown of the FIFO to another uid needs root")
         os.chown(fifo, 12345, 12345)
-        incs = wait_for(lambda: [i for i in d.store().list() if i["id"] != inc["id"]], 20, "a second incident")
+        incs = wait_for(lambda: [i for i in d.settled() if i["id"] != inc["id"]], 20, "a second incident")
         err = steps_of(incs[0])["cuda_dump"]["error"]
         assert "belongs to uid 12345" in err and "refusing" in err
     finally:

@@ -140,7 +140,7 @@ def test_store_down_during_the_hang(tmp_path: Path) -> None:
         p = rank(d, "train-44", 0, "stuck", 2.0)
         s3.stop()  # the store goes down before the hang
         try:
-            incidents = wait_for(lambda: d.store().list(), 30, "the local incident")
+            incidents = wait_for(lambda: d.settled(), 30, "the local incident")
             assert incidents[0]["complete"]
             local = Path(incidents[0]["dir"])
             assert (local / "incident.json").is_file() and list(local.glob("*/pyspy.json"))
