@@ -3,6 +3,7 @@ fresh process, in the same run: what a person waits for when they type either.
 
     python bench/symbolize.py                 # every fixture dump
     python bench/symbolize.py DUMP [DUMP...]  # any dumps (raw or .xz/.gz/.zst), e.g. the H200's 112-126 MB ones
+    python bench/symbolize.py --name symbolize_h200 DUMP...  # writes results/symbolize_h200.md (a device's table)
 
 Each dump is written raw to disk first (decompressing is not what is measured). Two
 labelled figures per dump, each side measured the same way:
@@ -111,6 +112,10 @@ def dumps(args: list[str]) -> list[tuple[str, Path]]:
 
 
 def main() -> None:
+    args = sys.argv[1:]
+    name = "symbolize"
+    if args[:1] == ["--name"] and len(args) > 1:  # e.g. symbolize_h200, for the device's own table
+        name, args = args[1], args[2:]
     gdb = find_cuda_gdb()
     # Bytecode is written as it would be by an install (this box's PYTHONDONTWRITEBYTECODE would
     # make every "warm" run compile the package again).
@@ -120,11 +125,11 @@ def main() -> None:
     sandbox.start()
     figures = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, src in dumps(sys.argv[1:]):
-            raw = Path(tmp) / f"{name}.nvcudmp"
+        for label, src in dumps(args):
+            raw = Path(tmp) / f"{label}.nvcudmp"
             with raw_path(src) as plain, open(plain, "rb") as fin, open(raw, "wb") as fout:
                 shutil.copyfileobj(fin, fout, 1 << 20)
-            what = f"{name} ({raw.stat().st_size / 1e6:.1f} MB)"
+            what = f"{label} ({raw.stat().st_size / 1e6:.1f} MB)"
             cold, warm, mb = cold_and_warm(ours_argv(raw), raw, env, ours=True)
             daemon = child(raw)
             figure = (f"fresh `hangwatchd symbolize --json`: warm {warm.text()}, cold {cold:.3f} s, {mb:.0f} MB peak RSS; "
@@ -147,8 +152,8 @@ def main() -> None:
                 figures.append(Figure(what, figure, f"cuda-gdb not here; a bare fresh `python -c pass`: {bare.text()}",
                                       f"fresh `symbolize` within {CPU_S:g} s (warm)", ok, noisy))
     sandbox.stop()
-    ok = report("symbolize", figures, note=f"best of {RUNS} warm runs after one cold run, each side the same way",
-                command="python bench/symbolize.py" + (" DUMP..." if sys.argv[1:] else ""))
+    ok = report(name, figures, note=f"best of {RUNS} warm runs after one cold run, each side the same way",
+                command="python bench/symbolize.py" + (f" --name {name}" if name != "symbolize" else "") + (" DUMP..." if args else ""))
     if not ok:
         sys.exit(1)
 

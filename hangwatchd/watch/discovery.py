@@ -5,8 +5,9 @@ on an H200: a process that hung in its first half minute was invisible that
 long. Reading every process's fds every second would cost too much on a node
 of hundreds of processes, so this thread looks, every ``interval``:
 - at the fds of *young* processes only (started less than ``young`` seconds
-  ago): a process opens the GPU when it starts its CUDA work, most often in
-  its first minute; one listing of /proc tells which pids are new;
+  ago), every second at first and every ``MAX_GAP`` seconds at most as they age:
+  a process opens the GPU when it starts its CUDA work, most often in its
+  first minute; one listing of /proc tells which pids are new;
 - at NVML's running-process lists, where there is NVML: any process with a
   CUDA context, however old.
 Older processes that open the GPU late, without NVML, are found by the full
@@ -31,12 +32,27 @@ log = structlog.get_logger("hangwatchd.discovery")
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 YOUNG = 60.0  # seconds after its start a process is looked at
+MAX_GAP = 3.0  # seconds at most between two looks at a young process: found within MAX_GAP + interval
 MAX_FOUND = 4096  # found pids waiting for the loop: a bound, far above a node's GPU processes
 
 
 def holds_device(pid: int, prefix: str) -> bool:
-    """Whether ``pid`` holds a file under ``prefix`` open (the control device alone does not count)."""
-    return any(t.startswith(prefix) and t != "/dev/nvidiactl" for t in procfs.fd_targets(pid).values())
+    """Whether ``pid`` holds a file under ``prefix`` open (the control device alone does not count).
+
+    Plain strings and the first match: this runs for every young process every few seconds."""
+    base = f"{procfs.PROC}/{pid}/fd/"
+    try:
+        fds = os.listdir(base)
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            target = os.readlink(base + fd)
+        except OSError:
+            continue
+        if target.startswith(prefix) and target != "/dev/nvidiactl":
+            return True
+    return False
 
 
 def holders(prefix: str) -> list[int]:
@@ -57,6 +73,7 @@ class Discovery:
         self.wake = wake
         self.use_nvml = use_nvml
         self.born: dict[int, float] = {}  # pid -> when it started (seconds since boot)
+        self.next_look: dict[int, float] = {}  # pid -> when to look at its fds again (seconds since boot)
         self.reported: set[int] = set()  # pids handed to the loop already (while they live)
         self.found: deque[int] = deque(maxlen=MAX_FOUND)
         self._lock = threading.Lock()
@@ -113,13 +130,17 @@ class Discovery:
             return []
         for pid in [p for p in self.born if p not in pids]:
             del self.born[pid]
+            self.next_look.pop(pid, None)
         self.reported &= pids
         for pid in pids:
             if pid not in self.born:
                 ticks = procfs.start_time(pid)
                 self.born[pid] = ticks / CLK_TCK if ticks is not None else now
         me = os.getpid()
-        young = [p for p in pids if now - self.born[p] <= self.young and p not in self.reported and p != me]
+        young = [p for p in pids if now - self.born[p] <= self.young and p not in self.reported and p != me
+                 and self.next_look.get(p, 0.0) <= now]
+        for p in young:  # the older, the less often: every second at first, every MAX_GAP at most
+            self.next_look[p] = now + min(MAX_GAP, max(self.interval, (now - self.born[p]) / 8)) - self.interval / 2
         new = [p for p in young if holds_device(p, self.prefix)]
         new += [p for p in self._nvml_pids() if p in pids and p not in self.reported and p != me and p not in new]
         if new:
