@@ -15,11 +15,9 @@ NVML (the figure says how many GPUs); on a CPU box there are none.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
