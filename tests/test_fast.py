@@ -128,8 +128,14 @@ def test_a_job_incident_is_stored_before_its_dumps_and_a_dump_that_never_comes_h
             assert not list(Path(inc["dir"]).glob(".late-*"))
             stored = [e for e in d.logs() if e.get("event") == "incident_stored_first"]
             amended = [e for e in d.logs() if e.get("event") == "incident_amended"]
-            assert len(stored) == 1 and len(amended) == 4  # a flight recorder and a dump of each rank
+            whole = [e for e in amended if e["outcome"] != "partial"]
+            assert len(stored) == 1 and len(whole) == 4  # a flight recorder and a dump of each rank
             assert stored[0]["seconds"] < min(e["seconds"] for e in amended)
+            # The symbolised report went in before the dump was compressed, and only it.
+            (early,) = [e for e in amended if e["outcome"] == "partial"]
+            assert (early["pid"], early["step"], early["files"]) == (dumped, "cuda_dump", ["symbolized.json"])
+            dump_done = next(e for e in whole if e["pid"] == dumped and e["step"] == "cuda_dump")
+            assert amended.index(early) < amended.index(dump_done)
         finally:
             for r in ranks:
                 stop(r)

@@ -39,6 +39,21 @@ def split(steps: Sequence[tuple[Step, float]]) -> tuple[list[tuple[Step, float]]
 
 
 StepDone = Callable[[Registration, Path, StepResult], None]
+Early = Callable[[Registration, Path], None]
+
+# A step's output dir -> what hands over the files it has finished so far (a GPU dump's
+# symbolized.json, while the dump itself is still being compressed). Set while the step runs.
+_early: dict[str, Callable[[], None]] = {}
+_early_lock = threading.Lock()
+
+
+def publish(outdir: Path) -> None:
+    """A step has finished some of its files in ``outdir``: hand them over now, where someone
+    takes them (a late step of a stored incident); nothing otherwise."""
+    with _early_lock:
+        fn = _early.get(str(outdir))
+    if fn is not None:
+        fn()
 
 
 def run_late(
@@ -49,10 +64,13 @@ def run_late(
     metrics: Metrics | None,
     done: StepDone,
     head_start: float = HEAD_START,
+    early: Early | None = None,
 ) -> None:
     """Run the late ``steps`` on every target at once, each step into its own ``outdir_of(target,
     step)``; call ``done(target, outdir, result)`` on that step's thread as soon as it is over,
-    so each piece of evidence is handed over as it comes. Returns when every rank is done."""
+    so each piece of evidence is handed over as it comes, and ``early(target, outdir)`` where a
+    step has finished some of its files before it is over (``publish``). Returns when every
+    rank is done."""
     if not steps or not targets:
         return
     gentle = [x for x in steps if not getattr(x[0], "destructive", False)]
@@ -60,8 +78,16 @@ def run_late(
 
     def one(target: Registration, step: Step, timeout: float, step_gate: Callable[[Path], str | None] | None) -> None:
         outdir = outdir_of(target, step.name)
-        # Each under its own deadline, whatever the others took.
-        for result in run_steps([(step, timeout)], target, outdir, timeout, metrics, step_gate).steps:
+        if early is not None:
+            with _early_lock:
+                _early[str(outdir)] = lambda: early(target, outdir)
+        try:
+            # Each under its own deadline, whatever the others took.
+            results = run_steps([(step, timeout)], target, outdir, timeout, metrics, step_gate).steps
+        finally:
+            with _early_lock:
+                _early.pop(str(outdir), None)
+        for result in results:
             done(target, outdir, result)
 
     def rank(target: Registration) -> None:

@@ -153,8 +153,25 @@ def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequen
                      seconds=round(time.monotonic() - declared, 3), still_coming=len(cur.pending),
                      outcome="n/a" if result.not_applicable else "ok" if result.ok else result.error)
 
+    def early(target: Registration, outdir: Path) -> None:  # a GPU dump symbolised, its compression to come
+        pid = target.process.pid
+        with lock:
+            try:
+                moved = store.add_files(incident.id, pid, outdir, uids, more=True)
+            except StoreWriteError as exc:
+                log.error("late_evidence_not_kept", incident=incident.id, pid=pid, error=str(exc))
+                return
+            cur, analysis = _analysed(final, state["incident"])
+            try:
+                store.amend(incident.id, cur, _summary(cur, suspicion), analysis)
+            except StoreWriteError as exc:
+                log.error("late_evidence_not_kept", incident=incident.id, pid=pid, error=str(exc))
+            state["incident"] = cur
+            log.info("incident_amended", incident=incident.id, pid=pid, step=outdir.name.split("-", 2)[-1], files=moved,
+                     seconds=round(time.monotonic() - declared, 3), still_coming=len(cur.pending), outcome="partial")
+
     late.run_late(steps, targets, lambda t, step: store.late_dir(incident.id, t.process.pid, step), late_gate, metrics,
-                  step_done)
+                  step_done, early=early)
 
 
 def write_pages(draft_dir: Path, incident: Incident, analysis: dict[str, Any]) -> None:

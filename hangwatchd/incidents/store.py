@@ -233,9 +233,10 @@ class Store:
         path.mkdir(mode=0o700, exist_ok=True)
         return path
 
-    def add_files(self, incident_id: str, pid: int, late: Path, uids: list[int | None]) -> list[str]:
+    def add_files(self, incident_id: str, pid: int, late: Path, uids: list[int | None], more: bool = False) -> list[str]:
         """Move the finished files of ``late`` (a ``late_dir``) into the incident's PID directory,
-        each by one rename: a reader sees a file whole or not at all. Returns their names."""
+        each by one rename: a reader sees a file whole or not at all. Returns their names.
+        ``more``: the step is still writing there (only its finished files are in ``late`` now)."""
         target = self.dir / incident_id / str(pid)
         try:
             target.mkdir(mode=0o700, exist_ok=True)
@@ -247,7 +248,8 @@ class Store:
                 os.replace(entry.path, target / entry.name)
                 moved.append(entry.name)
             self._fsync_dir(target)
-            shutil.rmtree(late, ignore_errors=True)
+            if not more:
+                shutil.rmtree(late, ignore_errors=True)
         except OSError as exc:
             raise _write_failure(self.root, exc) from exc
         return moved
