@@ -83,7 +83,11 @@ def make_incident(
     finish_draft(store, spool, draft, incident, _summary(incident, suspicion), analysis_dict, metrics)
     log.info("incident_stored_first", incident=draft.id, pids=pids, pending=len(pending),
              seconds=round(time.monotonic() - declared, 3))
-    if later and not draft.spooled:
+    if later and not (store.dir / draft.id).is_dir():
+        # The state dir refused the commit and the report went to the spool (sealed once): the
+        # slow evidence cannot be added there; the GPU dump would be lost anyway (it ends the process).
+        log.error("late_evidence_not_taken", incident=draft.id, why="the report went to the spool")
+    elif later:
         _add_late(store, later, targets, incident, suspicion, gate, metrics, declared)
     return draft.id
 
