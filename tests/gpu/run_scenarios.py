@@ -52,7 +52,7 @@ def symbolized(inc: dict) -> dict:
 
 def new_incident(d: Daemon, seen: set[str], seconds: float) -> dict:
     def fresh():
-        return [i for i in d.store().list() if i["id"] not in seen]
+        return [i for i in d.settled() if i["id"] not in seen]
     inc = wait_for(fresh, seconds, "an incident", every=0.2)[0]
     seen.add(inc["id"])
     return inc
