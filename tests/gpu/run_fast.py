@@ -69,8 +69,11 @@ def scenario(name: str, ranks: int, fr: bool, out: Path, fake: bool) -> dict[str
     logs = []
     result: dict[str, Any] = {"scenario": name, "ranks": ranks, "fake": fake}
     try:
+        barrier = base / "barrier"
+        barrier.mkdir()
         for r in range(ranks):
             env = dict(os.environ, RANK=str(r) if not fr else "0", LOCAL_RANK="0", WORLD_SIZE=str(ranks),
+                       FAST_BARRIER_DIR=str(barrier), FAST_RANKS=str(ranks),
                        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
             log = open(out / f"rank{r}.log", "wb")
             logs.append(log)
