@@ -65,9 +65,10 @@ class Spread:
 
 
 def judged(value: float, spread: float, limit: float, higher_is_better: bool = False) -> tuple[bool | None, bool]:
-    """(ok, noisy) for ``value`` against ``limit``: noisy where the spread reaches across the limit."""
+    """(ok, noisy) for ``value`` against ``limit``: noisy where the limit lies within the figure's
+    noise, ``value`` plus or minus half the ``spread`` (max - min) of its repeats."""
     ok = value >= limit if higher_is_better else value <= limit
-    return ok, abs(value - limit) < spread
+    return ok, abs(value - limit) < spread / 2
 
 
 def commit() -> str:

@@ -20,10 +20,14 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import structlog
+
 from ..metrics import Metrics
 from ..model import Registration, StepResult
 from .base import Step
 from .pipeline import run_steps
+
+log = structlog.get_logger("hangwatchd.capture")
 
 LATE = frozenset({"flight_recorder", "cuda_dump"})  # slow, and nothing in the verdict's first line waits on them
 HEAD_START = 1.0  # seconds the flight recorder has before the GPU dump ends its process
@@ -53,7 +57,10 @@ def publish(outdir: Path) -> None:
     with _early_lock:
         fn = _early.get(str(outdir))
     if fn is not None:
-        fn()
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - handing over early is a favour: the step goes on
+            log.error("early_evidence_failed", dir=str(outdir), error=f"{type(exc).__name__}: {exc}", exc_info=True)
 
 
 def run_late(
@@ -76,7 +83,8 @@ def run_late(
     gentle = [x for x in steps if not getattr(x[0], "destructive", False)]
     last = [x for x in steps if getattr(x[0], "destructive", False)]
 
-    def one(target: Registration, step: Step, timeout: float, step_gate: Callable[[Path], str | None] | None) -> None:
+    def one(target: Registration, step: Step, timeout: float, step_gate: Callable[[Path], str | None] | None,
+            ran: threading.Event | None = None) -> None:
         outdir = outdir_of(target, step.name)
         if early is not None:
             with _early_lock:
@@ -87,16 +95,22 @@ def run_late(
         finally:
             with _early_lock:
                 _early.pop(str(outdir), None)
+            if ran is not None:
+                ran.set()  # the next lane need not wait for the hand-over (which re-reads the incident)
         for result in results:
-            done(target, outdir, result)
+            try:
+                done(target, outdir, result)
+            except Exception as exc:  # noqa: BLE001 - the incident is stored: one rank's bug must not undo it
+                log.error("late_evidence_failed", pid=target.process.pid, step=result.step,
+                          error=f"{type(exc).__name__}: {exc}", exc_info=True)
 
     def rank(target: Registration) -> None:
         gentle_done = threading.Event()
 
         def first() -> None:
             try:
-                for step, timeout in gentle:
-                    one(target, step, timeout, None)
+                for i, (step, timeout) in enumerate(gentle):
+                    one(target, step, timeout, None, gentle_done if i == len(gentle) - 1 else None)
             finally:
                 gentle_done.set()
 

@@ -123,15 +123,45 @@ def coming(incident: Incident) -> str:
 def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequence[Registration], incident: Incident,
               suspicion: Suspicion, gate: Callable[[Path], str | None] | None, metrics: Metrics | None,
               declared: float) -> None:
-    """Run the slow steps on every rank and add each rank's evidence to the stored incident as it is done."""
-    lock = threading.Lock()  # one rank's amendment at a time: each reads the incident the last one wrote
-    state = {"incident": incident}
+    """Run the slow steps on every rank and add each piece of evidence to the stored incident as it comes.
+
+    Files move in at once, under a lock; the verdict is then made again and incident.json,
+    the pages and the index row rewritten by one thread at a time, which goes on while more
+    came meanwhile: eight ranks' dumps arriving together cost a few analyses, not sixteen."""
+    lock = threading.Lock()
+    state: dict[str, Any] = {"incident": incident, "dirty": False, "analysing": False}
     final = store.dir / incident.id
     uids = [t.uid for t in targets]
 
     def late_gate(outdir: Path) -> str | None:  # the policy sees the rank's stored evidence, not the late dir
         pid = outdir.name.removeprefix(LATE_DIR).split("-")[0]
         return gate(final / pid) if gate else "no policy allows destructive steps here"
+
+    def settle() -> None:
+        """Re-analyse and rewrite until nothing new came meanwhile; one thread at a time does it."""
+        with lock:
+            if state["analysing"]:
+                return  # the one at it picks this up
+            state["analysing"] = True
+        try:
+            while True:
+                with lock:
+                    if not state["dirty"]:
+                        state["analysing"] = False  # in the same breath as the look: nothing slips between
+                        return
+                    state["dirty"] = False
+                    snapshot = state["incident"]
+                cur, analysis = _analysed(final, snapshot)
+                try:
+                    store.amend(incident.id, cur, _summary(cur, suspicion), analysis)
+                except StoreWriteError as exc:
+                    log.error("late_evidence_not_kept", incident=incident.id, error=str(exc))
+                with lock:
+                    state["incident"] = dataclasses.replace(state["incident"], verdict=cur.verdict)
+        except BaseException:
+            with lock:
+                state["analysing"] = False
+            raise
 
     def step_done(target: Registration, outdir: Path, result: StepResult) -> None:
         pid = target.process.pid
@@ -146,16 +176,12 @@ def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequen
             procs = tuple(ProcessCapture(pc.registration, pc.steps + (result,))
                           if pc.registration.process.pid == pid else pc for pc in cur.processes)
             still = tuple(p for p in cur.pending if (p.pid, p.step) != (pid, result.step))
-            cur = dataclasses.replace(cur, processes=procs, pending=still)
-            cur, analysis = _analysed(final, cur)
-            try:
-                store.amend(incident.id, cur, _summary(cur, suspicion), analysis)
-            except StoreWriteError as exc:
-                log.error("late_evidence_not_kept", incident=incident.id, pid=pid, error=str(exc))
-            state["incident"] = cur
-            log.info("incident_amended", incident=incident.id, pid=pid, step=result.step,
-                     seconds=round(time.monotonic() - declared, 3), still_coming=len(cur.pending),
-                     outcome="n/a" if result.not_applicable else "ok" if result.ok else result.error)
+            state["incident"] = dataclasses.replace(cur, processes=procs, pending=still)
+            state["dirty"] = True
+        settle()
+        log.info("incident_amended", incident=incident.id, pid=pid, step=result.step,
+                 seconds=round(time.monotonic() - declared, 3), still_coming=len(still),
+                 outcome="n/a" if result.not_applicable else "ok" if result.ok else result.error)
 
     def early(target: Registration, outdir: Path) -> None:  # a GPU dump symbolised, its compression to come
         pid = target.process.pid
@@ -165,17 +191,14 @@ def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequen
             except StoreWriteError as exc:
                 log.error("late_evidence_not_kept", incident=incident.id, pid=pid, error=str(exc))
                 return
-            cur, analysis = _analysed(final, state["incident"])
-            try:
-                store.amend(incident.id, cur, _summary(cur, suspicion), analysis)
-            except StoreWriteError as exc:
-                log.error("late_evidence_not_kept", incident=incident.id, pid=pid, error=str(exc))
-            state["incident"] = cur
-            log.info("incident_amended", incident=incident.id, pid=pid, step=outdir.name.split("-", 2)[-1], files=moved,
-                     seconds=round(time.monotonic() - declared, 3), still_coming=len(cur.pending), outcome="partial")
+            state["dirty"] = True
+        settle()
+        log.info("incident_amended", incident=incident.id, pid=pid, step=outdir.name.split("-", 2)[-1], files=moved,
+                 seconds=round(time.monotonic() - declared, 3), outcome="partial")
 
     late.run_late(steps, targets, lambda t, step: store.late_dir(incident.id, t.process.pid, step), late_gate, metrics,
                   step_done, early=early)
+    settle()  # whatever a thread that returned early left for the last one
 
 
 def write_pages(draft_dir: Path, incident: Incident, analysis: dict[str, Any]) -> None:

@@ -80,23 +80,38 @@ class Discovery:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._nvml: Any = None  # the pynvml module once initialised; False when there is none
-        self.seconds = 0.0  # CPU seconds this thread spent scanning (for the bench and the log)
+        self._nvml_latest: set[int] = set()  # the last answer of NVML's process lists (its own thread)
+        self.seconds = 0.0  # CPU seconds its threads spent looking (for the bench)
 
     # -- the thread --------------------------------------------------------
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="discovery", daemon=True)
         self._thread.start()
+        if self.use_nvml:
+            # Apart from the /proc scan: an NVML call on a sick GPU can hang, and cannot be cancelled
+            # in-process; then only this thread waits, and the scan goes on with the last list.
+            threading.Thread(target=self._run_nvml, name="discovery-nvml", daemon=True).start()
+
+    def _run_nvml(self) -> None:
+        while not self._stop.is_set():
+            started = time.thread_time()
+            pids = set(self._nvml_query())
+            with self._lock:
+                self._nvml_latest = pids
+                self.seconds += time.thread_time() - started
+            if self._nvml is False:
+                return  # no NVML here: nothing to ask again
+            self._stop.wait(self.interval)
+        try:
+            self._nvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001 - shutting down a library that may already be gone
+            pass
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self._nvml:
-            try:
-                self._nvml.nvmlShutdown()
-            except Exception:  # noqa: BLE001 - shutting down a library that may already be gone
-                pass
 
     def _run(self) -> None:
         while not self._stop.wait(0 if not self.born else self.interval):
@@ -140,18 +155,21 @@ class Discovery:
         young = [p for p in pids if now - self.born[p] <= self.young and p not in self.reported and p != me
                  and self.next_look.get(p, 0.0) <= now]
         for p in young:  # the older, the less often: every second at first, every MAX_GAP at most
-            self.next_look[p] = now + min(MAX_GAP, max(self.interval, (now - self.born[p]) / 8)) - self.interval / 2
+            self.next_look[p] = now + min(MAX_GAP, max(self.interval, (now - self.born[p]) / 4)) - self.interval / 2
         new = [p for p in young if holds_device(p, self.prefix)]
-        new += [p for p in self._nvml_pids() if p in pids and p not in self.reported and p != me and p not in new]
+        with self._lock:
+            listed = self._nvml_latest
+        new += [p for p in listed if p in pids and p not in self.reported and p != me and p not in new]
         if new:
             self.reported.update(new)
             with self._lock:
                 self.found.extend(new)
             log.info("gpu_processes_found", pids=new)
-        self.seconds += time.thread_time() - started
+        with self._lock:
+            self.seconds += time.thread_time() - started
         return new
 
-    def _nvml_pids(self) -> Iterable[int]:
+    def _nvml_query(self) -> Iterable[int]:
         """Every process with a CUDA context on any GPU, where NVML is there; nothing where it is not."""
         if not self.use_nvml or self._nvml is False:
             return ()
