@@ -139,7 +139,7 @@ def figures(one: dict[str, Any], eight: dict[str, Any]) -> list[Figure]:
             out.append(Figure(who, f"no figure: {r['error']}", "-", f"within {COMPLETE_S:g} s", False))
             continue
         out.append(Figure(f"{who}: declared -> every rank's stacks stored", f"{r['declared_to_stored_s']:.2f} s",
-                          f"the whole capture one step after another (progress window aside): {r['sequential_s']:.2f} s",
+                          f"the sum of every step's duration in this incident, as one after another would spend them (progress window aside; durations measured side by side, so under contention): {r['sequential_s']:.2f} s",
                           f"within {STORED_S:g} s", r["declared_to_stored_s"] <= STORED_S))
         fr = r["declared_to_step_s"].get("flight_recorder", {})
         dumps = r["declared_to_step_s"].get("cuda_dump", {})
@@ -152,7 +152,7 @@ def figures(one: dict[str, Any], eight: dict[str, Any]) -> list[Figure]:
                 + f"{never})")
         complete = len(r["came"]["cuda_dump"]) == r["ranks"] and (r["ranks"] > 1 or bool(r["came"]["flight_recorder"]))
         out.append(Figure(f"{who}: declared -> {'flight recorder and ' if r['ranks'] == 1 else ''}GPU dumps added, symbolised",
-                          text, f"the same steps one after another (progress window aside): {r['sequential_s']:.2f} s",
+                          text, f"the same sum: {r['sequential_s']:.2f} s",
                           f"within {COMPLETE_S:g} s, all in", complete and r["declared_to_complete_s"] <= COMPLETE_S))
     return out
 
