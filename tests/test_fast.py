@@ -180,3 +180,38 @@ def _log_time(event: dict[str, Any]) -> float:
     import datetime
 
     return datetime.datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+def test_evidence_a_stopped_daemon_was_waiting_for_is_marked_as_never_come(tmp_path: Path) -> None:
+    """A daemon stopped while a rank's GPU dump was coming: at the next start the incident says so,
+    nothing is pending, and what the step had half-written is gone, never shown."""
+    from hangwatchd.incidents.store import Store
+    from hangwatchd.model import Incident, PendingEvidence, ProcessCapture, StepResult
+    from hangwatchd.workload import registration_file
+
+    store = Store(tmp_path)
+    store.open()
+    reg = registration_file.from_proc(os.getpid())
+    assert reg is not None
+    pid = reg.process.pid
+    draft = store.begin("heartbeat", None, [pid])
+    (draft.path / str(pid)).mkdir()
+    inc = Incident(draft.id, draft.time, "h", "heartbeat", "no beat", None,
+                   processes=(ProcessCapture(reg, (StepResult("pyspy", True, 0.1),)),),
+                   pending=(PendingEvidence(pid, "cuda_dump", draft.time + 120),))
+    store.commit(draft, inc, "blocked; still coming: cuda_dump of 1 rank")
+    assert store.list()[0]["pending"] == 1
+    late = store.late_dir(draft.id, pid, "cuda_dump")
+    (late / "coredump.nvcudmp.zst").write_bytes(b"half a dump")
+
+    again = Store(tmp_path)  # the next start
+    again.open()
+    assert draft.id in again.recover()
+    (row,) = again.list()
+    data = json.loads((Path(row["dir"]) / "incident.json").read_text())
+    step = _steps(data, pid)["cuda_dump"]
+    assert not step["ok"] and "never came: the daemon stopped" in step["error"]
+    assert data["pending"] == [] and row["pending"] == 0 and row["summary"] == "blocked"
+    assert not late.exists() and not (Path(row["dir"]) / str(pid) / "coredump.nvcudmp.zst").exists()
+    shown = hangwatchd("show", draft.id, "--state-dir", str(tmp_path), "--runtime-dir", str(tmp_path / "run")).stdout
+    assert "never came" in shown and "still coming" not in shown

@@ -24,7 +24,7 @@ from ..capture import late
 from ..capture.base import Step
 from ..capture.pipeline import capture_all
 from ..incidents.spool import Spool, begin_draft, finish_draft
-from ..incidents.store import LATE_DIR, Store, StoreWriteError, incident_to_json
+from ..incidents.store import COMING, LATE_DIR, Store, StoreWriteError, incident_to_json
 from ..metrics import Metrics
 from ..model import Incident, PendingEvidence, ProcessCapture, Registration, StepResult, Suspicion
 from ..report import html
@@ -109,7 +109,7 @@ def _analysed(directory: Path, incident: Incident) -> tuple[Incident, dict[str, 
 def _summary(incident: Incident, suspicion: Suspicion) -> str:
     """The index row's one line: the verdict, the suspicion, and what is still coming."""
     line = f"{incident.verdict} ({suspicion.detail})"
-    return f"{line}; still coming: {coming(incident)}" if incident.pending else line
+    return f"{line}{COMING}{coming(incident)}" if incident.pending else line
 
 
 def coming(incident: Incident) -> str:

@@ -110,6 +110,7 @@ def _add_pending_column(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE incidents ADD COLUMN pending INTEGER NOT NULL DEFAULT 0")
 
 
+COMING = "; still coming: "  # what an index row's summary says while evidence is pending, before the list
 LATE_DIR = ".late-"  # incidents/ID/.late-PID: where a step still running after the store writes, unseen
 
 
@@ -393,7 +394,9 @@ class Store:
             data["pending"] = []
             write_incident_json(path.parent, data)
         with self._db() as db:
-            db.execute("UPDATE incidents SET pending=0 WHERE id=?", (incident_id,))
+            row = db.execute("SELECT summary FROM incidents WHERE id=?", (incident_id,)).fetchone()
+            summary = (row[0] or "").split(COMING)[0] if row else None
+            db.execute("UPDATE incidents SET pending=0, summary=? WHERE id=?", (summary, incident_id))
 
     # -- retention -------------------------------------------------------
 
