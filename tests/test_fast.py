@@ -125,7 +125,7 @@ def test_a_job_incident_is_stored_before_its_dumps_and_a_dump_that_never_comes_h
             assert data["pending"] == [] and "still coming" not in (done["summary"] or "")
             shown = hangwatchd("show", inc["id"], "--state-dir", str(d.state_dir)).stdout
             assert "still coming" not in shown and "no dump appeared" in shown
-            assert not list(Path(inc["dir"]).glob(".late-*"))
+            assert not list(d.store().dir.glob(".late-*"))
             stored = [e for e in d.logs() if e.get("event") == "incident_stored_first"]
             amended = [e for e in d.logs() if e.get("event") == "incident_amended"]
             whole = [e for e in amended if e["outcome"] != "partial"]

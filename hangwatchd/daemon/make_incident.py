@@ -134,7 +134,7 @@ def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequen
     uids = [t.uid for t in targets]
 
     def late_gate(outdir: Path) -> str | None:  # the policy sees the rank's stored evidence, not the late dir
-        pid = outdir.name.removeprefix(LATE_DIR).split("-")[0]
+        pid = outdir.name.removeprefix(LATE_DIR).rsplit("-", 2)[1]  # .late-ID-PID-STEP
         return gate(final / pid) if gate else "no policy allows destructive steps here"
 
     def settle() -> None:
@@ -193,7 +193,7 @@ def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequen
                 return
             state["dirty"] = True
         settle()
-        log.info("incident_amended", incident=incident.id, pid=pid, step=outdir.name.split("-", 2)[-1], files=moved,
+        log.info("incident_amended", incident=incident.id, pid=pid, step=outdir.name.rsplit("-", 1)[-1], files=moved,
                  seconds=round(time.monotonic() - declared, 3), outcome="partial")
 
     late.run_late(steps, targets, lambda t, step: store.late_dir(incident.id, t.process.pid, step), late_gate, metrics,

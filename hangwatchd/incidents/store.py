@@ -111,7 +111,7 @@ def _add_pending_column(db: sqlite3.Connection) -> None:
 
 
 COMING = "; still coming: "  # what an index row's summary says while evidence is pending, before the list
-LATE_DIR = ".late-"  # incidents/ID/.late-PID: where a step still running after the store writes, unseen
+LATE_DIR = ".late-"  # incidents/.late-ID-PID-STEP: where a step still running after the store writes, unseen
 
 
 class Store:
@@ -228,9 +228,10 @@ class Store:
     # -- adding to a stored incident (evidence that came after it was stored) --
 
     def late_dir(self, incident_id: str, pid: int, step: str) -> Path:
-        """Where a step still running for ``pid`` writes: inside the incident, hidden, root's alone,
-        one a step. Nothing there is shown; ``add_files`` moves each finished file into place."""
-        path = self.dir / incident_id / f"{LATE_DIR}{pid}-{step}"
+        """Where a step still running for ``pid`` writes: beside the incident (the same filesystem, so
+        a file moves in by one rename), hidden, root's alone, one a step. Nothing there is shown or
+        analysed; ``add_files`` moves each finished file into place."""
+        path = self.dir / f"{LATE_DIR}{incident_id}-{pid}-{step}"
         path.mkdir(mode=0o700, exist_ok=True)
         return path
 
@@ -365,7 +366,7 @@ class Store:
                 db.execute("UPDATE incidents SET status=?, summary=COALESCE(summary, ?) WHERE id=?",
                            (status, "interrupted by a daemon restart" if status == "incomplete" else None, incident_id))
             touched.append(incident_id)
-        for late in self.dir.glob(f"*/{LATE_DIR}*"):
+        for late in self.dir.glob(f"{LATE_DIR}*"):
             shutil.rmtree(late, ignore_errors=True)  # a step the stop cut short: what it wrote was never shown
         with self._db() as db:
             stopped = [r[0] for r in db.execute("SELECT id FROM incidents WHERE pending > 0").fetchall()]
