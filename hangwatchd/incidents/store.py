@@ -266,7 +266,8 @@ class Store:
         final = self.dir / incident_id
         try:
             write_incident_json(final, data)
-            permissions.restrict(final / "incident.json", [pc.registration.uid for pc in incident.processes])
+            # incident.json and the pages are new files: closed and opened to the owner as at commit.
+            permissions.restrict(final, [pc.registration.uid for pc in incident.processes])
             with self._db() as db:
                 db.execute("UPDATE incidents SET summary=?, pending=? WHERE id=?", (summary, len(incident.pending), incident_id))
         except (OSError, sqlite3.Error) as exc:
