@@ -130,6 +130,7 @@ def eight_at_once(tmp: Path) -> Figure:
                 p.stdout.readline()
             last = time.time()
             wait_for(lambda: len(d.settled()) == 9, 60, "8 more incidents", every=0.1)
+            wait_for(lambda: sum(e.get("event") == "incident_stored" for e in d.logs()) == 9, 10, "the loop's 9 incident_stored")
             done = max(float(e["seconds"]) for e in d.logs() if e.get("event") == "incident_stored")
         finally:
             for p in procs:
