@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MARKED = re.compile(r"(<!-- bench:([a-z_]+) -->\n)(.*?)(<!-- /bench:\2 -->)", re.S)
+MARKED = re.compile(r"(<!-- bench:([a-z0-9_]+) -->\n)(.*?)(<!-- /bench:\2 -->)", re.S)
 
 
 def filled(readme: str, results: Path) -> str:

@@ -12,10 +12,23 @@ from pathlib import Path
 from typing import Any
 
 from .cli_parser import build_parser
-from .config import ConfigError, client_runtime_dir
-from .cudacore.errors import CoreDumpError
-from .incidents.store import StoreError
-from .metrics import AddressError
+
+# What each kind of user error is, by the module that raises it: looked up only in modules
+# a command has imported (one that was never imported raised nothing), so that no command
+# pays for the others' imports (`symbolize` must not load structlog, prometheus_client or the store).
+USAGE_ERRORS = (("hangwatchd.cudacore.errors", "CoreDumpError"), ("hangwatchd.config", "ConfigError"),
+                ("hangwatchd.metrics", "AddressError"))
+FAILURES = (("hangwatchd.incidents.store", "StoreError"),)
+
+
+def _loaded(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ...]:
+    return tuple(getattr(sys.modules[m], n) for m, n in names if m in sys.modules)
+
+
+def client_runtime_dir() -> Path:
+    from .config import client_runtime_dir as runtime_dir
+
+    return runtime_dir()
 
 
 class UsageError(Exception):
@@ -34,16 +47,18 @@ def _print_json(obj: object) -> None:
 # -- symbolize -------------------------------------------------------------
 
 def cmd_symbolize(args: argparse.Namespace) -> int:
-    from .cudacore.cudagdb import cross_check
     from .cudacore.symbolize import symbolize
-    from .report.gpu import render
 
     result = symbolize(args.dump, chains=args.chains)
     if args.cuda_gdb:
+        from .cudacore.cudagdb import cross_check
+
         result = dataclasses.replace(result, cuda_gdb=cross_check(args.dump))
     if args.json:
         _print_json(result.to_dict())
     else:
+        from .report.gpu import render
+
         sys.stdout.write(render(result))
     return 0
 
@@ -359,12 +374,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except (CoreDumpError, UsageError, ConfigError, AddressError) as exc:
-        print(f"hangwatchd: {exc}", file=sys.stderr)
-        return 2
-    except (Failure, StoreError) as exc:
-        print(f"hangwatchd: {exc}", file=sys.stderr)
-        return 1
+    except Exception as exc:
+        if isinstance(exc, (UsageError, *_loaded(USAGE_ERRORS))):
+            print(f"hangwatchd: {exc}", file=sys.stderr)
+            return 2
+        if isinstance(exc, (Failure, *_loaded(FAILURES))):
+            print(f"hangwatchd: {exc}", file=sys.stderr)
+            return 1
+        raise
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

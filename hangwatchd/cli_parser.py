@@ -7,6 +7,7 @@ in one place.
 from __future__ import annotations
 
 import argparse
+import re
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
@@ -31,6 +32,9 @@ class _Parser(argparse.ArgumentParser):
 class _Formatter(argparse.HelpFormatter):
     """Wraps prose, keeps the example lines (indented) as written."""
 
+    def _expand_help(self, action: argparse.Action) -> str:
+        return _fill_defaults(super()._expand_help(action))
+
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         return "\n".join(line if not line or line.startswith("  ") else
                          textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent)
@@ -38,10 +42,21 @@ class _Formatter(argparse.HelpFormatter):
 
 
 def _default(key: str) -> str:
+    """A config key's default in a help text, filled in only when help is printed: importing the
+    config costs every command (`symbolize` most) tens of milliseconds it does not need."""
+    return f"{{default:{key}}}"
+
+
+_DEFAULT = re.compile(r"\{default:([a-z_]+)\}")
+
+
+def _fill_defaults(text: str) -> str:
     from .config import KEYS
 
-    value = KEYS[key].default
-    return '""' if value == "" else str(value)
+    def value(m: re.Match[str]) -> str:
+        v = KEYS[m.group(1)].default
+        return '""' if v == "" else str(v)
+    return _DEFAULT.sub(value, text)
 
 
 def _command(sub: Any, name: str, func: Any, summary: str, description: str, examples: Sequence[str],

@@ -235,6 +235,8 @@ KEYS: dict[str, Key] = {
     "stack_blocking_patterns": Key([], _regex_list, "extra frame patterns that mean 'blocked, waiting for something that should come'"),
     "stack_idle_pattern": Key("", _optional_regex, "frame pattern that means 'idle, waiting for work' (\"\" keeps the built-in one)"),
     "discover": Key(False, _bool, "also watch, by stack alone, every process that holds /dev/nvidia* open"),
+    "discover_interval": Key(1.0, _seconds, "seconds between looks for new GPU processes (new pids' fds, and NVML's process lists)"),
+    "discover_devices": Key("/dev/nvidia", _path, "path prefix of the device files whose holders discovery watches"),
     "nvml_timeout": Key(10.0, _seconds, "seconds the NVML probe may take before it is killed"),
     "nccl_ras_timeout": Key(3.0, _seconds, "seconds to wait for the answer of the job's NCCL RAS service (it answers in ms)"),
     "flight_recorder_timeout": Key(20.0, _seconds, "seconds to wait for PyTorch's flight recorder dump"),
@@ -290,6 +292,8 @@ class Config:
     stack_blocking_patterns: tuple[str, ...] = ()
     stack_idle_pattern: str = KEYS["stack_idle_pattern"].default
     discover: bool = KEYS["discover"].default
+    discover_interval: float = KEYS["discover_interval"].default
+    discover_devices: str = KEYS["discover_devices"].default
     nvml_timeout: float = KEYS["nvml_timeout"].default
     nccl_ras_timeout: float = KEYS["nccl_ras_timeout"].default
     flight_recorder_timeout: float = KEYS["flight_recorder_timeout"].default

@@ -102,3 +102,15 @@ class Incident:
     since: float | None = None  # wall-clock time of the hung process's last sign of progress
     node: str | None = None  # the node's name (config node_name), as in the shared store
     job_incident: str | None = None  # shared by every node's part of one job hang
+    # Evidence still coming after the incident was stored (flight recorders, GPU dumps): each
+    # {"pid", "step", "until"} (wall-clock deadline); emptied as each arrives or passes its deadline.
+    pending: tuple[PendingEvidence, ...] = ()
+
+
+@dataclass(frozen=True)
+class PendingEvidence:
+    """One capture step of one process, still running after its incident was stored."""
+
+    pid: int
+    step: str
+    until: float  # wall-clock time by which it has come or is marked as never come

@@ -111,6 +111,17 @@ class Daemon:
     def store(self) -> Store:
         return Store(self.state_dir)
 
+    def event(self, name: str, seconds: float = 10.0, **fields: Any) -> dict[str, Any]:
+        """The first log event ``name`` whose fields match, waited for: the loop logs
+        ``incident_stored`` when the worker is done, a moment after the incident settled."""
+        return wait_for(lambda: next((e for e in self.logs() if e.get("event") == name
+                                      and all(e.get(k) == v for k, v in fields.items())), None), seconds, f"a {name} event")
+
+    def settled(self) -> list[dict[str, Any]]:
+        """The stored incidents whose evidence is all in: an incident is listed once its stacks are,
+        and its flight recorders and GPU dumps are added after (``pending`` counts what is coming)."""
+        return [i for i in self.store().list() if not i.get("pending")]
+
     def run(self, command: Sequence[str], *options: str, **kw: Any) -> subprocess.Popen[bytes]:
         """``hangwatchd run --runtime-dir ... OPTIONS -- COMMAND`` as a child process."""
         return subprocess.Popen(hangwatchd_argv("run", "--runtime-dir", str(self.runtime_dir), *options, "--", *command), **kw)

@@ -53,7 +53,7 @@ def test_a_diverged_two_rank_job_names_the_rank_that_never_entered_the_collectiv
             env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="10.0.0.1", MASTER_PORT="29500")
             ranks.append(d.run([sys.executable, "-c", RANK_CODE], "--heartbeat-timeout", "1" if r == 0 else "60", env=env))
         try:
-            (inc,) = wait_for(d.store().list, 20, "one incident for the job")
+            (inc,) = wait_for(d.settled, 20, "one incident for the job")
             assert inc["job"] == "10.0.0.1:29500" and len(inc["processes"]) == 2  # both ranks, one incident
         finally:
             stop(*ranks, sig=signal.SIGKILL)
@@ -154,7 +154,7 @@ def test_the_html_page_renders_in_a_real_headless_browser(tmp_path: Path) -> Non
     with Daemon(tmp_path / "d") as d:
         blob = __import__("lzma").decompress((FIXTURES / "cpp_ima" / "coredump.nvcudmp.xz").read_bytes())
         (d.state_dir / "dumps" / f"core_{__import__('socket').gethostname()}.77.1.nvcudmp").write_bytes(blob)
-        (inc,) = wait_for(d.store().list, 20, "an incident")
+        (inc,) = wait_for(d.settled, 20, "an incident")
     page = tmp_path / "report.html"
     res = hangwatchd("show", inc["id"], "--html", str(page), "--state-dir", str(d.state_dir))
     assert res.returncode == 0 and res.stdout.strip() == str(page), res.stderr

@@ -20,7 +20,8 @@ def test_every_bench_has_committed_results_with_a_verdict_per_target() -> None:
         assert rows, name
         for row in rows:
             target, result = [c.strip() for c in row.strip("|").split(" | ")][3:5]
-            assert result in ("ok", "MISSED") if target != "-" else result == "-", (name, row)
+            verdicts = ("ok", "MISSED", "noise above the target: cannot tell")
+            assert result in verdicts if target != "-" else result == "-", (name, row)
 
 
 def test_the_readme_shows_exactly_what_the_committed_results_say() -> None:

@@ -39,7 +39,7 @@ def started(proc: subprocess.Popen[str]) -> None:
 
 def incident(d: Daemon) -> tuple[dict[str, Any], Path]:
     """The one incident's incident.json (its verdict, its processes) and its directory."""
-    (inc,) = wait_for(d.store().list, 60, "an incident")
+    (inc,) = wait_for(d.settled, 60, "an incident")
     return json.loads((Path(inc["dir"]) / "incident.json").read_text()), Path(inc["dir"])
 
 

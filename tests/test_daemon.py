@@ -204,7 +204,7 @@ def test_a_hanging_py_spy_is_killed_at_its_deadline(tmp_path: Path) -> None:
     d = Daemon(tmp_path / "d", env={"PATH": f"{fake}:{os.environ['PATH']}"}, config={"pyspy_timeout": 1.0, "pyspy_native": False})
     work = d.run(workload_argv(beats=5, interval=0.02), "--heartbeat-timeout", "1")
     try:
-        (inc,) = wait_for(d.store().list, 15, "an incident")
+        (inc,) = wait_for(d.settled, 15, "an incident")
         data = json.loads((Path(inc["dir"]) / "incident.json").read_text())
         steps = {s["step"]: s for s in data["processes"][0]["steps"]}
         assert steps["proc"]["ok"] is True
@@ -272,7 +272,7 @@ def test_a_dump_written_while_the_daemon_was_down_is_ingested_at_start_and_only_
     dump_dir = tmp_path / "state" / "dumps"
     dump = raw_dump(dump_dir, 4242)
     with Daemon(tmp_path) as d:
-        (inc,) = wait_for(d.store().list, 30, "the dump made into an incident")
+        (inc,) = wait_for(d.settled, 30, "the dump made into an incident")
         assert inc["reason"] == "gpu-exception" and inc["processes"] == [4242]
         assert "WARP_ILLEGAL_ADDRESS" in inc["summary"]
     # The same dump again (restored from a backup, say): remembered across the restart, not ingested twice.
@@ -294,7 +294,7 @@ def test_an_inotify_overflow_rescans_registrations_and_dumps(tmp_path: Path) -> 
             raw_dump(d.state_dir / "dumps", 4343)  # its event is one of those dropped
         finally:
             d.proc.send_signal(signal.SIGCONT)
-        (inc,) = wait_for(d.store().list, 30, "the dump found by the rescan")
+        (inc,) = wait_for(d.settled, 30, "the dump found by the rescan")
         assert inc["processes"] == [4343]
         assert any(e.get("event") == "inotify_overflow" for e in d.logs())
 
@@ -331,7 +331,7 @@ def test_a_captured_hang_rearms_only_after_the_process_beats_again(tmp_path: Pat
             # Twelve silent seconds with a moving stack: one hang, one incident.
             assert len(d.store().list()) == 1
             assert work.stdout.readline().strip() == b"stopped"
-            incs = wait_for(lambda: (lambda x: x if len(x) == 2 else None)(d.store().list()), 15, "the second hang's incident")
+            incs = wait_for(lambda: (lambda x: x if len(x) == 2 else None)(d.settled()), 15, "the second hang's incident")
             assert all(i["reason"] == "heartbeat" for i in incs)
             recovered = [e for e in d.logs() if e.get("event") == "process_recovered"]
             assert len(recovered) == 1 and "new beats" in str(recovered[0]["why"])
@@ -356,7 +356,7 @@ def test_a_beat_file_swapped_for_a_directory_does_not_stop_the_loop(tmp_path: Pa
             try:
                 assert work.stdout is not None and work.stdout.readline().strip() == b"stopped beating"
                 started = time.monotonic()
-                incs = wait_for(lambda: [i for i in d.store().list() if i["processes"][0] != victim.pid
+                incs = wait_for(lambda: [i for i in d.settled() if i["processes"][0] != victim.pid
                                          and "hang_here" in hangwatchd("show", i["id"], "--state-dir", str(d.state_dir)).stdout],
                                 15, "the real hang's incident")
                 assert time.monotonic() - started < 1 + 6 and incs

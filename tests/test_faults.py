@@ -23,7 +23,7 @@ def test_py_spy_missing_is_recorded_and_the_rest_is_captured(tmp_path: Path) -> 
     with Daemon(tmp_path, env={"HANGWATCHD_PYSPY": "none"}, config={"gpu_dump": "never"}) as d:
         work = d.run(workload_argv(beats=3, interval=0.02), "--heartbeat-timeout", "1")
         try:
-            (inc,) = wait_for(d.store().list, 20, "an incident")
+            (inc,) = wait_for(d.settled, 20, "an incident")
             steps = {s["step"]: s for s in json.loads((Path(inc["dir"]) / "incident.json").read_text())["processes"][0]["steps"]}
             assert steps["proc"]["ok"] and not steps["pyspy"]["ok"]
             assert "py-spy is not installed; pip install py-spy" in steps["pyspy"]["error"]
@@ -75,7 +75,7 @@ def test_sixty_four_watched_and_eight_hanging_at_once(tmp_path: Path) -> None:
         try:
             wait_for(lambda: len(json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)["processes"]) == 64,
                      60, "64 watched", every=0.5)
-            incidents = wait_for(lambda: (lambda x: x if len(x) >= 8 else None)(d.store().list()), 60, "8 incidents", every=0.5)
+            incidents = wait_for(lambda: (lambda x: x if len(x) >= 8 else None)(d.settled()), 60, "8 incidents", every=0.5)
             assert sorted(i["processes"][0] for i in incidents) == sorted(p.pid for p in hanging)
             time.sleep(4)
             assert len(d.store().list()) == 8  # the 56 healthy ones raised nothing

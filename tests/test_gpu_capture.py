@@ -41,7 +41,7 @@ def test_a_hung_process_goes_through_every_step_and_its_gpu_dump_is_explained(tm
     work = d.run(gpu_workload("--dump", str(FIXTURES / "cpp_hang" / "coredump.nvcudmp.xz")),
                  "--heartbeat-timeout", "1", "--rank", "0", stderr=subprocess.PIPE)
     try:
-        (inc,) = wait_for(d.store().list, 30, "an incident")
+        (inc,) = wait_for(d.settled, 30, "an incident")
         steps = steps_of(inc)
         assert list(steps) == ["proc", "progress", "pyspy", "children", "nvml", "nccl_ras", "flight_recorder", "cuda_dump"]
         assert steps["flight_recorder"]["ok"], steps["flight_recorder"]
@@ -79,7 +79,7 @@ def test_a_driver_that_never_dumps_or_stops_half_way(tmp_path: Path, mode: str, 
     work = d.run(gpu_workload("--cuda", mode, "--fr", "silent", "--dump", str(FIXTURES / "cpp_hang" / "coredump.nvcudmp.xz")),
                  "--heartbeat-timeout", "1")
     try:
-        (inc,) = wait_for(d.store().list, 30, "an incident")
+        (inc,) = wait_for(d.settled, 30, "an incident")
         steps = steps_of(inc)
         assert steps["proc"]["ok"]
         assert not steps["flight_recorder"]["ok"] and "wrote nothing" in steps["flight_recorder"]["error"]
@@ -94,7 +94,7 @@ def test_a_process_without_pipes_and_a_fifo_of_another_user(tmp_path: Path) -> N
     d = Daemon(tmp_path, config={"gpu_dump": "always", "capture_steps": ["flight_recorder", "cuda_dump"]})
     plain = d.run([sys.executable, "-m", "hangwatchd.testing", "workload", "--beats", "3"], "--heartbeat-timeout", "1")
     try:
-        (inc,) = wait_for(d.store().list, 20, "an incident")
+        (inc,) = wait_for(d.settled, 20, "an incident")
         steps = steps_of(inc)
         assert "holds no CUDA coredump pipe" in steps["cuda_dump"]["error"]
         assert "holds no flight-recorder pipe" in steps["flight_recorder"]["error"]
@@ -115,7 +115,7 @@ def test_a_process_without_pipes_and_a_fifo_of_another_user(tmp_path: Path) -> N
         if os.geteuid() != 0:
             pytest.skip("chown of the FIFO to another uid needs root")
         os.chown(fifo, 12345, 12345)
-        incs = wait_for(lambda: [i for i in d.store().list() if i["id"] != inc["id"]], 20, "a second incident")
+        incs = wait_for(lambda: [i for i in d.settled() if i["id"] != inc["id"]], 20, "a second incident")
         err = steps_of(incs[0])["cuda_dump"]["error"]
         assert "belongs to uid 12345" in err and "refusing" in err
     finally:
@@ -137,7 +137,7 @@ def test_an_exception_dump_becomes_exactly_one_symbolised_incident(tmp_path: Pat
         blob = lzma.decompress((FIXTURES / "cpp_ima" / "coredump.nvcudmp.xz").read_bytes())
         name = f"core_{socket.gethostname()}.4242.1795977360.nvcudmp"
         drop_in_pieces(d.state_dir / "dumps" / name, blob, pause=1.5)
-        (inc,) = wait_for(d.store().list, 20, "an incident")
+        (inc,) = wait_for(d.settled, 20, "an incident")
         assert inc["reason"] == "gpu-exception"
         assert "WARP_ILLEGAL_ADDRESS in faulty_epilogue_kernel(int*, long) at /srv/gpuapp/inlined.cu:9" in inc["summary"]
         sym = json.loads((Path(inc["dir"]) / "4242" / "symbolized.json").read_text())
@@ -158,7 +158,7 @@ def test_a_driver_that_reports_an_exception_but_writes_no_dump(tmp_path: Path) -
         _, err = work.communicate(timeout=20)
         assert work.returncode == 1
         assert b"torch.AcceleratorError" in err  # stderr still passes through
-        (inc,) = wait_for(d.store().list, 20, "an incident")
+        (inc,) = wait_for(d.settled, 20, "an incident")
         assert inc["reason"] == "gpu-exception"
         assert "WARP_ILLEGAL_ADDRESS in void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<unsigned char>" in inc["summary"]
         assert "wrote no dump" in inc["summary"]

@@ -82,7 +82,7 @@ def test_every_rank_below_a_launcher_is_watched_and_the_hung_one_is_captured_wit
             assert rows[str(launcher["pid"])][1:3] == ["J", "launcher"]
             assert [rows[str(ranks[r]["pid"])][1:3] for r in (0, 1)] == [["J", "0"], ["J", "1"]]
 
-            (inc,) = wait_for(d.store().list, 30, "the incident", every=0.2)
+            (inc,) = wait_for(d.settled, 30, "the incident", every=0.2)
             assert inc["reason"] == "heartbeat" and inc["job"] == "J"
             assert inc["processes"][0] == ranks[0]["pid"]  # the hung rank first
             assert set(inc["processes"]) == {ranks[0]["pid"], ranks[1]["pid"]}  # its mate too, not the launcher
@@ -119,7 +119,7 @@ def test_a_rank_that_left_is_the_first_culprit_and_leads_the_summary(tmp_path: P
             assert r0.stdout is not None and r0.stdout.readline().strip() == b"stopped beating"
             stopped = time.time()
 
-            (inc,) = wait_for(d.store().list, 30, "the incident", every=0.2)
+            (inc,) = wait_for(d.settled, 30, "the incident", every=0.2)
             assert inc["processes"] == [pid[0]]
             exit_json = json.loads((Path(inc["dir"]) / str(pid[1]) / "exit.json").read_text())
             assert (exit_json["rank"], exit_json["pid"], exit_json["job"], exit_json["world_size"]) == (1, pid[1], "J", 2)
@@ -159,7 +159,7 @@ def test_a_workload_that_never_beats_is_not_hung_after_the_startup_grace(tmp_pat
         try:
             wait_for(lambda: len(status(d)) == 2, 20, "both registered")
             # A declared timeout is a promise to beat: that one is hung after the grace.
-            (inc,) = wait_for(d.store().list, 20, "the declared one's incident", every=0.2)
+            (inc,) = wait_for(d.settled, 20, "the declared one's incident", every=0.2)
             meta = json.loads((Path(inc["dir"]) / "incident.json").read_text())
             assert inc["job"] == "batch" and "no first beat" in meta["detail"]
             time.sleep(2.0)
@@ -295,7 +295,7 @@ def test_a_rank_that_ran_out_of_data_below_a_launcher_leads_the_verdict(tmp_path
             procs = wait_for(lambda: (lambda p: p if {x["rank"] for x in p if x["role"] == "workload"} == {0, 1} else None)(status(d)),
                              20, "both ranks registered")
             pid = {p["rank"]: p["pid"] for p in procs if p["role"] == "workload"}
-            (inc,) = wait_for(d.store().list, 30, "the incident", every=0.2)
+            (inc,) = wait_for(d.settled, 30, "the incident", every=0.2)
             assert inc["processes"] == [pid[0]]
             exit_json = json.loads((Path(inc["dir"]) / str(pid[1]) / "exit.json").read_text())
             assert (exit_json["rank"], exit_json["status"], exit_json["signal"]) == (1, None, None)  # not its parent: no status

@@ -140,7 +140,7 @@ def test_store_down_during_the_hang(tmp_path: Path) -> None:
         p = rank(d, "train-44", 0, "stuck", 2.0)
         s3.stop()  # the store goes down before the hang
         try:
-            incidents = wait_for(lambda: d.store().list(), 30, "the local incident")
+            incidents = wait_for(lambda: d.settled(), 30, "the local incident")
             assert incidents[0]["complete"]
             local = Path(incidents[0]["dir"])
             assert (local / "incident.json").is_file() and list(local.glob("*/pyspy.json"))
@@ -224,12 +224,12 @@ def test_the_ranks_of_a_node_are_captured_side_by_side(tmp_path: Path) -> None:
         procs = [d.run(argv, "--job", "side", "--rank", str(r), "--heartbeat-timeout", "2",
                        env=dict(os.environ, RANK=str(r), WORLD_SIZE="4"), stdout=subprocess.DEVNULL) for r in range(4)]
         try:
-            (inc,) = wait_for(d.store().list, 60, "the incident")
+            (inc,) = wait_for(d.settled, 60, "the incident")
             data = json.loads((Path(inc["dir"]) / "incident.json").read_text())
             assert sorted(p["rank"] for p in data["processes"]) == [0, 1, 2, 3]
             waits = [s["seconds"] for p in data["processes"] for s in p["steps"] if s["step"] == "flight_recorder"]
             assert len(waits) == 4 and all(w >= fr_timeout * 0.9 for w in waits)
-            stored = next(e for e in d.logs() if e.get("event") == "incident_stored")
+            stored = d.event("incident_stored")
             assert stored["seconds"] < sum(waits) - fr_timeout  # one after another would take at least their sum
         finally:
             stop(*procs)

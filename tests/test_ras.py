@@ -325,7 +325,7 @@ def test_the_daemon_asks_the_jobs_ras_and_blames_the_dead_peer(tmp_path: Path) -
                 pid = json.loads(p.stdout.readline())["pid"]
                 server.text = server.text.replace(b"786", str(pid).encode())
                 server.js = server.js.replace(b"786", str(pid).encode())
-                (inc,) = wait_for(d.store().list, 30, "an incident")
+                (inc,) = wait_for(d.settled, 30, "an incident")
             finally:
                 stop(p, sig=signal.SIGKILL)
     finally:

@@ -96,7 +96,7 @@ def test_hostile_registrations_are_refused_and_the_daemon_goes_on(tmp_path: Path
         # After all that, a good workload is still watched and caught.
         work = d.run(workload_argv(beats=5, interval=0.02), "--heartbeat-timeout", "1")
         try:
-            (inc,) = wait_for(d.store().list, 15, "an incident")
+            (inc,) = wait_for(d.settled, 15, "an incident")
             assert inc["reason"] == "heartbeat"
         finally:
             stop(work)

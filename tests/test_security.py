@@ -309,7 +309,7 @@ tmp = os.path.join({str(dumps)!r}, '.evil')
 open(tmp, 'w').write({driver_lines!r})
 os.rename(tmp, os.path.join({str(dumps)!r}, 'nodump_{socket.gethostname()}.{pid}.1.driver-log'))
 """)
-            planted = wait_for(lambda: [i for i in d.store().list() if i["reason"] == "gpu-exception"], 20, "the planted report")
+            planted = wait_for(lambda: [i for i in d.settled() if i["reason"] == "gpu-exception"], 20, "the planted report")
             assert len(planted) == 1
             inc = planted[0]
             assert inc["processes"] == [] and inc["job"] is None
@@ -328,7 +328,7 @@ os.rename(tmp, os.path.join({str(dumps)!r}, 'nodump_{socket.gethostname()}.{pid}
             tmp = dumps / ".driver-writing"
             tmp.write_bytes(blob)
             tmp.rename(dumps / dump_name(pid))
-            real = wait_for(lambda: [i for i in d.store().list() if i["reason"] == "gpu-exception" and i["processes"] == [pid]],
+            real = wait_for(lambda: [i for i in d.settled() if i["reason"] == "gpu-exception" and i["processes"] == [pid]],
                             30, "the real exception")[0]
             assert not (Path(real["dir"]) / str(pid) / "driver.log").exists()
             sym = json.loads((Path(real["dir"]) / str(pid) / "symbolized.json").read_text())
@@ -485,7 +485,7 @@ for n in range(3000):
 """], user=NOBODY, group=NOBODY, extra_groups=[], cwd="/")
             assert b"stopped beating" in work.stdout.readline()  # type: ignore[union-attr]
             stopped = time.monotonic()
-            inc = wait_for(lambda: next((i for i in d.store().list() if i["reason"] == "heartbeat"), None), 60, "the incident")
+            inc = wait_for(lambda: next((i for i in d.settled() if i["reason"] == "heartbeat"), None), 60, "the incident")
             data = json.loads((Path(inc["dir"]) / "incident.json").read_text())
             steps = {s["step"]: s for s in data["processes"][0]["steps"]}
             assert steps["cuda_dump"]["ok"], steps["cuda_dump"]

@@ -44,7 +44,7 @@ def test_discovery_finds_a_gpu_process_that_never_imports_hangwatchd_and_catches
     with Daemon(tmp_path, config={**FAST, "discover": True, "rescan_interval": 0.5}) as d:
         work = python(code)
         try:
-            (inc,) = wait_for(d.store().list, 30, "a stack incident")
+            (inc,) = wait_for(d.settled, 30, "a stack incident")
             assert inc["reason"] == "stack" and inc["processes"] == [work.pid]
             assert "blocked in" in inc["summary"] and "same stack" in inc["summary"]
             data = json.loads((Path(inc["dir"]) / "incident.json").read_text())
@@ -83,7 +83,7 @@ def test_a_declared_stack_timeout_catches_a_process_that_merely_stopped_moving(t
         work = d.run([sys.executable, "-c", "import time\ndef poll_forever():\n    while True: time.sleep(0.2)\npoll_forever()"],
                      "--stack-timeout", "2", "--heartbeat-timeout", "3600")
         try:
-            (inc,) = wait_for(d.store().list, 30, "a stack incident")
+            (inc,) = wait_for(d.settled, 30, "a stack incident")
             assert inc["reason"] == "stack" and "declared --stack-timeout" in inc["summary"]
         finally:
             stop(work, sig=signal.SIGKILL)
@@ -99,7 +99,7 @@ def test_a_learned_timeout_catches_a_fast_loop_within_seconds(tmp_path: Path) ->
         try:
             assert work.stdout is not None
             hung_at = float(work.stdout.readline().split()[1])
-            (inc,) = wait_for(d.store().list, 30, "an incident")
+            (inc,) = wait_for(d.settled, 30, "an incident")
             data = json.loads((Path(inc["dir"]) / "incident.json").read_text())
             assert data["reason"] == "heartbeat" and "learned" in data["detail"]
             assert data["signals"] == ["heartbeat", "stack"]  # a learned timeout waits for the stack to agree
@@ -149,7 +149,7 @@ def test_sd_notify_watchdog_counts_as_a_beat_and_status_is_kept(tmp_path: Path) 
                 return p
             p = wait_for(lambda: (lambda p: p if p["notify_status"] == "serving step 29" else None)(status()), 5, "the status")
             assert p["beats"] >= 30
-            (inc,) = wait_for(d.store().list, 20, "an incident")
+            (inc,) = wait_for(d.settled, 20, "an incident")
             data = json.loads((Path(inc["dir"]) / "incident.json").read_text())
             assert data["notify_status"] == "serving step 29"
             assert d.proc.poll() is None

@@ -16,7 +16,7 @@ from pathlib import Path
 from ..host import procfs, untrusted
 from ..model import Registration
 from ..workload import dump_names
-from . import dump_artifacts
+from . import dump_artifacts, late
 from .base import StepFailed, StepNotApplicable, poke_held_fifo
 from .waitfile import Watch
 
@@ -65,7 +65,9 @@ class CudaDumpStep:
             except untrusted.Refused as exc:
                 raise StepFailed(f"refusing to read the dump: {exc}") from None
             try:
-                stored = dump_artifacts.store_fd(fd, found, outdir, remove_source=False)
+                # symbolized.json goes into the stored incident before the dump is compressed (capture.late).
+                stored = dump_artifacts.store_fd(fd, found, outdir, remove_source=False,
+                                                 on_symbolized=lambda: late.publish(outdir))
                 if "coredump.nvcudmp.zst" in stored.files:  # kept: the workload's copy goes
                     watch.unlink_same(found, os.fstat(fd))
             finally:

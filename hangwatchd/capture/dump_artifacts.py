@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,22 +43,25 @@ def open_dump(dump: Path, uid: int | None) -> int:
     return untrusted.open_fd(dump, uid, allow_root=uid == 0, max_size=MAX_DUMP)
 
 
-def store(dump: Path, outdir: Path, uid: int | None, remove_source: bool = True, keep_dump: bool = True) -> Stored:
+def store(dump: Path, outdir: Path, uid: int | None, remove_source: bool = True, keep_dump: bool = True,
+          on_symbolized: Callable[[], None] | None = None) -> Stored:
     """Symbolise ``dump`` into outdir/symbolized.json and keep it as outdir/coredump.nvcudmp.zst.
 
     ``dump`` is opened once through ``untrusted`` (raises untrusted.Refused) and only that
     open file is read. A full disk drops the compressed dump but keeps the symbolised
     report, and says so; ``keep_dump=False`` (the report goes to the spool: no room)
-    leaves the dump where it is.
+    leaves the dump where it is. ``on_symbolized`` is called once symbolized.json is written,
+    before the dump is compressed: the report need not wait for the compression.
     """
     fd = open_dump(dump, uid)
     try:
-        return store_fd(fd, dump, outdir, remove_source, keep_dump)
+        return store_fd(fd, dump, outdir, remove_source, keep_dump, on_symbolized)
     finally:
         os.close(fd)
 
 
-def store_fd(fd: int, dump: Path, outdir: Path, remove_source: bool, keep_dump: bool = True) -> Stored:
+def store_fd(fd: int, dump: Path, outdir: Path, remove_source: bool, keep_dump: bool = True,
+             on_symbolized: Callable[[], None] | None = None) -> Stored:
     files: list[str] = []
     notes: list[str] = []
     result: Symbolized | None = None
@@ -72,6 +76,8 @@ def store_fd(fd: int, dump: Path, outdir: Path, remove_source: bool, keep_dump: 
         files.append("symbolized.json")
     except CoreDumpError as exc:
         notes.append(str(exc).replace(opened, str(dump)))
+    if on_symbolized is not None and files:
+        on_symbolized()
     target = outdir / "coredump.nvcudmp.zst"
     if not keep_dump:
         notes.append(f"the disk is full: the dump was not copied (it stays as {dump}); the report is kept")

@@ -164,6 +164,7 @@ def ask(addr: str, timeout: float) -> Answer:
 @dataclass
 class NcclRasStep:
     name: str = "nccl_ras"
+    beside: bool = True  # it asks NCCL's RAS service over TCP, never the process: beside the other steps
     # (incident directory, address) -> the answer; every rank of the incident gets the same one.
     _answers: OrderedDict[tuple[str, str], Answer] = field(default_factory=OrderedDict)
     _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)

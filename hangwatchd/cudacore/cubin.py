@@ -26,12 +26,9 @@ class Function:
 def demangle(mangled: str) -> str:
     if not mangled.startswith("_Z"):
         return mangled
-    import cxxfilt  # imported here: a dump of only C names never needs it
+    from .demangle import demangle_symbol  # imported here: a dump of only C names never needs it
 
-    try:
-        return cxxfilt.demangle(mangled)
-    except (cxxfilt.InvalidName, cxxfilt.LibraryNotFound, UnicodeDecodeError):
-        return mangled
+    return demangle_symbol(mangled)
 
 
 class Cubin:

@@ -3,14 +3,9 @@ frames innermost first, exactly as the compiler recorded them."""
 
 from __future__ import annotations
 
-import glob
-import importlib.util
 import os
 import re
-import tempfile
 from dataclasses import dataclass
-
-from ..host import subproc
 
 INSTALL_HINT = "pip install nvidia-cuda-nvdisasm (or put a CUDA toolkit's nvdisasm on PATH)"
 DEADLINE_S = 60.0
@@ -27,6 +22,11 @@ class SourceLine:
 
 def find_nvdisasm() -> str | None:
     """$HANGWATCHD_NVDISASM ('none' to go without), then a toolkit's (PATH, $CUDA_HOME), then the PyPI package's."""
+    import glob
+    import importlib.util
+
+    from ..host import subproc  # here, not above: `symbolize` on a dump whose line tables answer never runs it
+
     homes = [h for h in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda") if h]
     candidates = [os.path.join(h, "bin", "nvdisasm") for h in homes]
     spec = importlib.util.find_spec("nvidia")
@@ -41,6 +41,10 @@ class NvdisasmError(Exception):
 
 def line_table(nvdisasm: str, image: bytes, symbol_index: int | None = None) -> dict[int, tuple[SourceLine, ...]]:
     """Map each instruction address of the cubin (or of one function) to its inline chain."""
+    import tempfile
+
+    from ..host import subproc
+
     with tempfile.NamedTemporaryFile(prefix="hangwatchd-", suffix=".cubin") as f:
         f.write(image)
         f.flush()

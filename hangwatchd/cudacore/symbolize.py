@@ -155,7 +155,7 @@ class _Resolver:
 
     dump: CoreDump
     strict: bool
-    nvdisasm: str | None
+    nvdisasm: str | None  # "auto": looked for on first need
     chains: str = "line-table"
     notes: list[str] = field(default_factory=list)
     # Keyed by where the cubin lies in the dump: a hostile dump may point many modules
@@ -164,6 +164,12 @@ class _Resolver:
     _tables: dict[tuple[int, int], LineTable] = field(default_factory=dict)
     _lines: dict[tuple[tuple[int, int], int], dict[int, tuple[SourceLine, ...]]] = field(default_factory=dict)
     _frames: dict[tuple[int, int], tuple[tuple[Frame, ...], str | None]] = field(default_factory=dict)
+
+    def tool(self) -> str | None:
+        """nvdisasm, looked for only when a chain needs it: most dumps' line tables answer alone."""
+        if self.nvdisasm == "auto":
+            self.nvdisasm = find_nvdisasm()
+        return self.nvdisasm
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -228,7 +234,7 @@ class _Resolver:
             else:
                 self.note(f"PC {pc:#x} ({_short(fn.name)}): no row of its line table holds it; "
                           "its chain comes from nvdisasm")
-        if self.nvdisasm is None:
+        if self.tool() is None:
             self.note(f"nvdisasm not found, so no source lines for this cubin; {INSTALL_HINT}")
             return bare, None
         chain = self._chain(module, fn, pc)
@@ -262,9 +268,8 @@ def symbolize(path: str | os.PathLike[str], strict: bool = True, nvdisasm: str |
     cubins' line tables directly (nvdisasm only where that fails); "nvdisasm" asks
     nvdisasm for every chain, as a cross-check.
     """
-    tool = find_nvdisasm() if nvdisasm == "auto" else nvdisasm
     with open_dump(path) as dump:
-        r = _Resolver(dump, strict, tool, chains, notes=list(dump.notes))
+        r = _Resolver(dump, strict, nvdisasm, chains, notes=list(dump.notes))
         grids = {(g.device, g.grid_id): g for g in dump.grids}
         by_handle: dict[tuple[int, int], Module] = {}
         for m in dump.modules:

@@ -11,4 +11,6 @@ import lzma  # noqa: F401
 import cxxfilt  # noqa: F401
 import zstandard  # noqa: F401
 
-from . import cubin, elf, linetable, nvdisasm, reader, source, symbolize  # noqa: F401
+from . import cubin, demangle, elf, linetable, nvdisasm, reader, source, symbolize  # noqa: F401
+
+demangle.demangle_symbol("_Z1fv")  # the C++ runtime loaded once, here, for every child

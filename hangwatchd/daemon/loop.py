@@ -45,6 +45,7 @@ from ..incidents.spool import SPOOL_DIR, Spool
 from ..incidents.store import Store, StoreWriteError
 from ..metrics import Metrics, create, serve
 from ..watch.admission import Registrations
+from ..watch.discovery import Discovery
 from ..watch.watched import Watched, Watchlist
 from ..workload import registration_file
 from . import act, exception_dumps
@@ -95,6 +96,8 @@ class Daemon:
         self.sampler = Sampler(cfg.pyspy_timeout, cfg.pyspy_samples_per_uid, self.limits, self._wake)
         self.lock = InstanceLock(Path(cfg.runtime_dir))
         self.node_health = NodeHealth(Path(cfg.runtime_dir), self.metrics)  # GPU faults (XIDs), health.json
+        # New GPU processes within seconds, found on a thread of its own (watch/discovery.py).
+        self.discovery = Discovery(cfg.discover_devices, cfg.discover_interval, self._wake) if cfg.discover else None
         self.rescan_due = False  # the inotify queue overflowed: events were lost
         self.next_dump_scan = float("inf")  # a scan found dumps still being written: look again then
         self.stopping = False
@@ -177,6 +180,8 @@ class Daemon:
             self.workers.flush_spool()
             self.rescan()
             self._scan_dumps()
+            if self.discovery is not None:
+                self.discovery.start()  # after the first full scan: what runs now is known
             notify("READY=1")
             self.status.say(f"watching {len(self.watched)} processes")
             log.info("daemon_ready", state_dir=self.config.state_dir, runtime_dir=self.config.runtime_dir,
@@ -189,6 +194,8 @@ class Daemon:
             self.sampler.shutdown()
             if self.workers.act:
                 self.workers.act.stop()
+            if self.discovery is not None:
+                self.discovery.stop()
             if self.fleet:
                 self.fleet.stop()
             for s, h in old.items():
@@ -228,6 +235,10 @@ class Daemon:
                     guard("exit", self.registrations.exited, key.data)
             now = time.monotonic()
             self.workers.collect()
+            if self.discovery is not None:
+                found = self.discovery.take()
+                if found:
+                    guard("discover", self.registrations.discover, found)
             self.workers.serve_requests()
             for w, sample, native in self.sampler.ready(self.watched):
                 self.machine.judge_stack(w, sample, native, now)

@@ -1,4 +1,5 @@
-"""A hang made into an incident: capture, then analyse, then store, the three stages in their order.
+"""A hang made into an incident: capture, then analyse, then store, the three stages in their order;
+then the slow evidence, added to the stored incident as it comes.
 
 The capture stage knows nothing of the stages after it: it writes what it took
 into a directory it is given. This module, above them, hands it the store's
@@ -8,7 +9,10 @@ commits the incident. The daemon and ``hangwatchd capture`` both come here.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
+import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,13 +20,14 @@ from typing import Any
 import structlog
 
 from ..analyze.verdict import analyze
+from ..capture import late
 from ..capture.base import Step
 from ..capture.pipeline import capture_all
 from ..host import gpu_events
 from ..incidents.spool import Spool, begin_draft, finish_draft
-from ..incidents.store import Store, incident_to_json
+from ..incidents.store import COMING, LATE_DIR, Store, StoreWriteError, incident_to_json
 from ..metrics import Metrics
-from ..model import Incident, Registration, Suspicion
+from ..model import Incident, PendingEvidence, ProcessCapture, Registration, StepResult, Suspicion
 from ..report import html
 from ..workload import exits
 
@@ -45,33 +50,157 @@ def make_incident(
 ) -> str:
     """Capture every target into one new incident and store it; return the incident's id.
 
+    The incident is stored once every target's facts and stacks are in; the slow
+    evidence (flight recorders, GPU dumps: ``capture.late``) is added to it as each
+    rank's arrives, each under its own deadline, and the report says what is still
+    coming until then. Returns when everything has come or passed its deadline.
+
     ``gone``: job-mates that had exited, each written as ``PID/exit.json`` for the verdict.
     With a ``spool``, a state dir without room costs the GPU dump, never the
-    report: the report is kept in the spool until the state dir takes it.
+    report: the report is kept in the spool until the state dir takes it (and
+    the slow evidence is taken before it is sealed there).
     """
+    declared = time.monotonic()
     job = targets[0].job if targets else None
     pids = [t.process.pid for t in targets]
     draft = begin_draft(store, spool, suspicion.reason, job, pids, metrics)
     if draft.spooled:
         why = "the state dir has no room: the report is kept, a GPU dump would be lost (it ends the process)"
         gate = lambda _outdir: why  # noqa: E731
-    captures = capture_all(steps, targets, draft.path, budget, metrics, gate)
+    first, later = late.split(steps)
+    if draft.spooled:  # a spooled report is sealed once: everything goes in before
+        first, later = list(steps), []
+    captures = capture_all(first, targets, draft.path, budget, metrics, gate)
     exits.write_into(draft.path, list(gone), targets[0] if targets else None, suspicion.since)
     gpu_events.attach(draft.path, pids, suspicion.since)  # the GPU faults (XIDs) of the GPUs these ran on
-    try:
-        analysis = analyze(draft.path)
-        verdict, analysis_dict = analysis.summary, analysis.to_dict()
-    except Exception as exc:  # noqa: BLE001 - a capture is stored even when its analysis fails
-        log.error("analysis_failed", incident=draft.id, error=f"{type(exc).__name__}: {exc}")
-        verdict, analysis_dict = f"the analysis failed ({type(exc).__name__}: {exc}); the evidence is kept", None
+    until = time.time() + max((t for _, t in later), default=0.0) + late.HEAD_START
+    # A GPU dump the policy refuses is not coming: said at once, never listed as pending.
+    pending = tuple(PendingEvidence(t.process.pid, s.name, until) for t in targets for s, _ in later
+                    if not getattr(s, "destructive", False) or (gate is not None and gate(draft.path / str(t.process.pid)) is None))
     incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason=suspicion.reason,
                         detail=suspicion.detail, job=job, processes=tuple(captures), signals=suspicion.signals,
-                        notify_status=notify_status, verdict=verdict, since=suspicion.since, node=node,
-                        job_incident=job_incident)
-    if analysis_dict is not None:
-        write_pages(draft.path, incident, analysis_dict)
-    finish_draft(store, spool, draft, incident, f"{verdict} ({suspicion.detail})", analysis_dict, metrics)
+                        notify_status=notify_status, since=suspicion.since, node=node,
+                        job_incident=job_incident, pending=pending)
+    incident, analysis_dict = _analysed(draft.path, incident)
+    finish_draft(store, spool, draft, incident, _summary(incident, suspicion), analysis_dict, metrics)
+    log.info("incident_stored_first", incident=draft.id, pids=pids, pending=len(pending),
+             seconds=round(time.monotonic() - declared, 3))
+    if later and not (store.dir / draft.id).is_dir():
+        # The state dir refused the commit and the report went to the spool (sealed once): the
+        # slow evidence cannot be added there; the GPU dump would be lost anyway (it ends the process).
+        log.error("late_evidence_not_taken", incident=draft.id, why="the report went to the spool")
+    elif later:
+        _add_late(store, later, targets, incident, suspicion, gate, metrics, declared)
     return draft.id
+
+
+def _analysed(directory: Path, incident: Incident) -> tuple[Incident, dict[str, Any] | None]:
+    """The incident with its verdict on what ``directory`` holds now, and the pages rendered into it."""
+    try:
+        analysis = analyze(directory)
+        verdict, analysis_dict = analysis.summary, analysis.to_dict()
+    except Exception as exc:  # noqa: BLE001 - a capture is stored even when its analysis fails
+        log.error("analysis_failed", incident=incident.id, error=f"{type(exc).__name__}: {exc}")
+        verdict, analysis_dict = f"the analysis failed ({type(exc).__name__}: {exc}); the evidence is kept", None
+    incident = dataclasses.replace(incident, verdict=verdict)
+    if analysis_dict is not None:
+        write_pages(directory, incident, analysis_dict)
+    return incident, analysis_dict
+
+
+def _summary(incident: Incident, suspicion: Suspicion) -> str:
+    """The index row's one line: the verdict, the suspicion, and what is still coming."""
+    line = f"{incident.verdict} ({suspicion.detail})"
+    return f"{line}{COMING}{coming(incident)}" if incident.pending else line
+
+
+def coming(incident: Incident) -> str:
+    """What is still coming, in a few words: "flight_recorder of 2 ranks, cuda_dump of 2 ranks"."""
+    by_step: dict[str, int] = {}
+    for p in incident.pending:
+        by_step[p.step] = by_step.get(p.step, 0) + 1
+    return ", ".join(f"{step} of {n} rank{'s' if n > 1 else ''}" for step, n in by_step.items())
+
+
+def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequence[Registration], incident: Incident,
+              suspicion: Suspicion, gate: Callable[[Path], str | None] | None, metrics: Metrics | None,
+              declared: float) -> None:
+    """Run the slow steps on every rank and add each piece of evidence to the stored incident as it comes.
+
+    Files move in at once, under a lock; the verdict is then made again and incident.json,
+    the pages and the index row rewritten by one thread at a time, which goes on while more
+    came meanwhile: eight ranks' dumps arriving together cost a few analyses, not sixteen."""
+    lock = threading.Lock()
+    state: dict[str, Any] = {"incident": incident, "dirty": False, "analysing": False}
+    final = store.dir / incident.id
+    uids = [t.uid for t in targets]
+
+    def late_gate(outdir: Path) -> str | None:  # the policy sees the rank's stored evidence, not the late dir
+        pid = outdir.name.removeprefix(LATE_DIR).rsplit("-", 2)[1]  # .late-ID-PID-STEP
+        return gate(final / pid) if gate else "no policy allows destructive steps here"
+
+    def settle() -> None:
+        """Re-analyse and rewrite until nothing new came meanwhile; one thread at a time does it."""
+        with lock:
+            if state["analysing"]:
+                return  # the one at it picks this up
+            state["analysing"] = True
+        try:
+            while True:
+                with lock:
+                    if not state["dirty"]:
+                        state["analysing"] = False  # in the same breath as the look: nothing slips between
+                        return
+                    state["dirty"] = False
+                    snapshot = state["incident"]
+                cur, analysis = _analysed(final, snapshot)
+                try:
+                    store.amend(incident.id, cur, _summary(cur, suspicion), analysis)
+                except StoreWriteError as exc:
+                    log.error("late_evidence_not_kept", incident=incident.id, error=str(exc))
+                with lock:
+                    state["incident"] = dataclasses.replace(state["incident"], verdict=cur.verdict)
+        except BaseException:
+            with lock:
+                state["analysing"] = False
+            raise
+
+    def step_done(target: Registration, outdir: Path, result: StepResult) -> None:
+        pid = target.process.pid
+        with lock:
+            try:
+                store.add_files(incident.id, pid, outdir, uids)
+            except StoreWriteError as exc:
+                log.error("late_evidence_not_kept", incident=incident.id, pid=pid, error=str(exc))
+                if result.files:
+                    result = dataclasses.replace(result, ok=False, files=(), error=f"not kept: {exc}")
+            cur = state["incident"]
+            procs = tuple(ProcessCapture(pc.registration, pc.steps + (result,))
+                          if pc.registration.process.pid == pid else pc for pc in cur.processes)
+            still = tuple(p for p in cur.pending if (p.pid, p.step) != (pid, result.step))
+            state["incident"] = dataclasses.replace(cur, processes=procs, pending=still)
+            state["dirty"] = True
+        settle()
+        log.info("incident_amended", incident=incident.id, pid=pid, step=result.step,
+                 seconds=round(time.monotonic() - declared, 3), still_coming=len(still),
+                 outcome="n/a" if result.not_applicable else "ok" if result.ok else result.error)
+
+    def early(target: Registration, outdir: Path) -> None:  # a GPU dump symbolised, its compression to come
+        pid = target.process.pid
+        with lock:
+            try:
+                moved = store.add_files(incident.id, pid, outdir, uids, more=True)
+            except StoreWriteError as exc:
+                log.error("late_evidence_not_kept", incident=incident.id, pid=pid, error=str(exc))
+                return
+            state["dirty"] = True
+        settle()
+        log.info("incident_amended", incident=incident.id, pid=pid, step=outdir.name.rsplit("-", 1)[-1], files=moved,
+                 seconds=round(time.monotonic() - declared, 3), outcome="partial")
+
+    late.run_late(steps, targets, lambda t, step: store.late_dir(incident.id, t.process.pid, step), late_gate, metrics,
+                  step_done, early=early)
+    settle()  # whatever a thread that returned early left for the last one
 
 
 def write_pages(draft_dir: Path, incident: Incident, analysis: dict[str, Any]) -> None:

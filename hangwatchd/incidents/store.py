@@ -103,6 +103,17 @@ def incident_to_json(incident: Incident) -> dict[str, Any]:
     return data
 
 
+def _add_pending_column(db: sqlite3.Connection) -> None:
+    """Indexes made before evidence could be added to a stored incident get the column it needs."""
+    columns = {r[1] for r in db.execute("PRAGMA table_info(incidents)")}
+    if "pending" not in columns:
+        db.execute("ALTER TABLE incidents ADD COLUMN pending INTEGER NOT NULL DEFAULT 0")
+
+
+COMING = "; still coming: "  # what an index row's summary says while evidence is pending, before the list
+LATE_DIR = ".late-"  # incidents/.late-ID-PID-STEP: where a step still running after the store writes, unseen
+
+
 class Store:
     def __init__(self, state_dir: str | os.PathLike[str]) -> None:
         self.root = Path(state_dir)
@@ -118,6 +129,7 @@ class Store:
             self.dir.mkdir(parents=True, exist_ok=True)
             with self._db() as db:
                 db.executescript(SCHEMA)
+                _add_pending_column(db)
         except (OSError, sqlite3.Error) as exc:
             if self._readable() and os.access(self.dir, os.W_OK):
                 return f"state dir {self.root} cannot be written now ({exc}); reports wait in the spool until it can"
@@ -206,12 +218,60 @@ class Store:
             raise _write_failure(self.root, exc) from exc
         try:
             with self._db() as db:
-                db.execute("UPDATE incidents SET status=?, summary=? WHERE id=?",
-                           ("complete" if incident.complete else "incomplete", summary, draft.id))
+                db.execute("UPDATE incidents SET status=?, summary=?, pending=? WHERE id=?",
+                           ("complete" if incident.complete else "incomplete", summary, len(incident.pending), draft.id))
         except sqlite3.Error as exc:
             final.replace(draft.path)  # not indexed: back to a draft, for the caller to keep elsewhere
             raise _write_failure(self.root, exc) from exc
         return final
+
+    # -- adding to a stored incident (evidence that came after it was stored) --
+
+    def late_dir(self, incident_id: str, pid: int, step: str) -> Path:
+        """Where a step still running for ``pid`` writes: beside the incident (the same filesystem, so
+        a file moves in by one rename), hidden, root's alone, one a step. Nothing there is shown or
+        analysed; ``add_files`` moves each finished file into place."""
+        path = self.dir / f"{LATE_DIR}{incident_id}-{pid}-{step}"
+        path.mkdir(mode=0o700, exist_ok=True)
+        return path
+
+    def add_files(self, incident_id: str, pid: int, late: Path, uids: list[int | None], more: bool = False) -> list[str]:
+        """Move the finished files of ``late`` (a ``late_dir``) into the incident's PID directory,
+        each by one rename: a reader sees a file whole or not at all. Returns their names.
+        ``more``: the step is still writing there (only its finished files are in ``late`` now)."""
+        target = self.dir / incident_id / str(pid)
+        try:
+            target.mkdir(mode=0o700, exist_ok=True)
+            permissions.restrict(late, uids)  # opened to the owner before it is visible, as commit does
+            moved = []
+            for entry in sorted(os.scandir(late), key=lambda e: e.name):
+                if entry.name.startswith(".") or not entry.is_file(follow_symlinks=False):
+                    continue  # a temp file of a step that gave up: never shown
+                os.replace(entry.path, target / entry.name)
+                moved.append(entry.name)
+            self._fsync_dir(target)
+            if not more:
+                shutil.rmtree(late, ignore_errors=True)
+        except OSError as exc:
+            raise _write_failure(self.root, exc) from exc
+        return moved
+
+    def amend(self, incident_id: str, incident: Incident, summary: str, analysis: dict[str, Any] | None = None) -> None:
+        """Rewrite a stored incident's incident.json (whole or not at all) and its index row: evidence
+        came, or passed its deadline. StoreWriteError when the state dir cannot take it; the
+        incident as it was stays whole."""
+        data = incident_to_json(incident)
+        if analysis is not None:
+            data["analysis"] = analysis
+        final = self.dir / incident_id
+        try:
+            write_incident_json(final, data)
+            # incident.json and the pages are new files: closed and opened to the owner as at commit.
+            permissions.restrict(final, [pc.registration.uid for pc in incident.processes])
+            with self._db() as db:
+                db.execute("UPDATE incidents SET summary=?, pending=? WHERE id=?", (summary, len(incident.pending), incident_id))
+        except (OSError, sqlite3.Error) as exc:
+            raise _write_failure(self.root, exc) from exc
 
     def abandon(self, draft: Draft) -> None:
         """Drop a draft whose report went elsewhere: its directory, and its index row where the index takes it."""
@@ -307,10 +367,38 @@ class Store:
                 db.execute("UPDATE incidents SET status=?, summary=COALESCE(summary, ?) WHERE id=?",
                            (status, "interrupted by a daemon restart" if status == "incomplete" else None, incident_id))
             touched.append(incident_id)
+        for late in self.dir.glob(f"{LATE_DIR}*"):
+            shutil.rmtree(late, ignore_errors=True)  # a step the stop cut short: what it wrote was never shown
+        with self._db() as db:
+            stopped = [r[0] for r in db.execute("SELECT id FROM incidents WHERE pending > 0").fetchall()]
+        for incident_id in stopped:
+            self._never_came(incident_id, "the daemon stopped before it came")
+            touched.append(incident_id)
         for stray in self.dir.glob(".partial-*"):
             if not (self.dir / stray.name.removeprefix(".partial-")).exists():
                 shutil.rmtree(stray, ignore_errors=True)  # never indexed: nothing refers to it
         return touched
+
+    def _never_came(self, incident_id: str, why: str) -> None:
+        """Evidence a stopped daemon was still waiting for: said so in incident.json, the row settled."""
+        path = self.dir / incident_id / "incident.json"
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = None
+        if isinstance(data, dict) and data.get("pending"):
+            for p in data["pending"]:
+                proc = next((x for x in data.get("processes", []) if x.get("pid") == p.get("pid")), None)
+                if proc is not None:
+                    proc.setdefault("steps", []).append(
+                        {"step": p.get("step"), "ok": False, "seconds": 0.0, "error": f"never came: {why}",
+                         "files": [], "skipped": False, "not_applicable": False})
+            data["pending"] = []
+            write_incident_json(path.parent, data)
+        with self._db() as db:
+            row = db.execute("SELECT summary FROM incidents WHERE id=?", (incident_id,)).fetchone()
+            summary = (row[0] or "").split(COMING)[0] if row else None
+            db.execute("UPDATE incidents SET pending=0, summary=? WHERE id=?", (summary, incident_id))
 
     # -- retention -------------------------------------------------------
 
@@ -365,15 +453,17 @@ class Store:
             return []
         try:
             with self._reader() as db:
+                # An index no daemon of this version has opened yet has no pending column: none is pending.
+                pending = "pending" if any(r[1] == "pending" for r in db.execute("PRAGMA table_info(incidents)")) else "0"
                 rows = db.execute(
-                    "SELECT id, time, host, reason, job, status, processes, summary FROM incidents "
+                    f"SELECT id, time, host, reason, job, status, processes, summary, {pending} FROM incidents "
                     "WHERE status != 'capturing' ORDER BY time DESC, id DESC LIMIT ?", (limit,)).fetchall()
         except sqlite3.Error as exc:
             raise StoreError(f"cannot read the incident index {self.index} ({exc}); "
                              f"if the disk is full, free space there (df {self.root})") from None
         return [
             {"id": r[0], "time": r[1], "host": r[2], "reason": r[3], "job": r[4], "complete": r[5] == "complete",
-             "processes": json.loads(r[6]), "summary": r[7], "dir": str(self.dir / r[0])}
+             "processes": json.loads(r[6]), "summary": r[7], "pending": r[8] or 0, "dir": str(self.dir / r[0])}
             for r in rows
             # A user sees the incidents they may open (their own): see incident_access.
             if os.geteuid() == 0 or os.access(self.dir / r[0], os.R_OK | os.X_OK)

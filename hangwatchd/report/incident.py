@@ -89,8 +89,17 @@ def render_text(data: dict[str, Any]) -> str:
     when = data.get("time")
     stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(when)) if isinstance(when, (int, float)) else "?"
     state = "complete" if data.get("complete", True) else "INCOMPLETE"
+    pending = [p for p in data.get("pending") or [] if isinstance(p, dict)]
+    if pending:
+        state += ", evidence still coming"
     analysis = data.get("analysis")
-    out = [analysis["summary"], ""] if analysis else []
+    out = [analysis["summary"]] if analysis else []
+    if pending:  # the verdict may change once the flight recorders and GPU dumps are in
+        until = max((p.get("until") or 0 for p in pending), default=0)
+        out.append("(still coming: " + ", ".join(f"{p.get('step')} of pid {p.get('pid')}" for p in pending)
+                   + (f", by {time.strftime('%H:%M:%S UTC', time.gmtime(until))}" if until else "")
+                   + "; this verdict is on what has come)")
+    out += [""] if analysis else []
     out += [f"Incident {data.get('id')} ({state})",
            f"  {stamp} on {data.get('host', '?')}: {data.get('reason', '?')} - {data.get('detail') or data.get('note') or ''}"]
     if data.get("job"):
@@ -105,12 +114,14 @@ def render_text(data: dict[str, Any]) -> str:
         cmd = " ".join(proc.get("cmdline") or (proc.get("proc") or {}).get("cmdline") or [])
         out += ["", f"Process {proc.get('pid')}{rank}: {cmd}"]
         steps = proc.get("steps") or []
-        if steps:
+        coming = [p.get("step") for p in pending if p.get("pid") == proc.get("pid")]
+        if steps or coming:
             out.append("  capture:")
             for s in steps:
                 outcome = "n/a" if s.get("not_applicable") else "skipped" if s.get("skipped") else "ok" if s["ok"] else "FAILED"
                 why = f" - {s['error']}" if s.get("error") else ""
                 out.append(f"    {s['step']:<16} {outcome:<8} {s['seconds']:6.2f} s{why}")
+            out += [f"    {step!s:<16} coming" for step in coming]
         stacks = proc.get("stacks")
         if not stacks:
             out.append("  (no stacks were captured)")

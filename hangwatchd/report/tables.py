@@ -53,7 +53,7 @@ def incidents(items: Sequence[dict[str, Any]]) -> str:
     """``hangwatchd incidents``: one row per stored incident, newest first."""
     rows = [("ID", "TIME (UTC)", "REASON", "JOB", "PIDS", "SUMMARY")]
     for i in items:
-        rows.append((i["id"] + ("" if i["complete"] else " (incomplete)"),
+        rows.append((i["id"] + ("" if i["complete"] else " (incomplete)") + (" (evidence coming)" if i.get("pending") else ""),
                      _utc(i["time"]), i["reason"], cut(i["job"] or "-", 32),
                      cut(",".join(map(str, i["processes"])), 24), cut(fold(i["summary"] or ""), 100)))
     return table(rows)

@@ -26,7 +26,7 @@ from ..metrics import Metrics
 from ..model import ProcessId, Registration, State
 from ..workload import exits, registration_file
 from ..workload.registration_file import RegistrationError
-from . import ranks
+from . import discovery, ranks
 from .watched import Watched, Watchlist
 
 log = structlog.get_logger("hangwatchd.daemon")
@@ -160,10 +160,12 @@ class Registrations:
                 return float(seconds)
         return None
 
-    def discover(self) -> None:
-        """Every process holding /dev/nvidia* open, watched by its stack (a sidecar's view of the pod)."""
+    def discover(self, pids: list[int] | None = None) -> None:
+        """Every process holding /dev/nvidia* open (or ``pids``, found so by ``discovery``), watched by
+        its stack (a sidecar's view of the pod)."""
         known = {p.pid for p in self.watched} | {os.getpid()}
-        found = procfs.gpu_processes()
+        prefix = self.config.discover_devices
+        found = discovery.holders(prefix) if pids is None else pids
         workers_of = {k.pid for k, w in self.watched.items() if w.role != "launcher"}
         for pid in found:
             if pid in known:

@@ -31,7 +31,7 @@ def main(out: Path) -> int:
             "run", "--runtime-dir", str(d.runtime_dir), "--heartbeat-timeout", "10", "--"), sys.executable,
             str(ROOT / "tests/gpu/diverge.py")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True)  # its own group: torchrun, the launchers and the ranks go down together
-        inc = wait_for(d.store().list, 240, "the incident", every=0.5)[0]
+        inc = wait_for(d.settled, 240, "the incident", every=0.5)[0]
         res = subprocess.run(hangwatchd_argv("analyze", inc["dir"], "--json"), capture_output=True, text=True)
         (out / "analysis.json").write_text(res.stdout + res.stderr)
         show = subprocess.run(hangwatchd_argv("show", inc["id"], "--state-dir", str(d.state_dir)), capture_output=True, text=True)

@@ -101,7 +101,7 @@ def scenario(name: str, out: Path, fake: bool, hold: float = 0.0, on_hang: str |
             result["killed_at"] = time.time()
             os.kill(pid[1], signal.SIGKILL)  # the OOM killer, a failing node: from outside
         result["rank1_returncode"] = ranks[1].wait(120)
-        inc = wait_for(d.store().list, 180, "the incident", every=0.5)[0]
+        inc = wait_for(d.settled, 180, "the incident", every=0.5)[0]
         result["incident"] = inc["id"]
         meta = json.loads((Path(inc["dir"]) / "incident.json").read_text())
         res = subprocess.run(hangwatchd_argv("analyze", inc["dir"], "--json"), capture_output=True, text=True, timeout=120)

@@ -52,7 +52,7 @@ def symbolized(inc: dict) -> dict:
 
 def new_incident(d: Daemon, seen: set[str], seconds: float) -> dict:
     def fresh():
-        return [i for i in d.store().list() if i["id"] not in seen]
+        return [i for i in d.settled() if i["id"] not in seen]
     inc = wait_for(fresh, seconds, "an incident", every=0.2)[0]
     seen.add(inc["id"])
     return inc
@@ -76,7 +76,7 @@ def main(out: Path) -> int:
         line = work.stdout.readline().decode()
         stall = float(line.split()[1])
         inc = new_incident(d, seen, 120)
-        stored = next(ts(e) for e in d.logs() if e.get("event") == "incident_stored" and e.get("incident") == inc["id"])
+        stored = ts(d.event("incident_stored", 30, incident=inc["id"]))
         sym = symbolized(inc)
         steps = json.loads((Path(inc["dir"]) / "incident.json").read_text())["processes"][0]["steps"]
         results["triton_hang"] = {
@@ -101,7 +101,7 @@ def main(out: Path) -> int:
         started.append(work)
         _, err = work.communicate(timeout=120)
         inc = new_incident(d, seen, 120)
-        stored = next(ts(e) for e in d.logs() if e.get("event") == "incident_stored" and e.get("incident") == inc["id"])
+        stored = ts(d.event("incident_stored", 30, incident=inc["id"]))
         sym = symbolized(inc)
         results["cpp_ima"] = {
             "reason": inc["reason"], "summary": inc["summary"], "exit": work.returncode,
@@ -116,7 +116,7 @@ def main(out: Path) -> int:
         started.append(work)
         _, err = work.communicate(timeout=120)
         inc = new_incident(d, seen, 120)
-        stored = next(ts(e) for e in d.logs() if e.get("event") == "incident_stored" and e.get("incident") == inc["id"])
+        stored = ts(d.event("incident_stored", 30, incident=inc["id"]))
         results["graph_ima"] = {"reason": inc["reason"], "summary": inc["summary"], "exit": work.returncode,
                                 "seconds_start_to_incident": round(stored - start, 2)}
         show(d, inc, out, "graph_ima")

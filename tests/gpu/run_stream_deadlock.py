@@ -34,7 +34,7 @@ def main(out: Path) -> int:
                      "--job", "stream", stdout=subprocess.PIPE, text=True)
         assert work.stdout is not None
         stall = float(work.stdout.readline().split()[1])
-        inc = wait_for(d.store().list, 180, "the incident", every=0.5)[0]
+        inc = wait_for(d.settled, 180, "the incident", every=0.5)[0]
         stored = time.time()
         res = subprocess.run(hangwatchd_argv("analyze", inc["dir"], "--json"), capture_output=True, text=True)
         (out / "analysis.json").write_text(res.stdout + res.stderr)

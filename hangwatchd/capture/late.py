@@ -1,0 +1,127 @@
+"""The capture in two stages: what a person needs first (facts, stacks, GPU state), then the slow
+evidence (flight recorders, GPU dumps), which is added to the incident after it is stored.
+
+On an H200 the flight recorder took 4.6 s and a GPU dump 2.7 s; one rank whose
+dump never came held a whole job's incident in ``.partial-`` for minutes. So the
+incident is stored once every rank's stacks are in, and each rank's slow steps
+run on their own, each under its own deadline, handing over what they wrote as
+soon as that rank is done: no rank waits for another's dump.
+
+Within a rank the flight recorder is asked first and the GPU dump (which ends
+the process) follows once the trace is in or after ``HEAD_START`` seconds,
+whichever is first: PyTorch reads its pipe and writes the trace while the
+driver writes the dump.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import structlog
+
+from ..metrics import Metrics
+from ..model import Registration, StepResult
+from .base import Step
+from .pipeline import run_steps
+
+log = structlog.get_logger("hangwatchd.capture")
+
+LATE = frozenset({"flight_recorder", "cuda_dump"})  # slow, and nothing in the verdict's first line waits on them
+HEAD_START = 1.0  # seconds the flight recorder has before the GPU dump ends its process
+
+
+def is_late(step: Step) -> bool:
+    return step.name in LATE or bool(getattr(step, "destructive", False))
+
+
+def split(steps: Sequence[tuple[Step, float]]) -> tuple[list[tuple[Step, float]], list[tuple[Step, float]]]:
+    """(the steps stored first, the steps added after), each in the configured order."""
+    return [x for x in steps if not is_late(x[0])], [x for x in steps if is_late(x[0])]
+
+
+StepDone = Callable[[Registration, Path, StepResult], None]
+Early = Callable[[Registration, Path], None]
+
+# A step's output dir -> what hands over the files it has finished so far (a GPU dump's
+# symbolized.json, while the dump itself is still being compressed). Set while the step runs.
+_early: dict[str, Callable[[], None]] = {}
+_early_lock = threading.Lock()
+
+
+def publish(outdir: Path) -> None:
+    """A step has finished some of its files in ``outdir``: hand them over now, where someone
+    takes them (a late step of a stored incident); nothing otherwise."""
+    with _early_lock:
+        fn = _early.get(str(outdir))
+    if fn is not None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - handing over early is a favour: the step goes on
+            log.error("early_evidence_failed", dir=str(outdir), error=f"{type(exc).__name__}: {exc}", exc_info=True)
+
+
+def run_late(
+    steps: Sequence[tuple[Step, float]],
+    targets: Sequence[Registration],
+    outdir_of: Callable[[Registration, str], Path],
+    gate: Callable[[Path], str | None] | None,
+    metrics: Metrics | None,
+    done: StepDone,
+    head_start: float = HEAD_START,
+    early: Early | None = None,
+) -> None:
+    """Run the late ``steps`` on every target at once, each step into its own ``outdir_of(target,
+    step)``; call ``done(target, outdir, result)`` on that step's thread as soon as it is over,
+    so each piece of evidence is handed over as it comes, and ``early(target, outdir)`` where a
+    step has finished some of its files before it is over (``publish``). Returns when every
+    rank is done."""
+    if not steps or not targets:
+        return
+    gentle = [x for x in steps if not getattr(x[0], "destructive", False)]
+    last = [x for x in steps if getattr(x[0], "destructive", False)]
+
+    def one(target: Registration, step: Step, timeout: float, step_gate: Callable[[Path], str | None] | None,
+            ran: threading.Event | None = None) -> None:
+        outdir = outdir_of(target, step.name)
+        if early is not None:
+            with _early_lock:
+                _early[str(outdir)] = lambda: early(target, outdir)
+        try:
+            # Each under its own deadline, whatever the others took.
+            results = run_steps([(step, timeout)], target, outdir, timeout, metrics, step_gate).steps
+        finally:
+            with _early_lock:
+                _early.pop(str(outdir), None)
+            if ran is not None:
+                ran.set()  # the next lane need not wait for the hand-over (which re-reads the incident)
+        for result in results:
+            try:
+                done(target, outdir, result)
+            except Exception as exc:  # noqa: BLE001 - the incident is stored: one rank's bug must not undo it
+                log.error("late_evidence_failed", pid=target.process.pid, step=result.step,
+                          error=f"{type(exc).__name__}: {exc}", exc_info=True)
+
+    def rank(target: Registration) -> None:
+        gentle_done = threading.Event()
+
+        def first() -> None:
+            try:
+                for i, (step, timeout) in enumerate(gentle):
+                    one(target, step, timeout, None, gentle_done if i == len(gentle) - 1 else None)
+            finally:
+                gentle_done.set()
+
+        lane = threading.Thread(target=first, name=f"late-{target.process.pid}", daemon=True)
+        lane.start()
+        if last:
+            gentle_done.wait(head_start)
+            for step, timeout in last:
+                one(target, step, timeout, gate)
+        lane.join()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(targets), thread_name_prefix="late") as pool:
+        for f in [pool.submit(rank, t) for t in targets]:
+            f.result()

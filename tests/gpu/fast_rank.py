@@ -1,0 +1,88 @@
+"""One rank for run_fast.py: beats, then hangs in a spinning Triton kernel with the host in
+cuStreamSynchronize behind it. Started by `hangwatchd run` (the coredump and flight-recorder
+variables set before CUDA starts).
+
+    RANK=r python3 tests/gpu/fast_rank.py [--fr]
+
+--fr: a one-rank NCCL process group (its own FileStore) with a few all_reduces first, so that
+      the flight recorder has entries and its pipe (named for rank 0) is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import hangwatchd  # noqa: E402
+
+
+@triton.jit
+def spin_kernel(x_ptr, flag, n_elements, BLOCK_SIZE: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < n_elements
+    x = tl.load(x_ptr + offs, mask=mask, other=0)
+    if flag == 1:
+        x = x + 1
+        tl.store(x_ptr + offs, x, mask=mask)
+    else:
+        while flag == 0:
+            x = x + 1
+            tl.store(x_ptr + offs, x, mask=mask)  # SPINS HERE
+
+
+def barrier() -> None:
+    """Every rank of the run ready (torch, CUDA, the kernel compiled) before any starts its last
+    beats: they hang together, as a job's ranks do. $FAST_BARRIER_DIR, $FAST_RANKS from run_fast.py."""
+    where, ranks = os.environ.get("FAST_BARRIER_DIR"), int(os.environ.get("FAST_RANKS", "1"))
+    if not where:
+        return
+    open(os.path.join(where, f"ready.{os.getpid()}"), "w").close()
+    deadline = time.monotonic() + 180
+    while len([n for n in os.listdir(where) if n.startswith("ready.")]) < ranks and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--fr", action="store_true")
+    a = p.parse_args()
+    torch.cuda.set_device(0)  # every rank on the one GPU lent
+    x = torch.ones(16, dtype=torch.float32, device="cuda")
+    reduce = None
+    if a.fr:
+        import torch.distributed as dist
+
+        store = dist.FileStore(tempfile.mktemp(prefix="fast-rank-store-"), 1)
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+        y = torch.ones(1 << 16, device="cuda")
+
+        def reduce() -> None:
+            dist.all_reduce(y)
+    spin_kernel[(1,)](x, flag=1, n_elements=x.numel(), BLOCK_SIZE=16)  # compiled before the barrier
+    torch.cuda.synchronize()
+    barrier()
+    for _ in range(20):
+        spin_kernel[(1,)](x, flag=1, n_elements=x.numel(), BLOCK_SIZE=16)
+        if reduce:
+            reduce()
+        torch.cuda.synchronize()
+        hangwatchd.beat()
+        time.sleep(0.05)
+    print(f"STALL {time.time()}", flush=True)
+    spin_kernel[(1,)](x, flag=0, n_elements=x.numel(), BLOCK_SIZE=16)
+    torch.cuda.synchronize()  # never returns: the host waits for the spinning kernel
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
