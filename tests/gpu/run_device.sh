@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One batch of GPU scenarios on the GPU machine (never in CI), all output in one tarball:
+#   bash tests/gpu/run_device.sh WAVE OUTDIR        WAVE: jobs | node
+# The machine has PyTorch but not our dependencies: carry them as wheels in .whl/ (README,
+# "Running the GPU scenarios"). jobs needs 2 GPUs; node runs on one.
+set -u
+cd "$(dirname "$0")/../.."
+wave=$1 out=$2
+work=/tmp/devout/$wave
+mkdir -p "$work" "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+export HANGWATCHD_COMMIT=${HANGWATCHD_COMMIT:-$(cat tests/gpu/COMMIT 2>/dev/null || echo unknown)}
+nvidia-smi -L
+run() {  # NAME CMD...: its output into $work/NAME.log, its exit status printed
+  local name=$1; shift
+  "$@" >"$work/$name.log" 2>&1
+  echo "== $name: exit $?"
+}
+case "$wave" in
+  jobs)  # issue 22: uneven data and a diverged rank on another node, then SIGKILL and abort; the hang held 100 s past its incident, about 2 minutes of hang each
+    run uneven python3 tests/gpu/run_jobs.py "$work/hold" --scenario uneven --hold 100 &
+    run nodes python3 tests/gpu/run_nodes.py "$work/nodes" 100 &
+    wait
+    run killed python3 tests/gpu/run_jobs.py "$work/hold" --scenario killed --hold 100 &
+    run abort python3 tests/gpu/run_jobs.py "$work/abort" --scenario killed --on-hang abort &
+    wait
+    for n in uneven nodes killed abort; do echo "######## $n"; tail -c 2500 "$work/$n.log"; done ;;
+  node)  # issues 18, 19, 20, 21 on one GPU
+    run one_incident python3 tests/gpu/run_one_incident.py "$work/one_incident"
+    run cause python3 tests/gpu/run_cause.py "$work/cause"
+    run fast python3 tests/gpu/run_fast.py "$work/fast"
+    run xid python3 tests/gpu/run_xid.py "$work/xid"
+    HANGWATCHD_BENCH_OUT=$work run symbolize python3 bench/symbolize.py --name symbolize_h200 tests/fixtures/gpu/*/coredump.nvcudmp.xz
+    for n in one_incident cause fast xid symbolize; do echo "######## $n"; tail -c 1800 "$work/$n.log"; done ;;
+  *) echo "unknown wave $wave" >&2; exit 2 ;;
+esac
+find "$work" -name '*.zst' -delete
+tar czf "$out/$wave.tgz" -C /tmp/devout "$wave"
