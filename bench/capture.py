@@ -38,7 +38,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "hangwatchd", "symbolize", "--json", str(raw)], capture_output=True, check=True)
         alone = time.perf_counter() - start
         for i in range(RUNS):
-            path = d.state_dir / "dumps" / f"core_{socket.gethostname()}.{1000 + i}.{i}.nvcudmp"
+            path = d.dump_dir / f"core_{socket.gethostname()}.{1000 + i}.{i}.nvcudmp"
             with open(path, "wb") as f:  # written in pieces, as the driver does
                 for k in range(0, len(blob), 8 << 20):
                     f.write(blob[k : k + (8 << 20)])

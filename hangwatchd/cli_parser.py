@@ -122,7 +122,7 @@ def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
     d.add_argument("--state-dir", help=f"incidents and their index (default: {_default('state_dir')})")
     d.add_argument("--runtime-dir", help="registrations, heartbeat segments, pipes; workloads find it through "
                                          f"$HANGWATCHD_RUNTIME_DIR (default: {_default('runtime_dir')})")
-    d.add_argument("--dump-dir", help="where CUDA writes coredumps (default: STATE_DIR/dumps)")
+    d.add_argument("--dump-dir", help="where CUDA writes coredumps (default: STATE_DIR-dumps, beside the state dir)")
     d.add_argument("--metrics-address", metavar="HOST:PORT",
                    help=f"where Prometheus scrapes /metrics; port 0 picks one, '' serves none (default: {_default('metrics_address')})")
     d.add_argument("--heartbeat-timeout", type=_duration, metavar="DURATION",
@@ -209,7 +209,7 @@ def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
                   "Exit status 1 when a required check fails.",
                   ["hangwatchd check", "hangwatchd check --config /etc/hangwatchd/hangwatchd.toml --json"],
                   [dirs, as_json, config_file])
-    ck.add_argument("--dump-dir", help="where CUDA writes coredumps (default: STATE_DIR/dumps)")
+    ck.add_argument("--dump-dir", help="where CUDA writes coredumps (default: STATE_DIR-dumps, beside the state dir)")
     ck.add_argument("--metrics-address", metavar="HOST:PORT",
                     help=f"the address to check is free (default: {_default('metrics_address')})")
 

@@ -214,7 +214,7 @@ def _timeouts_by_command(v: Any) -> dict[str, float]:
 KEYS: dict[str, Key] = {
     "state_dir": Key("/var/lib/hangwatchd", _path, "incidents and their index"),
     "runtime_dir": Key(DEFAULT_RUNTIME_DIR, _path, "registrations, heartbeat segments, pipes; clients find it through $HANGWATCHD_RUNTIME_DIR"),
-    "dump_dir": Key("", _optional_path, "where CUDA writes coredumps; \"\" means STATE_DIR/dumps"),
+    "dump_dir": Key("", _optional_path, "where CUDA writes coredumps (world-writable); \"\" means STATE_DIR-dumps, beside the state dir, never in it"),
     "metrics_address": Key("0.0.0.0:9842", _address, "where Prometheus scrapes /metrics; \"\" serves none"),
     "heartbeat_timeout": Key(120.0, _seconds, "seconds without a beat before a process is hung, when it registered none of its own"),
     "startup_grace": Key(600.0, _seconds, "seconds a registered process may take to send its first beat; one that declared no heartbeat timeout and sends none is then watched by its stack, never hung for it"),
@@ -252,6 +252,12 @@ KEYS: dict[str, Key] = {
     "incident_max_age_days": Key(90.0, _days, "incidents older than this are deleted, report and index entry too"),
     "max_registrations_per_uid": Key(64, _count, "processes one non-root user may have watched at once; more registrations are refused"),
     "pyspy_samples_per_uid": Key(4.0, _factor, "py-spy samples per second the daemon takes of one non-root user's processes (bursts of 2 s worth)"),
+    "captures_per_uid": Key(1, _count, "captures (hangs and dumps) of one non-root user's processes in flight at once; more wait"),
+    "capture_seconds_per_uid": Key(600.0, _seconds, "seconds of capture one non-root user's processes may use per hour; past it their hangs wait"),
+    "dumps_per_uid_per_minute": Key(6, _count, "exception dumps of one non-root user ingested per minute; more are refused and counted"),
+    "incidents_per_uid_per_minute": Key(6, _count, "incidents filed for one non-root user per minute; more are refused and counted"),
+    "spool_bytes_per_uid": Key(64 << 20, parse_size, "bytes of one non-root user's reports kept in the full-disk spool (\"64MiB\")"),
+    "log_lines_per_uid_per_minute": Key(60, _count, "log lines about one non-root user's files per minute; the rest are counted, not written"),
     "store": Key("", _store_url, "shared S3-compatible store for job incidents across nodes, s3://BUCKET/PREFIX "
                   "(endpoint and credentials from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ..., or a role); \"\" for none"),
     "node_name": Key("", _optional_path, "this node's name in the store, records and metrics; \"\" means the host name"),
@@ -307,6 +313,12 @@ class Config:
     incident_max_age_days: float = KEYS["incident_max_age_days"].default
     max_registrations_per_uid: int = KEYS["max_registrations_per_uid"].default
     pyspy_samples_per_uid: float = KEYS["pyspy_samples_per_uid"].default
+    captures_per_uid: int = KEYS["captures_per_uid"].default
+    capture_seconds_per_uid: float = KEYS["capture_seconds_per_uid"].default
+    dumps_per_uid_per_minute: int = KEYS["dumps_per_uid_per_minute"].default
+    incidents_per_uid_per_minute: int = KEYS["incidents_per_uid_per_minute"].default
+    spool_bytes_per_uid: int = KEYS["spool_bytes_per_uid"].default
+    log_lines_per_uid_per_minute: int = KEYS["log_lines_per_uid_per_minute"].default
     store: str = KEYS["store"].default
     node_name: str = KEYS["node_name"].default
     store_poll_interval: float = KEYS["store_poll_interval"].default
@@ -319,7 +331,12 @@ class Config:
 
     @property
     def dumps(self) -> Path:
-        return Path(self.dump_dir) if self.dump_dir else Path(self.state_dir) / "dumps"
+        """Where CUDA writes dumps: any user writes there, so it is never inside the state dir
+        (whose size retention bounds, and whose files are root's)."""
+        if self.dump_dir:
+            return Path(self.dump_dir)
+        state = Path(self.state_dir)
+        return state.with_name(state.name + "-dumps")
 
     @property
     def node(self) -> str:

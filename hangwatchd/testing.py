@@ -72,6 +72,7 @@ class Daemon:
     def __init__(self, base: Path, *extra: str, env: dict[str, str] | None = None, config: dict[str, Any] | None = None) -> None:
         self.base = Path(base)
         self.state_dir = self.base / "state"
+        self.dump_dir = self.base / "state-dumps"  # the default: beside the state dir, never in it
         self.runtime_dir = self.base / "run"
         self.log = self.base / "daemon.log"
         self.base.mkdir(parents=True, exist_ok=True)

@@ -153,7 +153,7 @@ def test_analyze_refuses_what_is_not_a_directory(tmp_path: Path) -> None:
 def test_the_html_page_renders_in_a_real_headless_browser(tmp_path: Path) -> None:
     with Daemon(tmp_path / "d") as d:
         blob = __import__("lzma").decompress((FIXTURES / "cpp_ima" / "coredump.nvcudmp.xz").read_bytes())
-        (d.state_dir / "dumps" / f"core_{__import__('socket').gethostname()}.77.1.nvcudmp").write_bytes(blob)
+        (d.dump_dir / f"core_{__import__('socket').gethostname()}.77.1.nvcudmp").write_bytes(blob)
         (inc,) = wait_for(d.settled, 20, "an incident")
     page = tmp_path / "report.html"
     res = hangwatchd("show", inc["id"], "--html", str(page), "--state-dir", str(d.state_dir))

@@ -58,7 +58,7 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text('heartbeat_timeout = 9\nstate_dir = "/a"\n')
     c = config.load(cfg, {"heartbeat_timeout": 3.0, "state_dir": None})
-    assert c.heartbeat_timeout == 3.0 and c.state_dir == "/a" and c.dumps == Path("/a/dumps")
+    assert c.heartbeat_timeout == 3.0 and c.state_dir == "/a" and c.dumps == Path("/a-dumps")
 
 
 @settings(max_examples=200, deadline=None)

@@ -269,7 +269,7 @@ def raw_dump(dump_dir: Path, pid: int) -> Path:
 
 def test_a_dump_written_while_the_daemon_was_down_is_ingested_at_start_and_only_once(tmp_path: Path) -> None:
     Daemon(tmp_path).stop()
-    dump_dir = tmp_path / "state" / "dumps"
+    dump_dir = tmp_path / "state-dumps"
     dump = raw_dump(dump_dir, 4242)
     with Daemon(tmp_path) as d:
         (inc,) = wait_for(d.settled, 30, "the dump made into an incident")
@@ -291,7 +291,7 @@ def test_an_inotify_overflow_rescans_registrations_and_dumps(tmp_path: Path) -> 
         try:
             for i in range(limit // 2 + 500):  # CREATE and CLOSE_WRITE each: past the queue's limit
                 (noise / f".noise-{i}").touch()
-            raw_dump(d.state_dir / "dumps", 4343)  # its event is one of those dropped
+            raw_dump(d.dump_dir, 4343)  # its event is one of those dropped
         finally:
             d.proc.send_signal(signal.SIGCONT)
         (inc,) = wait_for(d.settled, 30, "the dump found by the rescan")

@@ -136,13 +136,13 @@ def test_an_exception_dump_becomes_exactly_one_symbolised_incident(tmp_path: Pat
     with Daemon(tmp_path) as d:
         blob = lzma.decompress((FIXTURES / "cpp_ima" / "coredump.nvcudmp.xz").read_bytes())
         name = f"core_{socket.gethostname()}.4242.1795977360.nvcudmp"
-        drop_in_pieces(d.state_dir / "dumps" / name, blob, pause=1.5)
+        drop_in_pieces(d.dump_dir / name, blob, pause=1.5)
         (inc,) = wait_for(d.settled, 20, "an incident")
         assert inc["reason"] == "gpu-exception"
         assert "WARP_ILLEGAL_ADDRESS in faulty_epilogue_kernel(int*, long) at /srv/gpuapp/inlined.cu:9" in inc["summary"]
         sym = json.loads((Path(inc["dir"]) / "4242" / "symbolized.json").read_text())
         assert [f["line"] for f in sym["exceptions"][0]["frames"]] == [9, 13, 17]
-        assert not (d.state_dir / "dumps" / name).exists()
+        assert not (d.dump_dir / name).exists()
         assert d.metric("hangwatchd_gpu_exceptions_total", type="WARP_ILLEGAL_ADDRESS") == 1.0
         time.sleep(1)
         assert len(d.store().list()) == 1  # one dump, one incident

@@ -69,7 +69,7 @@ def test_a_templated_kernel_name_is_shortened_in_text_and_whole_in_json(tmp_path
 
     with Daemon(tmp_path) as d:
         raw = lzma.decompress(dump.read_bytes())
-        (d.state_dir / "dumps" / f"core_{socket.gethostname()}.4343.1.nvcudmp").write_bytes(raw)
+        (d.dump_dir / f"core_{socket.gethostname()}.4343.1.nvcudmp").write_bytes(raw)
         (inc,) = wait_for(d.settled, 60, "the exception incident")
         assert name in inc["summary"]  # the index keeps it whole
         listing = hangwatchd("incidents", "--state-dir", str(d.state_dir)).stdout

@@ -272,7 +272,7 @@ def test_a_symlink_to_a_root_only_file_renamed_into_the_dump_dir_is_never_copied
     secret.write_bytes(secret_value * 100)
     os.chmod(secret, 0o600)
     with Daemon(base / "d", config=QUICK) as d:
-        dumps = d.state_dir / "dumps"
+        dumps = d.dump_dir
         victim = RootHang(d)
         try:
             attacker.run(f"""
@@ -297,7 +297,7 @@ for i, name in enumerate([{dump_name(4242)!r}, 'nodump_{socket.gethostname()}.42
 def test_a_planted_driver_log_is_never_filed_against_another_users_job(base: Path, attacker: Attacker) -> None:
     driver_lines = (FIXTURES / "graph_ima" / "stderr.log").read_text()
     with Daemon(base / "d", config=QUICK) as d:
-        dumps = d.state_dir / "dumps"
+        dumps = d.dump_dir
         victim = RootHang(d, beats=200)  # it beats on while the exception is filed, then hangs
         try:
             pid = wait_for(lambda: [p for p in watched_pids(d) if p != victim.proc.pid], 10, "the victim's pid")[0]
@@ -380,7 +380,7 @@ def test_beat_and_status_files_swapped_after_acceptance_cost_only_that_registrat
 @needs_root
 def test_fifos_named_like_dumps_block_no_worker_and_sigterm_still_stops_the_daemon(base: Path, attacker: Attacker) -> None:
     with Daemon(base / "d", config=QUICK) as d:
-        dumps = d.state_dir / "dumps"
+        dumps = d.dump_dir
         names = [dump_name(5000 + i, i) for i in range(8)] + [f"nodump_{socket.gethostname()}.6000.1.driver-log"]
         attacker.run(f"""
 import os
@@ -467,7 +467,7 @@ def test_a_registration_flood_stops_at_the_per_user_limit(base: Path, attacker: 
 @needs_root
 def test_fifos_planted_under_the_name_of_a_dump_being_taken_do_not_stand_in_for_it(base: Path, attacker: Attacker) -> None:
     with Daemon(base / "d", config={"gpu_dump": "always", "pyspy_native": False}) as d:
-        dumps = d.state_dir / "dumps"
+        dumps = d.dump_dir
         work = d.run([sys.executable, "-m", "hangwatchd.testing", "gpu-workload", "--beats", "40",
                       "--dump", str(FIXTURES / "cpp_hang" / "coredump.nvcudmp.xz")],
                      "--heartbeat-timeout", "1", "--rank", "0", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,

@@ -116,7 +116,7 @@ def ranks_env(env: dict[str, str], job: str | None, launch: Launch) -> None:
 def run(launch: Launch) -> int:
     """Start the workload, watch over its registration, return its exit status."""
     info = runtime_files.daemon_info(launch.runtime_dir)
-    dump_dir = Path(info["dump_dir"]) if info and info.get("dump_dir") else Path(Config().state_dir) / "dumps"
+    dump_dir = Path(info["dump_dir"]) if info and info.get("dump_dir") else Config().dumps
     if info is None:
         print(f"hangwatchd: no daemon is running (runtime dir {launch.runtime_dir}); "
               "the workload runs, and is watched once a daemon starts", file=sys.stderr)

@@ -144,7 +144,7 @@ def test_the_daemon_files_one_line_for_a_dump_over_the_cpu_limit_and_symbolises_
     host = socket.gethostname()
     slow = hostile.hostile_dump(raw_dumps["cpp_ima"].read_bytes(), hostile.many_rows(3 << 20))
     with Daemon(tmp_path / "d", config={"symbolize_cpu_seconds": 1, "symbolize_timeout": 30}) as d:
-        dumps = d.state_dir / "dumps"
+        dumps = d.dump_dir
 
         def drop(name: str, data: bytes) -> None:
             part = dumps / (name + ".part")
