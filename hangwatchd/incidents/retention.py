@@ -2,6 +2,11 @@
 
 Run on a worker thread every ``RETENTION_EVERY`` seconds while no capture is
 in flight (a capture's draft is never counted against the limit).
+
+Only what the store owns is counted: its incidents (root's directories) and its
+index, by the blocks they use. The dump dir is any user's to write (and lies
+beside the state dir, not in it): a sparse 60 GiB file there uses no disk and
+must not make retention delete anyone's incidents.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ def enforce(store: Store, cfg: Config) -> None:
             log.info("retention_removed", path=path)
     except OSError as exc:
         log.error("retention_failed", error=str(exc))
+    else:
+        log.info("retention_checked", store_bytes=store._size(), max_state_bytes=cfg.max_state_bytes)  # noqa: SLF001
     cutoff = time.time() - DRIVER_LOG_KEEP
     for stale in cfg.driver_logs.glob("*.log"):
         try:

@@ -71,6 +71,13 @@ class Draft:
     spooled: bool = False  # assembled in the runtime dir's spool: the state dir had no room
 
 
+def _allocated(path: str | os.PathLike[str]) -> int:
+    try:
+        return os.lstat(path).st_blocks * 512
+    except OSError:
+        return 0
+
+
 def new_id(now: float) -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + secrets.token_hex(3)
 
@@ -436,13 +443,16 @@ class Store:
         return str(dump)
 
     def _size(self) -> int:
+        """Bytes on disk of what the store owns: its incidents (root's, 0700) and its index.
+
+        Never the state dir as a whole (a world-writable dump dir there would count a user's
+        files), and allocated blocks, not apparent sizes (a sparse file costs what it uses)."""
         total = 0
-        for root, _dirs, files in os.walk(self.root):
+        for path in (self.index, self.index.with_name(self.index.name + "-wal")):
+            total += _allocated(path)
+        for root, _dirs, files in os.walk(self.dir):  # links are not followed
             for name in files:
-                try:
-                    total += os.lstat(os.path.join(root, name)).st_size
-                except OSError:
-                    pass
+                total += _allocated(os.path.join(root, name))
         return total
 
     # -- reading ---------------------------------------------------------
