@@ -2,6 +2,12 @@
 
 Used by the capture step (user-triggered dumps of hung processes) and by the
 daemon's watch on the dump dir (dumps the driver wrote on an exception).
+
+A file is a CUDA coredump only if it starts like one (a 64-bit little-endian ELF
+header, machine EM_CUDA, type ET_CORE): anything else is refused before its
+contents are symbolised, compressed or kept. Symbolising and compressing both
+run in the sandbox's limited child (a deadline, a CPU limit, one thread, not
+root): a junk "dump" costs one killed child, never every core for minutes.
 """
 
 from __future__ import annotations
@@ -14,9 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import zstandard
-
 from ..cudacore import sandbox
+from ..cudacore.layout import EM_CUDA, ET_CORE
 from ..cudacore.errors import CoreDumpError
 from ..cudacore.symbolize import Symbolized
 from ..host import untrusted
@@ -31,7 +36,7 @@ class Stored:
 
 MAX_DUMP = 64 << 30  # bytes: far above any real GPU's dump, below a disk-filling stream
 MAX_TEXT = 16 << 20  # bytes of a driver log
-COPY_DEADLINE = 600.0  # seconds to compress one dump into an incident
+ELF_HEADER = 20  # bytes that say ELF, 64-bit, little-endian, ET_CORE, EM_CUDA
 
 
 def open_dump(dump: Path, uid: int | None) -> int:
@@ -60,8 +65,22 @@ def store(dump: Path, outdir: Path, uid: int | None, remove_source: bool = True,
         os.close(fd)
 
 
+def check_header(fd: int, dump: Path) -> None:
+    """Raise untrusted.Refused("not_coredump") unless the open file starts like a CUDA coredump."""
+    head = os.pread(fd, ELF_HEADER, 0)
+    if len(head) < ELF_HEADER or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+        raise untrusted.Refused("not_coredump", f"{dump}: not an ELF file, so not a CUDA coredump; left as it is")
+    e_type, machine = int.from_bytes(head[16:18], "little"), int.from_bytes(head[18:20], "little")
+    if machine != EM_CUDA or e_type != ET_CORE:
+        raise untrusted.Refused("not_coredump", f"{dump}: an ELF file of type {e_type}, machine {machine}, "
+                                                f"not a CUDA coredump (ET_CORE, EM_CUDA); left as it is")
+
+
 def store_fd(fd: int, dump: Path, outdir: Path, remove_source: bool, keep_dump: bool = True,
              on_symbolized: Callable[[], None] | None = None) -> Stored:
+    """``store`` of an fd ``open_dump`` opened. Raises untrusted.Refused("not_coredump"),
+    before anything is done with it, when the file is not a CUDA coredump."""
+    check_header(fd, dump)
     files: list[str] = []
     notes: list[str] = []
     result: Symbolized | None = None
@@ -85,9 +104,9 @@ def store_fd(fd: int, dump: Path, outdir: Path, remove_source: bool, keep_dump: 
     try:
         _compress(fd, dump, target)
         files.append(target.name)
-    except untrusted.Refused as exc:
+    except CoreDumpError as exc:  # a limit stopped it, or it failed
         target.unlink(missing_ok=True)
-        notes.append(f"could not keep the dump ({exc})")
+        notes.append(f"could not keep the dump ({str(exc).replace(opened, str(dump))})")
     except OSError as exc:
         target.unlink(missing_ok=True)
         if exc.errno == errno.ENOSPC:
@@ -100,17 +119,15 @@ def store_fd(fd: int, dump: Path, outdir: Path, remove_source: bool, keep_dump: 
 
 
 def _compress(fd: int, src: Path, target: Path) -> None:
-    end = time.monotonic() + COPY_DEADLINE
+    """``fd`` compressed into a new ``target`` (root's, 0600) by the sandbox's limited child.
+    Raises CoreDumpError (a limit stopped it) or OSError (ENOSPC: the disk is full)."""
     out = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with os.fdopen(out, "wb") as dst, zstandard.ZstdCompressor(level=3, threads=-1).stream_writer(dst, closefd=False) as z:
-        offset = 0
-        while chunk := os.pread(fd, 4 << 20, offset):
-            if time.monotonic() > end:
-                raise untrusted.Refused("slow", f"{src}: not compressed within {COPY_DEADLINE:g} s")
-            offset += len(chunk)
-            if offset > MAX_DUMP:
-                raise untrusted.Refused("too_big", f"{src} grew past {MAX_DUMP >> 30} GiB")
-            z.write(chunk)
+    try:
+        if os.fstat(fd).st_size > MAX_DUMP:
+            raise CoreDumpError(f"{src} grew past {MAX_DUMP >> 30} GiB")
+        sandbox.compress(untrusted.fd_path(fd), untrusted.fd_path(out))
+    finally:
+        os.close(out)
 
 
 def unlink_same(path: Path, st: os.stat_result) -> None:

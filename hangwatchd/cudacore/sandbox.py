@@ -11,6 +11,13 @@ The children are forked from a warm fork server (multiprocessing's
 interpreter per dump would spend more on start-up and imports than on the
 reading of a small dump. The answer comes back as JSON (never a pickle: the
 child read hostile bytes) and is checked field by field into ``Symbolized``.
+
+The child does not stay root: it opens the dump (and, for ``compress``, the
+file it writes) first, then drops to the dump's owner (nobody for a root-owned
+dump) with no supplementary groups before it reads a byte, so a dump that
+takes over the reader gets an ordinary user's rights. Compressing a dump into
+an incident runs the same way (``compress``): its own deadline and CPU limit,
+one thread, so a junk "dump" cannot hold every core for minutes.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from .symbolize import Symbolized
 PRELOAD = ["hangwatchd.cudacore.sandbox", "hangwatchd.cudacore.warm"]
 MAX_ANSWER_BYTES = 256 << 20  # the JSON of the biggest real dump is a few MB
 _EXIT_NO_MEMORY = 86  # the child's exit status when an allocation failed under RLIMIT_AS
+_EXIT_NO_DROP = 87  # the child could not drop to an unprivileged uid: it reads nothing as root
+NOBODY = 65534  # who reads a root-owned dump
 
 
 @dataclass(frozen=True)
@@ -96,9 +105,44 @@ def symbolize(path: str | os.PathLike[str], limits: Limits | None = None, strict
     a grandchild (its pid into PIDFILE) and sleep past the wall deadline.
     """
     lim = limits or _limits
+    raw = _run(path, lim, (os.fspath(path), strict, nvdisasm, lim, _hook, None), "symbolising")
+    return _decode(path, raw)
+
+
+def compress(src: str | os.PathLike[str], dst: str | os.PathLike[str], level: int = 3,
+             limits: Limits | None = None) -> int:
+    """Compress ``src`` (a dump, read through the path of its checked fd) with zstd into ``dst``
+    (a file the caller made, by the path of its fd), in a limited child; the bytes written.
+    Raises SymbolizeStopped at a limit, CoreDumpError when it fails."""
+    lim = limits or _limits
+    raw = _run(src, lim, (os.fspath(src), False, None, lim, None, (os.fspath(dst), level)), "compressing")
+    try:
+        answer = json.loads(raw)
+        if "error" in answer:
+            if answer.get("errno"):
+                raise OSError(int(answer["errno"]), str(answer["error"]))
+            raise CoreDumpError(str(answer["error"]))
+        return int(answer["ok"])
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CoreDumpError(f"{src}: the compressing child's answer is unreadable ({exc})") from None
+
+
+def owner_uid(path: str | os.PathLike[str]) -> int | None:
+    """Who the child runs as for ``path``: its owner, nobody for root's; None when we are not root
+    (an ordinary user's daemon or test has nothing to drop)."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        uid = os.stat(path).st_uid
+    except OSError:
+        return NOBODY
+    return uid or NOBODY
+
+
+def _run(path: str | os.PathLike[str], lim: Limits, args: tuple[Any, ...], doing: str) -> bytes:
     ctx = _context()
     answer_r, answer_w = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child, args=(answer_w, os.fspath(path), strict, nvdisasm, lim, _hook),
+    child = ctx.Process(target=_child, args=(answer_w, *args, owner_uid(path)),
                         name="hangwatchd-symbolize", daemon=True)
     start_time = time.monotonic()
     try:
@@ -106,7 +150,7 @@ def symbolize(path: str | os.PathLike[str], limits: Limits | None = None, strict
     except (OSError, EOFError) as exc:  # no fork server, no memory for a process: still one line
         answer_r.close()
         answer_w.close()
-        raise CoreDumpError(f"{path}: symbolising could not start its child ({exc})") from None
+        raise CoreDumpError(f"{path}: {doing} could not start its child ({exc})") from None
     answer_w.close()
     raw: bytes | None = None
     stopped_at_wall = False
@@ -117,7 +161,7 @@ def symbolize(path: str | os.PathLike[str], limits: Limits | None = None, strict
         pass  # it died without answering: its exit status says why
     except OSError:
         _kill(child.pid)
-        raise SymbolizeStopped(f"{path}: symbolising stopped: its answer was larger than "
+        raise SymbolizeStopped(f"{path}: {doing} stopped: its answer was larger than "
                                f"{MAX_ANSWER_BYTES >> 20} MB") from None
     finally:
         answer_r.close()
@@ -130,8 +174,8 @@ def symbolize(path: str | os.PathLike[str], limits: Limits | None = None, strict
         child.close()
     if raw is None:
         why = f"wall-clock limit of {lim.wall_seconds:g} s" if stopped_at_wall else _why(code, lim)
-        raise SymbolizeStopped(f"{path}: symbolising stopped: {why}")
-    return _decode(path, raw)
+        raise SymbolizeStopped(f"{path}: {doing} stopped: {why}")
+    return raw
 
 
 def _kill(pid: int | None) -> None:
@@ -150,6 +194,8 @@ def _why(exitcode: int | None, lim: Limits) -> str:
         return f"CPU limit of {lim.cpu_seconds:g} s"
     if exitcode == _EXIT_NO_MEMORY or exitcode == -signal.SIGSEGV:
         return f"memory limit of {lim.memory_mb} MB"
+    if exitcode == _EXIT_NO_DROP:
+        return "the child could not drop to an unprivileged uid, so it read nothing"
     return f"the symbolising child failed (exit status {exitcode})"
 
 
@@ -165,16 +211,49 @@ def _decode(path: str | os.PathLike[str], raw: bytes) -> Symbolized:
         raise CoreDumpError(f"{path}: the symbolising child's answer is unreadable ({exc})") from None
 
 
-def _child(answer: Any, path: str, strict: bool, nvdisasm: str | None, lim: Limits, hook: str | None) -> None:
-    """In the child: limit, read, answer in JSON. Never returns an exception to the parent."""
+def _drop_to(uid: int) -> None:
+    """Become ``uid`` (its primary group, no others) for good: real, effective and saved ids."""
+    import pwd
+
+    try:
+        gid = pwd.getpwuid(uid).pw_gid
+    except KeyError:
+        gid = uid if uid != NOBODY else NOBODY
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    if os.getresuid() != (uid, uid, uid) or os.getgroups():
+        raise PermissionError("the uid drop did not hold")
+
+
+def _child(answer: Any, path: str, strict: bool, nvdisasm: str | None, lim: Limits, hook: str | None,
+           compress_to: tuple[str, int] | None, uid: int | None) -> None:
+    """In the child: open, drop root, limit, read, answer in JSON. Never returns an exception to the parent."""
     import resource
 
     os.setpgid(0, 0)  # its own group: killed with whatever it starts
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    # Opened while still root (the paths name the parent's checked fds), read only after the drop.
+    try:
+        src = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block it
+        dst = os.open(compress_to[0], os.O_WRONLY | os.O_CLOEXEC) if compress_to else -1
+    except OSError as exc:
+        answer.send_bytes(json.dumps({"error": f"{path}: cannot be read ({exc.strerror or exc})"}).encode())
+        answer.close()
+        return
+    if uid is not None:
+        try:
+            _drop_to(uid)
+        except OSError:
+            os._exit(_EXIT_NO_DROP)
+    named, path = path, f"/proc/self/fd/{src}"  # read through the fd; named in answers as it came
     cpu = max(1, math.ceil(lim.cpu_seconds))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU, then SIGKILL a second later
     memory = lim.memory_mb << 20
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    if compress_to:
+        _compress_child(answer, src, dst, compress_to[1])
+        return
     from . import nvdisasm as nvd
     from . import source
 
@@ -195,19 +274,45 @@ def _child(answer: Any, path: str, strict: bool, nvdisasm: str | None, lim: Limi
             time.sleep(lim.wall_seconds * 10)
         from .symbolize import symbolize
 
-        payload: dict[str, Any] = {"ok": symbolize(path, strict=strict, nvdisasm=nvdisasm).to_dict()}
+        data = symbolize(path, strict=strict, nvdisasm=nvdisasm).to_dict()
+        if data.get("path") == path:
+            data["path"] = named
+        payload: dict[str, Any] = {"ok": data}
     except CoreDumpError as exc:
-        payload = {"error": str(exc)}
+        payload = {"error": str(exc).replace(path, named)}
     except MemoryError:
         os._exit(_EXIT_NO_MEMORY)
     except OSError as exc:
         if exc.errno == errno.ENOMEM:  # the dump could not be mapped within the address space
             os._exit(_EXIT_NO_MEMORY)
-        payload = {"error": f"{path}: cannot be read ({exc.strerror or exc})"}
+        payload = {"error": f"{named}: cannot be read ({exc.strerror or exc})"}
     except Exception as exc:  # noqa: BLE001 - a bug, but still one line in the incident, not a lost answer
-        payload = {"error": f"{path}: symbolising failed ({type(exc).__name__}: {exc})"}
+        payload = {"error": f"{named}: symbolising failed ({type(exc).__name__}: {str(exc).replace(path, named)})"}
     try:
         answer.send_bytes(json.dumps(payload).encode())
     except MemoryError:
         os._exit(_EXIT_NO_MEMORY)
+    answer.close()
+
+
+def _compress_child(answer: Any, src: int, dst: int, level: int) -> None:
+    """zstd, one thread, from ``src`` to ``dst``; the CPU and wall limits bound it."""
+    import zstandard
+
+    written = 0
+    try:
+        with os.fdopen(dst, "wb") as out:
+            with zstandard.ZstdCompressor(level=level, threads=0).stream_writer(out, closefd=False) as z:
+                offset = 0
+                while chunk := os.pread(src, 4 << 20, offset):
+                    offset += len(chunk)
+                    z.write(chunk)
+            out.flush()
+            written = out.tell()
+        payload: dict[str, Any] = {"ok": written}
+    except MemoryError:
+        os._exit(_EXIT_NO_MEMORY)
+    except OSError as exc:
+        payload = {"error": f"compressing failed ({exc.strerror or exc})", "errno": exc.errno}
+    answer.send_bytes(json.dumps(payload).encode())
     answer.close()

@@ -39,7 +39,7 @@ from ..detect.sampler import Sampler
 from ..detect.stack import BLOCKING, IDLE
 from ..fleet.agent import Agent
 from ..host.notify import notify, watchdog_interval
-from ..host.user_limits import UserLimits
+from ..host.user_limits import Budgets, UserLimits
 from ..incidents import retention
 from ..incidents.spool import SPOOL_DIR, Spool
 from ..incidents.store import Store, StoreWriteError
@@ -77,13 +77,16 @@ class Daemon:
                            cfg.store_spool_max, self._wake, self._count_sends) if cfg.store else None
         self.status = StatusFile(Path(cfg.runtime_dir))
         self.watched = Watchlist(self.metrics, on_change=self._write_status)
-        self.limits = UserLimits(cfg.max_registrations_per_uid, cfg.pyspy_samples_per_uid)
+        self.limits = UserLimits(cfg.max_registrations_per_uid, cfg.pyspy_samples_per_uid, budgets=Budgets(
+            cfg.captures_per_uid, cfg.capture_seconds_per_uid, {"dump": cfg.dumps_per_uid_per_minute,
+                                                                "incident": cfg.incidents_per_uid_per_minute,
+                                                                "log": cfg.log_lines_per_uid_per_minute}))
         self.selector = selectors.DefaultSelector()
         self.guard = Guard(self.metrics)
         self.registrations = Registrations(cfg, self.watched, self.metrics, self.limits,
                                            attach=lambda fd, p: self.selector.register(fd, selectors.EVENT_READ, p),
                                            detach=self.selector.unregister, first_look=self._first_look, guard=self.guard)
-        self.spool = Spool(Path(cfg.runtime_dir) / SPOOL_DIR)  # reports kept while the state dir is full
+        self.spool = Spool(Path(cfg.runtime_dir) / SPOOL_DIR, cfg.spool_bytes_per_uid)  # reports kept while the state dir is full
         self.workers = CaptureWorkers(cfg, self.store, self.spool, make_steps(cfg), self.metrics,
                                       self.watched, self.registrations, self.fleet, self._wake)
         detector = HeartbeatDetector(cfg.startup_grace, cfg.learn_timeouts, cfg.learned_timeout_factor,

@@ -24,10 +24,15 @@ import structlog
 
 from . import layout, s3
 from .outbox import Outbox, Task
+from .reader import read_capped
 from .uploader import Uploader
 from .url import StoreURL, parse
 
 log = structlog.get_logger("hangwatchd.fleet")
+
+
+MAX_REQUEST = 64 << 10  # bytes of a capture request (a real one is a few hundred); the rest is never read
+MAX_DETAIL = 2000  # characters of a request's detail kept (it lands in incidents and logs)
 
 
 @dataclass(frozen=True)
@@ -189,10 +194,17 @@ class Agent:
             raise
         self.etags[job] = resp["ETag"]
         try:
-            d = json.loads(resp["Body"].read())
-            return CaptureRequest(str(d["job"]), str(d["job_incident"]), str(d["node"]), float(d["time"]),
-                                  str(d.get("reason", "")), str(d.get("detail", "")),
-                                  "abort" if d.get("on_hang") == "abort" else "report")
-        except (ValueError, KeyError, TypeError):
-            log.warning("store_request_unreadable", key=key)
+            if int(resp.get("ContentLength") or 0) > MAX_REQUEST:
+                resp["Body"].close()
+                raise ValueError(f"larger than {MAX_REQUEST} bytes")
+            d = json.loads(read_capped(resp["Body"], MAX_REQUEST, key))
+            req = CaptureRequest(str(d["job"]), str(d["job_incident"]), str(d["node"]), float(d["time"]),
+                                 str(d.get("reason", ""))[:200], str(d.get("detail", ""))[:MAX_DETAIL],
+                                 "abort" if d.get("on_hang") == "abort" else "report")
+            if req.job != job:
+                raise ValueError(f"it names job {req.job[:80]!r}, not {job[:80]!r}")
+            layout.check_segment(layout.seg(req.job_incident), "job incident id")
+            return req
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # layout.BadKey and TooBig are ValueErrors
+            log.warning("store_request_unreadable", key=key, error=str(exc)[:200])
             return None

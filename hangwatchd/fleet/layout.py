@@ -11,9 +11,48 @@ Job names (``host:port``, run ids) are percent-encoded into one key segment.
 
 from __future__ import annotations
 
+import re
 from urllib.parse import quote, unquote
 
 NO_JOB = "_none"
+
+# What a key segment or a file name read back from the store may be before it touches a
+# path here: the store is written by every node, and a node may be compromised or wrong.
+MAX_SEGMENT = 255  # bytes of one segment (a file name's limit on every Linux filesystem)
+MAX_PATH = 1024  # bytes of a relative path or a key
+MAX_DEPTH = 8  # segments in a relative path (an incident's files are two deep)
+_SEGMENT = re.compile(r"[A-Za-z0-9_@=+%-][A-Za-z0-9._@=+%-]*")  # seg()'s output, and the daemon's own file names
+
+
+class BadKey(ValueError):
+    """A key or file name from the store that must not touch a path: one line saying which and why."""
+
+
+def check_segment(segment: str, what: str = "name") -> str:
+    """``segment`` when it is one safe path segment: no '/', no '..', not empty, bounded, a closed set."""
+    if not isinstance(segment, str) or not segment:
+        raise BadKey(f"an empty {what} in the store")
+    if len(segment.encode()) > MAX_SEGMENT:
+        raise BadKey(f"a {what} longer than {MAX_SEGMENT} bytes in the store: {segment[:40]!r}…")
+    if not _SEGMENT.fullmatch(segment):
+        raise BadKey(f"the {what} {segment[:80]!r} in the store is not one plain name "
+                     "(letters, digits and ._@=+%- only, not starting with a dot)")
+    return segment
+
+
+def check_relpath(rel: str, what: str = "file") -> tuple[str, ...]:
+    """The segments of ``rel``, a relative path from the store, each checked: no absolute part,
+    no '..' or '.', no empty segment ('a//b'), at most MAX_DEPTH deep and MAX_PATH long."""
+    if not isinstance(rel, str) or not rel:
+        raise BadKey(f"an empty {what} path in the store")
+    if len(rel.encode()) > MAX_PATH:
+        raise BadKey(f"a {what} path longer than {MAX_PATH} bytes in the store")
+    parts = tuple(rel.split("/"))
+    if len(parts) > MAX_DEPTH:
+        raise BadKey(f"the {what} path {rel[:80]!r} in the store is deeper than {MAX_DEPTH}")
+    for p in parts:
+        check_segment(p, f"{what} path segment (of {rel[:80]!r})")
+    return parts
 
 
 def seg(name: str) -> str:

@@ -2,6 +2,12 @@
 
 A job incident is the set of manifests under ``jobs/JOB/JOBINC/``; only
 manifests are listed, so only fully uploaded node parts are ever seen.
+
+Every node writes the store, so what is read back is untrusted: each key and
+file name is checked (``layout.check_segment``/``check_relpath``) before it
+touches a path here, a part that names a bad one is skipped whole and said so,
+and every body is read with a cap (a manifest or incident.json: MAX_JSON; a
+file: MAX_FILE), never whole on the store's word.
 """
 
 from __future__ import annotations
@@ -12,13 +18,36 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from ..analyze.jsonfile import read_json_or_none
 from . import layout, s3
 from .url import StoreURL
 
 
+MAX_JSON = 16 << 20  # bytes of a manifest or an incident.json (real ones are a few KB)
+MAX_FILE = 2 << 30  # bytes of one captured file (a compressed GPU dump is at most a few hundred MB)
+CHUNK = 1 << 20
+
+
+log = structlog.get_logger("hangwatchd.fleet")
+
+
 class ReadError(Exception):
     """The store cannot be read: one line saying what and where."""
+
+
+class TooBig(ValueError):
+    """A body from the store larger than its cap."""
+
+
+def read_capped(body: Any, cap: int, what: str) -> bytes:
+    """At most ``cap`` bytes of a streaming body; TooBig past it (the rest is never read)."""
+    data = body.read(cap + 1)
+    if len(data) > cap:
+        body.close()
+        raise TooBig(f"{what} is larger than {cap >> 20} MB")
+    return data  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)
@@ -51,11 +80,48 @@ def _list(client: Any, url: StoreURL, prefix: str) -> list[str]:
 
 
 def _get_json(client: Any, url: StoreURL, key: str) -> dict[str, Any] | None:
+    """A JSON object from the store, read to at most MAX_JSON bytes; None when it is not one (or too big)."""
+    resp = client.get_object(Bucket=url.bucket, Key=key)
     try:
-        data = json.loads(client.get_object(Bucket=url.bucket, Key=key)["Body"].read())
-    except ValueError:
+        if int(resp.get("ContentLength") or 0) > MAX_JSON:
+            resp["Body"].close()
+            raise TooBig(f"{key} is larger than {MAX_JSON >> 20} MB")
+        data = json.loads(read_capped(resp["Body"], MAX_JSON, key))
+    except ValueError as exc:  # TooBig is one
+        log.warning("store_object_refused", key=key, error=str(exc))
         return None
     return data if isinstance(data, dict) else None
+
+
+def _download(client: Any, url: StoreURL, key: str, dest_dir: int, name: str) -> None:
+    """One file into ``dest_dir`` (an open directory we made) as ``name`` (checked), at most MAX_FILE bytes."""
+    resp = client.get_object(Bucket=url.bucket, Key=key)
+    body = resp["Body"]
+    if int(resp.get("ContentLength") or 0) > MAX_FILE:
+        body.close()
+        raise TooBig(f"{key} is larger than {MAX_FILE >> 20} MB")
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dest_dir)
+    size = 0
+    try:
+        with os.fdopen(fd, "wb") as out:
+            while chunk := body.read(CHUNK):
+                size += len(chunk)
+                if size > MAX_FILE:
+                    body.close()
+                    raise TooBig(f"{key} is larger than {MAX_FILE >> 20} MB")
+                out.write(chunk)
+    except TooBig:
+        os.unlink(name, dir_fd=dest_dir)
+        raise
+
+
+def _subdir(parent: int, name: str) -> int:
+    """An open descriptor of ``parent``/``name`` (checked), made if missing; never a link."""
+    try:
+        os.mkdir(name, 0o700, dir_fd=parent)
+    except FileExistsError:
+        pass
+    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
 
 
 def job_incidents(url: StoreURL, job: str | None = None, client: Any = None) -> list[JobIncident]:
@@ -67,6 +133,12 @@ def job_incidents(url: StoreURL, job: str | None = None, client: Any = None) -> 
         for key in keys:
             rest = key[len(url.key("jobs")) + 1:].split("/")
             if len(rest) != 4 or rest[0] == layout.NO_JOB:
+                continue
+            try:
+                for segment in rest:
+                    layout.check_segment(segment, "key segment")
+            except layout.BadKey as exc:
+                log.warning("store_key_refused", key=key, error=str(exc))
                 continue
             m = _get_json(c, url, key)
             if not m or "node" not in m:
@@ -86,35 +158,69 @@ def job_incidents(url: StoreURL, job: str | None = None, client: Any = None) -> 
 
 
 def fetch(url: StoreURL, inc: JobIncident, into: Path, client: Any = None) -> Path:
-    """Download every node's part of ``inc`` into one incident directory: NODE-PID per process."""
+    """Download every node's part of ``inc`` into one incident directory: NODE-PID per process.
+
+    A part that names a bad key or file (``..``, an absolute or empty segment, odd characters,
+    too long) or a body past its cap is left out whole, with one warning; nothing is written
+    outside ``into``, and every file is made new under a directory made here (never a link)."""
     c = client or s3.client()
     processes: list[dict[str, Any]] = []
     into.mkdir(parents=True, exist_ok=True)
+    root = os.open(into, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         for m in inc.manifests:
-            node = str(m["node"])
-            meta = _get_json(c, url, url.key(m["parts"] + "incident.json")) or {}
-            known = {str(p.get("dir")): p for p in meta.get("processes", []) if isinstance(p, dict)}
-            for f in m.get("files", []):
-                rel = str(f["path"])
-                top, _, sub = rel.partition("/")
-                if not sub or rel.startswith("/") or ".." in rel.split("/"):
-                    continue  # incident.json itself, or a path that would leave the directory
-                dest = into / f"{layout.seg(node)}-{top}" / sub
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                c.download_file(url.bucket, url.key(m["parts"] + rel), str(dest))
-            for top, p in known.items():
-                pdir = into / f"{layout.seg(node)}-{top}"
-                if not pdir.is_dir():
-                    continue
-                processes.append({**p, "dir": pdir.name, "node": node})
-                _stamp_node(pdir / "proc.json", node)
+            try:
+                processes += _fetch_part(c, url, m, into, root)
+            except (layout.BadKey, TooBig) as exc:
+                log.warning("store_part_refused", node=str(m.get("node"))[:80], error=str(exc))
     except Exception as exc:  # noqa: BLE001
         raise ReadError(f"store {url}: {type(exc).__name__}: {exc}") from None
+    finally:
+        os.close(root)
     merged = {"id": inc.job_incident, "job": inc.job, "job_incident": inc.job_incident, "time": inc.time,
               "nodes": [m["node"] for m in inc.manifests], "processes": processes}
     (into / "incident.json").write_text(json.dumps(merged, indent=1))
     return into
+
+
+def _fetch_part(c: Any, url: StoreURL, m: dict[str, Any], into: Path, root: int) -> list[dict[str, Any]]:
+    """One node's part: checked first (every name), then downloaded."""
+    node = str(m["node"])
+    parts = str(m.get("parts") or "")
+    layout.check_relpath(parts.rstrip("/"), "parts prefix")
+    files = m.get("files") if isinstance(m.get("files"), list) else []
+    wanted: list[tuple[str, tuple[str, ...]]] = []
+    for f in files:
+        rel = str(f.get("path") if isinstance(f, dict) else f)
+        segs = layout.check_relpath(rel)
+        if len(segs) < 2:
+            continue  # incident.json itself: the merged one is written below
+        wanted.append((rel, segs))
+    meta = _get_json(c, url, url.key(parts + "incident.json")) or {}
+    known = {str(p.get("dir")): p for p in meta.get("processes", []) if isinstance(p, dict)}
+    for rel, segs in wanted:
+        top = layout.check_segment(f"{layout.seg(node)}-{segs[0]}", "process directory")
+        fd = _subdir(root, top)
+        try:
+            for d in segs[1:-1]:
+                nxt = _subdir(fd, d)
+                os.close(fd)
+                fd = nxt
+            _download(c, url, url.key(parts + rel), fd, segs[-1])
+        finally:
+            os.close(fd)
+    processes = []
+    for top, p in known.items():
+        try:
+            pdir_name = layout.check_segment(f"{layout.seg(node)}-{top}", "process directory")
+        except layout.BadKey:
+            continue
+        pdir = into / pdir_name
+        if not pdir.is_dir() or pdir.is_symlink():
+            continue
+        processes.append({**p, "dir": pdir.name, "node": node})
+        _stamp_node(pdir / "proc.json", node)
+    return processes
 
 
 def _stamp_node(path: Path, node: str) -> None:

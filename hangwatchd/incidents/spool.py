@@ -5,7 +5,11 @@ error"), its report (incident.json, /proc facts, stacks, verdict) is kept in
 RUNTIME_DIR/spool/ID instead, and stored and indexed by ``flush`` once the
 state dir has room again (the daemon retries on a timer and at start). The
 runtime dir is the daemon's own (root's, not world-writable), in RAM on most
-nodes: only small files go there, never a GPU dump.
+nodes: only small files go there, never a GPU dump. Each ordinary user's reports
+there are bounded (``per_uid_max`` bytes, config ``spool_bytes_per_uid``): files a
+user plants in the dump dir while the disk is full must not fill RAM until
+``hangwatchd run`` finds no room for its registration; past the bound a user's
+report is dropped and the log says so.
 """
 
 from __future__ import annotations
@@ -40,8 +44,21 @@ ROOM_FLOOR = 8 << 20  # below this many free bytes the state dir counts as full 
 
 
 class Spool:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, per_uid_max: int = 64 << 20) -> None:
         self.dir = Path(directory)
+        self.per_uid_max = per_uid_max
+
+    def bytes_of(self, uid: int) -> int:
+        """Bytes the pending reports of ``uid`` alone hold here."""
+        total = 0
+        for path in self.pending():
+            try:
+                row = json.loads(path.with_name(path.name + ROW_SUFFIX).read_text())
+            except (OSError, ValueError):
+                continue
+            if row.get("uids") == [uid]:
+                total += _tree_bytes(path)
+        return total
 
     def begin(self, reason: str, job: str | None, pids: list[int], now: float | None = None) -> Draft:
         now = time.time() if now is None else now
@@ -65,8 +82,21 @@ class Spool:
                 shutil.copyfile(src, path / rel)
         return Draft(draft.id, draft.time, path, draft.reason, draft.job, draft.pids, spooled=True)
 
-    def keep(self, draft: Draft, data: dict[str, Any], summary: str, uids: list[int | None] | None = None) -> Path:
-        """Seal a spooled draft: incident.json and the index row beside it, then out of .partial."""
+    def keep(self, draft: Draft, data: dict[str, Any], summary: str, uids: list[int | None] | None = None) -> Path | None:
+        """Seal a spooled draft: incident.json and the index row beside it, then out of .partial.
+        None (and the draft removed) when it is one ordinary user's and would take that user past
+        ``per_uid_max`` bytes here."""
+        owners = set(uids or [])
+        if len(owners) == 1:
+            (uid,) = owners
+            if uid:
+                held, size = self.bytes_of(uid), _tree_bytes(draft.path)
+                if held + size > self.per_uid_max:
+                    shutil.rmtree(draft.path, ignore_errors=True)
+                    log.error("incident_dropped", incident=draft.id, uid=uid,
+                              why=f"the state dir is full and uid {uid}'s reports already hold {held} bytes of the "
+                                  f"spool (spool_bytes_per_uid = {self.per_uid_max})")
+                    return None
         write_incident_json(draft.path, data)
         row = {"id": draft.id, "time": draft.time, "host": data.get("host") or socket.gethostname(),
                "reason": draft.reason, "job": draft.job, "pids": list(draft.pids), "summary": summary,
@@ -111,6 +141,17 @@ class Spool:
             shutil.rmtree(stray, ignore_errors=True)
 
 
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
 def has_room(state_dir: Path) -> bool:
     """Whether the state dir has room for an incident's report, before anything is written there."""
     try:
@@ -153,7 +194,8 @@ def finish_draft(store: Store, spool: Spool | None, draft: Draft, incident: Inci
     data = incident_to_json(incident)
     if analysis is not None:
         data["analysis"] = analysis
-    spool.keep(draft, data, summary, [pc.registration.uid for pc in incident.processes])
+    if spool.keep(draft, data, summary, [pc.registration.uid for pc in incident.processes]) is None:
+        return
     log.error("incident_spooled", incident=draft.id, spool=str(spool.dir),
               why="the state dir has no room; stored once it has")
 

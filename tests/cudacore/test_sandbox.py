@@ -121,13 +121,19 @@ def test_a_child_that_allocates_without_end_is_stopped_at_the_memory_limit(raw_d
 
 def test_a_child_that_hangs_is_killed_at_the_wall_deadline_with_its_group(
         raw_dumps: dict[str, Path], tmp_path: Path) -> None:
-    pidfile = tmp_path / "grandchild.pid"
+    import tempfile
+
+    where = Path(tempfile.mkdtemp(prefix="hangwatchd-sandbox-"))  # the child is not root: it writes where anyone may
+    os.chmod(where, 0o1777)
+    pidfile = where / "grandchild.pid"
     out, seconds = timed(raw_dumps["cpp_ima"], Limits(cpu_seconds=30, memory_mb=1024, wall_seconds=2),
                          _hook=f"sleep:{pidfile}")
     assert isinstance(out, SymbolizeStopped), out
     assert str(out).endswith("symbolising stopped: wall-clock limit of 2 s")
     assert 2 <= seconds < 2 + SLACK_S
     grandchild = int(pidfile.read_text())
+    pidfile.unlink()
+    where.rmdir()
 
     def gone() -> bool:
         try:
