@@ -6,11 +6,20 @@ analyses and stores (``make_incident``); an exception dump goes to one that
 files it (``dump_ingest``). When a worker is done the loop collects it: the
 incident is counted, announced to the fleet, and its processes marked
 captured (or, when no incident came of it, watched again).
+
+Each ordinary user's captures and dumps are held to that user's budgets
+(``host.user_limits.Budgets``): one capture in flight per uid (the rest wait
+in a bounded queue of their own), seconds in capture per hour, dumps per
+minute; so one user's flood never takes the workers another user's hang needs.
+A store request pauses a process (py-spy) at most once per REQUEST_PAUSE_EVERY.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +48,8 @@ from .make_incident import make_incident
 log = structlog.get_logger("hangwatchd.daemon")
 
 CLOCK_SKEW = 30.0  # seconds two nodes' clocks may differ by, comparing one's request to the other's registrations
+REQUEST_PAUSE_EVERY = 3600.0  # seconds: a process captured on a store request is not paused for another before this
+MAX_WAITING = 16  # captures of one uid queued behind its budget; past it a hang is tried again later
 
 
 @dataclass
@@ -49,6 +60,7 @@ class _Capture:
     future: concurrent.futures.Future[str | None]
     job_incident: str | None = None
     requested: str | None = None  # the action another node's capture request carried
+    uid: int | None = None  # whose budget it is charged to
 
 
 class CaptureWorkers:
@@ -69,6 +81,9 @@ class CaptureWorkers:
         self.captures: list[_Capture] = []
         self.dumping: set[int] = set()  # pids whose GPU dump a capture is taking: not exception dumps
         self.ingested: set[str] = set()  # dump files already made into incidents
+        self.budgets = registrations.limits.budgets  # per-user: captures in flight, capture time, dumps, log lines
+        self.waiting: dict[int, collections.deque[Callable[[], None]]] = {}  # uid -> captures held by its budget
+        self.requested: dict[object, float] = {}  # process -> when a store request last had it captured
 
     def healthy(self, now: float) -> bool:
         """No capture worker is wedged past all its deadlines."""
@@ -93,9 +108,12 @@ class CaptureWorkers:
         self.start(group, suspicion, job_incident)
 
     def start(self, group: list[Watched], suspicion: Suspicion, job_incident: str | None, requested: str | None = None) -> None:
-        """Capture the group on a worker, into one incident."""
+        """Capture the group on a worker, into one incident, within its user's budget."""
         w = group[0]
         assert self.machine is not None
+        uid = w.registration.uid
+        if self._admit(uid, lambda: self.start(group, suspicion, job_incident, requested), group) != "start":
+            return
         self.machine.captured(group)
         self.dumping.update(x.process.pid for x in group)
         gone = self.registrations.departures.of_job(w.registration.job, w.registration.uid, w.registration.registered_at)  # job-mates that exited: often the cause
@@ -103,7 +121,44 @@ class CaptureWorkers:
             log.info("exited_job_mates", job=w.registration.job, pids=[d.registration.process.pid for d in gone])
         future = self.pool.submit(self._capture, group, suspicion, gone, job_incident)
         future.add_done_callback(self.wake)
-        self.captures.append(_Capture(group, suspicion, time.monotonic(), future, job_incident, requested))
+        self.captures.append(_Capture(group, suspicion, time.monotonic(), future, job_incident, requested, uid=uid))
+
+    def _admit(self, uid: int | None, later: Callable[[], None], group: list[Watched]) -> str:
+        """"start" when ``uid``'s budget lets this capture start now; "queued" when its slot is taken
+        (``later`` runs when one frees); "deferred" past its capture time or its queue (a hang is
+        tried again later)."""
+        now = time.monotonic()
+        why = self.budgets.start_capture(uid, now)
+        if why is None:
+            return "start"
+        assert uid is not None
+        queue = self.waiting.setdefault(uid, collections.deque())
+        in_flight = self.budgets.in_flight(uid) > 0
+        if in_flight and len(queue) < MAX_WAITING:
+            queue.append(later)
+            outcome = "queued"
+        else:
+            outcome = "deferred"
+            for w in group:
+                if self.machine is not None and w.process in self.watched and w.state is State.HUNG:
+                    self.machine.capture_failed(w, now)
+        self.metrics.registration_errors.labels(**self.metrics.labels(reason="capture_budget")).inc()
+        if self.budgets.allow("log", uid, now):
+            log.warning("capture_over_budget", uid=uid, outcome=outcome, error=why,
+                        pids=[w.process.pid for w in group])
+        return outcome
+
+    def _release(self, c: _Capture) -> None:
+        """A capture is done: its user's slot back, its time charged, the user's next waiting one started."""
+        now = time.monotonic()
+        self.budgets.end_capture(c.uid, now - c.started, now)
+        if not c.uid:
+            return
+        queue = self.waiting.get(c.uid)
+        if queue:
+            queue.popleft()()
+        if not queue:
+            self.waiting.pop(c.uid, None)
 
     def serve_requests(self) -> None:
         """Another node declared a job hung: capture this node's ranks of it now, whatever they look like here."""
@@ -113,11 +168,16 @@ class CaptureWorkers:
         for req in self.fleet.pending():
             # A rank registered after the request belongs to a restarted job of the same name, not this hang
             # (give or take the skew between two nodes' clocks).
+            now = time.monotonic()
+            self.requested = {p: t for p, t in self.requested.items() if now - t < REQUEST_PAUSE_EVERY}
             group = [w for w in self.watched.values() if w.registration.job == req.job and w.role != "launcher"
                      and w.state in (State.STARTING, State.HEALTHY, State.SUSPECT)
-                     and w.registration.registered_at <= req.time + CLOCK_SKEW]
+                     and w.registration.registered_at <= req.time + CLOCK_SKEW
+                     and w.process not in self.requested]  # paused for a request once per REQUEST_PAUSE_EVERY
             if not group or not self.fleet.accept(req):
                 continue
+            for x in group:
+                self.requested[x.process] = now
             log.warning("job_capture_requested", job=req.job, job_incident=req.job_incident, by=req.node,
                         pids=[w.process.pid for w in group])
             for x in group:
@@ -132,7 +192,8 @@ class CaptureWorkers:
         first = str(group[0].process.pid)
 
         def gate(outdir: Path) -> str | None:  # a job-mate's GPU dump needs its own evidence
-            return gpu_dump_veto(self.config.gpu_dump, outdir, suspicion.signals if outdir.name == first else ())
+            return gpu_dump_veto(self.config.gpu_dump, outdir, suspicion.signals if outdir.name == first else (),
+                                 suspicion.reason)
 
         return make_incident(self.store, self.steps, [w.registration for w in group], suspicion,
                              self.config.capture_timeout, self.metrics, gate, group[0].notify_status(), self.spool, gone,
@@ -142,6 +203,7 @@ class CaptureWorkers:
         """The workers that are done: count and announce their incidents, move their processes on."""
         for c in [c for c in self.captures if c.future.done()]:
             self.captures.remove(c)
+            self._release(c)
             try:
                 incident_id = c.future.result()
             except Exception as exc:  # noqa: BLE001 - a failed capture must never stop the loop
@@ -183,14 +245,44 @@ class CaptureWorkers:
         pid = dump_names.pid_of(name)
         if pid is not None and pid in self.dumping:
             return  # a capture asked for this one and takes it itself
+        try:
+            st = os.lstat(self.config.dumps / name)  # a dir entry: whose budget it spends
+        except OSError:
+            return  # gone already
+        owner: int | None = st.st_uid
+        now = time.monotonic()
+        if not stat.S_ISREG(st.st_mode):  # refused here, at no cost to a worker or the user's dump budget
+            reason = "dump_symlink" if stat.S_ISLNK(st.st_mode) else "dump_not_regular"
+            self.ingested.add(name)
+            self.metrics.registration_errors.labels(**self.metrics.labels(reason=reason)).inc()
+            if self.budgets.allow("log", owner, now):
+                log.warning("dump_refused", file=name, reason=reason, uid=owner, error=f"{name}: not a regular file")
+            return
+        if not self.budgets.allow("dump", owner, now):
+            # Not remembered as ingested: a rescan (start, overflow) takes it once the user is under budget.
+            self.metrics.registration_errors.labels(**self.metrics.labels(reason="dump_budget")).inc()
+            if self.budgets.allow("log", owner, now):
+                log.warning("dump_refused", file=name, reason="dump_budget", uid=owner,
+                            error=f"uid {owner} is past dumps_per_uid_per_minute = "
+                                  f"{self.budgets.per_minute['dump']:g}; left in the dump dir")
+            return
         self.ingested.add(name)
+        self._ingest(name, pid, owner)
+
+    def _ingest(self, name: str, pid: int | None, owner: int | None) -> None:
+        outcome = self._admit(owner, lambda: self._ingest(name, pid, owner), [])
+        if outcome == "deferred":
+            self.ingested.discard(name)  # left in the dump dir for a later scan
+        if outcome != "start":
+            return
         reg = self.registrations.registration_of(pid)  # here on the loop, which owns the watchlist; the worker gets the answer
         future = self.pool.submit(exception_dumps.ingest_counted, self.store, self.config.dumps / name, pid, reg,
-                                  self.config.driver_logs, self.metrics, self.spool)
+                                  self.config.driver_logs, self.metrics, self.spool,
+                                  lambda uid: self.budgets.allow("log", uid, time.monotonic()))
         future.add_done_callback(self.wake)
         fake = Watched(reg, State.CAPTURED, seen_at=time.monotonic(), timeout=0) if reg else None
         self.captures.append(_Capture([fake] if fake else [], Suspicion("gpu-exception", name, time.time()),
-                                      time.monotonic(), future))
+                                      time.monotonic(), future, uid=owner))
 
     # -- reports kept while the state dir was full -------------------------
 

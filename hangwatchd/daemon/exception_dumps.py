@@ -116,9 +116,11 @@ def ingest(store: Store, path: Path, pid: int | None, claimed: Registration | No
 
 
 def ingest_counted(store: Store, path: Path, pid: int | None, claimed: Registration | None, driver_logs: Path,
-                   metrics: Metrics, spool: Spool | None = None) -> str | None:
+                   metrics: Metrics, spool: Spool | None = None,
+                   may_log: Callable[[int | None], bool] = lambda uid: True) -> str | None:
     """``ingest`` as the daemon runs it: a linked exception counted in
-    ``hangwatchd_gpu_exceptions_total``; a refused file counted and logged, and no incident."""
+    ``hangwatchd_gpu_exceptions_total`` (type from a closed set); a refused file counted, logged
+    while its owner's log budget (``may_log``) lasts, and no incident."""
     def count(exc_type: str) -> None:
         metrics.gpu_exceptions.labels(**metrics.labels(type=exception_type(exc_type))).inc()
     try:
@@ -126,7 +128,12 @@ def ingest_counted(store: Store, path: Path, pid: int | None, claimed: Registrat
     except untrusted.Refused as exc:
         reason = f"dump_{exc.reason}"
         metrics.registration_errors.labels(**metrics.labels(reason=reason)).inc()
-        log.warning("dump_refused", file=str(path), reason=reason, error=str(exc))
+        try:
+            owner: int | None = os.lstat(path).st_uid
+        except OSError:
+            owner = None
+        if may_log(owner):
+            log.warning("dump_refused", file=str(path), reason=reason, error=str(exc))
         return None
 
 
