@@ -200,7 +200,9 @@ def _analyze_store(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(result)
     else:
-        sys.stdout.write(f"job {result['job']}, job incident {result['job_incident']}, nodes {', '.join(result['nodes'])}\n")
+        from .report.terminal import escape  # names from the store: any node wrote them
+
+        sys.stdout.write(escape(f"job {result['job']}, job incident {result['job_incident']}, nodes {', '.join(result['nodes'])}") + "\n")
         sys.stdout.write(render_analysis(result))
     return 0
 

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from ..cudacore.symbolize import Frame, Symbolized
 from .names import Folder
+from .terminal import escape_lines
 
 
 def _lanes(lanes: Iterable[int]) -> str:
@@ -71,4 +72,4 @@ def render(s: Symbolized) -> str:
     if s.cuda_gdb is not None:
         lines += ["", "cuda-gdb says:"] + ["  " + ln for ln in s.cuda_gdb.splitlines()]
     lines += names.in_full()
-    return "\n".join(lines) + "\n"
+    return escape_lines("\n".join(lines)) + "\n"  # kernel and symbol names come from the dump

@@ -14,6 +14,7 @@ from typing import Any
 from ..analyze.jsonfile import read_json_or_none
 from ..analyze.stacks import is_user_frame, load_threads
 from .names import fold
+from .terminal import clean
 
 
 def load(incident_dir: Path, analysis: dict[str, Any], record: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -54,6 +55,7 @@ def _folded(lines: list[str]) -> str:
 
 
 def render_analysis(a: dict[str, Any]) -> str:
+    a = clean(a)  # rank names, RAS replies, symbol names: other people's text, for a terminal
     out = [a["summary"], ""]
     for c in a.get("culprits", []):
         where = f"pid {c['pid']}" + (f" on node {c['node']}" if c.get("node") else "") + (f", GPU {c['gpu']}" if c.get("gpu") is not None else "")
@@ -86,6 +88,7 @@ def render_analysis(a: dict[str, Any]) -> str:
 
 
 def render_text(data: dict[str, Any]) -> str:
+    data = clean(data)  # STATUS=, job names, cmdlines, frames: other people's text, for a terminal
     when = data.get("time")
     stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(when)) if isinstance(when, (int, float)) else "?"
     state = "complete" if data.get("complete", True) else "INCOMPLETE"

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .names import fold
+from .terminal import clean
 
 
 def cut(text: str, width: int) -> str:
@@ -30,6 +31,7 @@ def _utc(when: float) -> str:
 
 def status(status: dict[str, Any]) -> str:
     """``hangwatchd status``: the daemon, then one row per watched process."""
+    status = clean(status)  # job names, cmdlines and STATUS= are the users'
     d = status["daemon"]
     out = (f"hangwatchd {d.get('version')} pid {d.get('pid')}, metrics on {d.get('metrics_address') or 'none'}, "
            f"state dir {d.get('state_dir')}\n")
@@ -51,6 +53,7 @@ def status(status: dict[str, Any]) -> str:
 
 def incidents(items: Sequence[dict[str, Any]]) -> str:
     """``hangwatchd incidents``: one row per stored incident, newest first."""
+    items = clean(items)  # summaries carry job names, symbol names and STATUS= text
     rows = [("ID", "TIME (UTC)", "REASON", "JOB", "PIDS", "SUMMARY")]
     for i in items:
         rows.append((i["id"] + ("" if i["complete"] else " (incomplete)") + (" (evidence coming)" if i.get("pending") else ""),
@@ -61,6 +64,7 @@ def incidents(items: Sequence[dict[str, Any]]) -> str:
 
 def job_incidents(items: Sequence[dict[str, Any]]) -> str:
     """``hangwatchd incidents --store``: one row per job incident in the shared store."""
+    items = clean(items)  # any node writes the store
     rows = [("JOB INCIDENT", "TIME (UTC)", "JOB", "NODES", "RANKS", "REASON")]
     for i in items:
         rows.append((i["job_incident"], _utc(i["time"]), i["job"],
