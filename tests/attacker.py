@@ -10,6 +10,12 @@ beat segment and status file by hand, prints "registered PID" and then beats eve
 itself is the attack: the daemon must refuse it. ``--beat-path``/``--status-path``
 name those files in the registration as given (a beat segment is made there when
 the path leads anywhere the attacker may write; otherwise the name alone is the attack).
+
+``--bait DIR`` makes it look like a hung GPU process to anything that reads names:
+it holds FIFOs named like a CUDA coredump pipe and a flight-recorder pipe (made
+in DIR; start it with TORCH_NCCL_DEBUG_INFO_PIPE_FILE=DIR/fr_ in its
+environment), beats five times and then sleeps for good in a Python function
+named ``cuStreamSynchronize``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,12 @@ def register(args: argparse.Namespace) -> int:
             f.write(struct.pack("<4sII", b"HWB1", 1, pid) + bytes(64 - 12))
     except OSError:
         pass  # someone else's file: named, not written
+    held = []
+    if args.bait:
+        fr = os.environ.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", os.path.join(args.bait, "fr_")) + "0.pipe"
+        for fifo in (os.path.join(args.bait, f"corepipe.{pid}"), fr):
+            os.mkfifo(fifo)
+            held.append(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
     data = {"version": 1, "pid": pid, "start_time": start, "heartbeat_timeout": args.timeout,
             "stack_timeout": args.stack_timeout, "beat_file": None if args.no_beat_file else beat,
             "job": args.job or f"evil-{pid}", "cmdline": ["attacker"], "source": "run", "registered_at": time.time()}
@@ -58,12 +70,19 @@ def register(args: argparse.Namespace) -> int:
         fd = -1
     count = 0
     while True:
+        if args.bait and count == 5:  # a few beats, then "hung" where a GPU wait would be
+            cuStreamSynchronize()
         if not args.no_beat:
             count += 1
             try:
                 os.pwrite(fd, struct.pack("<QQ", count, time.monotonic_ns()), 16)
             except OSError:
                 pass
+        time.sleep(0.1)
+
+
+def cuStreamSynchronize() -> None:  # noqa: N802 - named like the driver's call, which it is not
+    while True:
         time.sleep(0.1)
 
 
@@ -81,6 +100,7 @@ def main() -> int:
     r.add_argument("--beat-path", help="the beat file named in the registration")
     r.add_argument("--status-path", help="the status file named in the registration")
     r.add_argument("--job", help="the job name claimed")
+    r.add_argument("--bait", metavar="DIR", help="hold FIFOs named like CUDA's and PyTorch's, sleep in cuStreamSynchronize")
     args = p.parse_args()
     return register(args)
 

@@ -89,3 +89,46 @@ for where in ({str(dump_dir)!r}, {str(d.state_dir / 'dumps')!r}):
         assert events(d, "retention_removed") == []
         assert [i["id"] for i in d.store().list()] == [kept["id"]]
         assert Path(str(kept["dir"])).is_dir()
+
+
+# -- High 6: the GPU-dump gate reads native frames; one user's flood takes one worker ----
+
+def capture_steps(inc: dict[str, object]) -> list[dict[str, object]]:
+    data = json.loads((Path(str(inc["dir"])) / "incident.json").read_text())
+    return [s for p in data["processes"] for s in p["steps"]]
+
+
+@needs_root
+def test_processes_named_like_hung_gpu_work_take_no_gpu_dump_and_delay_no_one(base: Path, attacker: Attacker) -> None:
+    bait = base / "bait"
+    bait.mkdir()
+    os.chown(bait, NOBODY, NOBODY)
+    config = {"rescan_interval": 1.0, "capture_timeout": 30.0, "flight_recorder_timeout": 4.0, "gpu_dump": "confirmed"}
+    with Daemon(base / "d", config=config) as d:  # py-spy --native, as deployed: the gate sees native frames
+        evil = []
+        for i in range(8):
+            env = {"PATH": "/usr/bin:/bin", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(bait / f"fr{i}_"),
+                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(bait / f"trace{i}_"), "CUDA_ENABLE_USER_TRIGGERED_COREDUMP": "1",
+                   "CUDA_COREDUMP_PIPE": str(bait / "corepipe.%p"), "CUDA_COREDUMP_FILE": str(bait / "core_%p.nvcudmp")}
+            p = attacker.spawn([SYSTEM_PYTHON, str(Path(__file__).with_name("attacker.py")), "register", str(d.runtime_dir),
+                                "--timeout", "1", "--bait", str(bait)],
+                               user=NOBODY, group=NOBODY, extra_groups=[], cwd="/", env=env, stdout=subprocess.PIPE)
+            assert p.stdout is not None and p.stdout.readline().startswith("registered")
+            evil.append(p.pid)
+        victim = RootHang(d)
+        try:
+            stored_within(victim)
+            # The rest of the user's captures waited for its one slot; no worker of anyone else's was taken.
+            over = wait_for(lambda: [e for e in events(d, "capture_over_budget") if e.get("uid") == NOBODY], 20,
+                            "the attacker's captures held to its budget")
+            assert "captures_per_uid = 1" in str(over[0]["error"])
+            theirs = wait_for(lambda: [i for i in d.store().list() if set(i["processes"]) & set(evil)], 30,
+                              "an attacker's hang captured")
+            for inc in theirs:
+                (dump,) = [s for s in capture_steps(inc) if s["step"] == "cuda_dump"]
+                assert dump.get("skipped") and "not confirmed" in str(dump["error"]), dump
+            assert all(Path(f"/proc/{pid}").exists() for pid in evil)  # no GPU dump was asked of any of them
+            assert d.proc.poll() is None
+        finally:
+            victim.stop()
+            attacker.stop()

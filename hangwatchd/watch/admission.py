@@ -98,7 +98,12 @@ class Registrations:
         except RegistrationError as exc:
             self.refused[path.name] = mtime
             self.metrics.registration_errors.labels(**self.metrics.labels(reason=exc.reason)).inc()
-            log.warning("registration_refused", file=str(path), reason=exc.reason, error=str(exc))
+            try:  # whose file: a user's flood of bad files is counted, and logged within that user's budget
+                owner: int | None = path.lstat().st_uid
+            except OSError:
+                owner = None
+            if self.limits.budgets.allow("log", owner, time.monotonic()):
+                log.warning("registration_refused", file=str(path), reason=exc.reason, error=str(exc))
             return
         old = self.watched.get(reg.process)
         if old is not None:
