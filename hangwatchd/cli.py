@@ -186,6 +186,9 @@ def _analyze_store(args: argparse.Namespace) -> int:
 
     if not args.job:
         raise UsageError("analyze --store: give the job with --job JOB ('hangwatchd incidents --store URL' lists them)")
+    from . import log
+
+    log.configure("console", "warning")  # a store part refused is said on stderr; stdout stays the answer
     url = _store_url(args)
     try:
         found = job_incidents(url, args.job)

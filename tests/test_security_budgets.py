@@ -16,13 +16,16 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from hangwatchd.testing import Daemon, stop, wait_for
 
 from .conftest import FIXTURES
+from .s3server import S3Server
 from .test_security import (  # noqa: F401 - fixtures
     NOBODY,
     QUICK,
@@ -132,3 +135,91 @@ def test_processes_named_like_hung_gpu_work_take_no_gpu_dump_and_delay_no_one(ba
         finally:
             victim.stop()
             attacker.stop()
+
+
+# -- High 8: what is read from the shared store ---------------------------------
+
+@pytest.fixture
+def s3() -> Iterator[S3Server]:
+    server = S3Server().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def s3_client(s3: S3Server) -> Any:
+    import boto3
+
+    return boto3.session.Session().client("s3", endpoint_url=s3.endpoint, aws_access_key_id="testing",
+                                          aws_secret_access_key="testing", region_name="us-east-1")
+
+
+def test_store_keys_and_file_names_are_checked_before_they_touch_a_path() -> None:
+    from hangwatchd.fleet import layout
+
+    assert layout.check_relpath("1/proc.json") == ("1", "proc.json")
+    assert layout.check_relpath(f"{layout.seg('node:a/b')}-1/pyspy.json")
+    for bad in ("1//etc/cron.d/x", "/etc/passwd", "1/../../x", "1/./x", "", "1/" + "a" * 300, "/".join(["a"] * 9),
+                "1/x\x1b[2J", "1/.hidden", "1/a b"):
+        with pytest.raises(layout.BadKey):
+            layout.check_relpath(bad)
+
+
+def test_analyze_store_writes_nothing_outside_its_directory(s3: S3Server, base: Path) -> None:
+    target = base / "outside" / "pwned"
+    c = s3_client(s3)
+    now = time.time()
+    parts = "nodes/nodeA/incidents/inc1/"
+    good = {"pid": 1, "node": "nodeA", "rank": 0, "job": "evil", "cmdline": ["x"]}
+    for rel, body in ((f"1/{str(target).lstrip('/')}", b"as root, outside"), ("1/proc.json", json.dumps(good).encode()),
+                      ("incident.json", json.dumps({"processes": [{"pid": 1, "dir": "1"}]}).encode())):
+        c.put_object(Bucket=s3.bucket, Key=f"hw/{parts}{rel}", Body=body)
+    evil = {"node": "nodeA", "incident": "inc1", "time": now, "ranks": [0], "parts": parts,
+            "files": [{"path": f"1//{str(target).lstrip('/')}"}, {"path": "1/proc.json"}]}
+    c.put_object(Bucket=s3.bucket, Key="hw/jobs/evil/job-1/nodeA/inc1.json", Body=json.dumps(evil).encode())
+    # A second node's part names only good files: it is still read.
+    c.put_object(Bucket=s3.bucket, Key="hw/nodes/nodeB/incidents/inc2/1/proc.json", Body=json.dumps({**good, "node": "nodeB"}).encode())
+    c.put_object(Bucket=s3.bucket, Key="hw/nodes/nodeB/incidents/inc2/incident.json",
+                 Body=json.dumps({"processes": [{"pid": 1, "dir": "1"}]}).encode())
+    c.put_object(Bucket=s3.bucket, Key="hw/jobs/evil/job-1/nodeB/inc2.json", Body=json.dumps(
+        {"node": "nodeB", "incident": "inc2", "time": now, "ranks": [1], "parts": "nodes/nodeB/incidents/inc2/",
+         "files": [{"path": "1/proc.json"}]}).encode())
+    res = subprocess.run([sys.executable, "-m", "hangwatchd", "analyze", "--store", s3.url(), "--job", "evil", "--json"],
+                         capture_output=True, text=True, timeout=60, env=dict(os.environ, **s3.env))
+    assert res.returncode == 0, res.stderr
+    assert not target.exists() and not target.parent.exists()
+    merged = json.loads(res.stdout)
+    assert "nodeB" in json.dumps(merged) and "store_part_refused" in res.stderr
+
+
+def test_every_body_read_from_the_store_is_capped(s3: S3Server, tmp_path: Path) -> None:
+    import tracemalloc
+
+    from hangwatchd.fleet import reader
+    from hangwatchd.fleet.agent import MAX_REQUEST, Agent
+    from hangwatchd.fleet.url import parse
+
+    c = s3_client(s3)
+    c.create_bucket(Bucket=s3.bucket) if s3.bucket not in [b["Name"] for b in c.list_buckets()["Buckets"]] else None
+    big = b'{"job": "j", "job_incident": "job-1", "node": "n2", "time": 1, "detail": "' + b"x" * (48 << 20) + b'"}'
+    c.put_object(Bucket=s3.bucket, Key="hw/requests/j/latest.json", Body=big)
+    c.put_object(Bucket=s3.bucket, Key="hw/jobs/j/job-1/n2/i.json", Body=big)
+    env = dict(os.environ)
+    os.environ.update(s3.env)
+    try:
+        agent = Agent(s3.url(), "n1", tmp_path, 60.0, 300.0, 10)
+        client = agent.client()  # made before counting: a client's own models are not what is measured
+        client.list_objects_v2(Bucket=s3.bucket, Prefix="hw/none")
+        tracemalloc.start()
+        try:
+            assert agent._get_latest("j", conditional=False) is None  # noqa: SLF001 - the poller's one read
+            assert reader.job_incidents(parse(s3.url()), "j", client=client) == []
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    assert peak < 16 << 20, f"{peak >> 20} MB held to read two 48 MB bodies"
+    assert MAX_REQUEST < 1 << 20

@@ -170,10 +170,14 @@ class CaptureWorkers:
             # (give or take the skew between two nodes' clocks).
             now = time.monotonic()
             self.requested = {p: t for p, t in self.requested.items() if now - t < REQUEST_PAUSE_EVERY}
-            group = [w for w in self.watched.values() if w.registration.job == req.job and w.role != "launcher"
+            ranks = [w for w in self.watched.values() if w.registration.job == req.job and w.role != "launcher"
                      and w.state in (State.STARTING, State.HEALTHY, State.SUSPECT)
-                     and w.registration.registered_at <= req.time + CLOCK_SKEW
-                     and w.process not in self.requested]  # paused for a request once per REQUEST_PAUSE_EVERY
+                     and w.registration.registered_at <= req.time + CLOCK_SKEW]
+            group = [w for w in ranks if w.process not in self.requested]  # paused for a request once per REQUEST_PAUSE_EVERY
+            if ranks and not group:
+                log.warning("job_capture_request_ignored", job=req.job, job_incident=req.job_incident, by=req.node,
+                            why=f"its processes here were captured on a store request less than "
+                                f"{REQUEST_PAUSE_EVERY:g} s ago; they are not paused again for one")
             if not group or not self.fleet.accept(req):
                 continue
             for x in group:
