@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from hangwatchd.testing import Daemon, stop, wait_for
+from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
 
 from .conftest import FIXTURES
 from .s3server import S3Server
@@ -55,6 +56,17 @@ def stored_within(victim: RootHang, slack: float = SLACK) -> dict[str, object]:
     assert took <= TIMEOUT + slack, f"the root workload's hang took {took:.1f} s to be stored during the attack"
     print(f"root hang stored {took:.2f} s after its last beat (timeout {TIMEOUT:g} s)")
     return inc
+
+
+class RootHangWith(RootHang):
+    """A root workload that beats, then hangs, started with ``env`` added to its environment."""
+
+    def __init__(self, d: Daemon, env: dict[str, str], job: str = "root-victim") -> None:
+        self.d, self.job = d, job
+        self.proc = d.run(workload_argv(beats=20, interval=0.05), "--heartbeat-timeout", str(TIMEOUT), "--job", job,
+                          stdout=subprocess.PIPE, start_new_session=True, env=dict(os.environ, **env))
+        self.stopped = []
+        threading.Thread(target=self._read, daemon=True).start()
 
 
 def events(d: Daemon, name: str) -> list[dict[str, object]]:
@@ -223,3 +235,88 @@ def test_every_body_read_from_the_store_is_capped(s3: S3Server, tmp_path: Path) 
         os.environ.update(env)
     assert peak < 16 << 20, f"{peak >> 20} MB held to read two 48 MB bodies"
     assert MAX_REQUEST < 1 << 20
+
+
+# -- Medium: a forged capture request in the store ----------------------------------
+
+def post_request(c: Any, s3: S3Server, job: str, job_incident: str) -> None:
+    body = json.dumps({"job": job, "job_incident": job_incident, "node": "forged", "time": time.time(),
+                       "reason": "heartbeat", "detail": "forged"}).encode()
+    c.put_object(Bucket=s3.bucket, Key=f"hw/requests/{job}/latest.json", Body=body)
+
+
+@needs_root
+def test_a_forged_store_request_takes_no_gpu_dump_and_pauses_a_healthy_process_once(base: Path, s3: S3Server) -> None:
+    config = {"gpu_dump": "always", "pyspy_native": False, "store_poll_interval": 0.3, "job_incident_window": 2.0,
+              "flight_recorder_timeout": 2.0, "capture_timeout": 20.0}
+    with Daemon(base / "d", "--store", s3.url(), "--node-name", "n1", env=s3.env, config=config) as d:
+        work = d.run([sys.executable, "-m", "hangwatchd.testing", "gpu-workload", "--beats", "100000",
+                      "--dump", str(FIXTURES / "cpp_hang" / "coredump.nvcudmp.xz")],
+                     "--heartbeat-timeout", "5", "--job", "victim", "--rank", "0", stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            c = s3_client(s3)
+            wait_for(lambda: d.metric("hangwatchd_watched_processes") or [e for e in events(d, "process_registered")],
+                     10, "the workload watched")
+            time.sleep(1.0)  # a poll or two: the node watches the job and polls its request key
+            post_request(c, s3, "victim", "job-forged-1")
+            (inc,) = wait_for(lambda: [i for i in d.store().list() if i["reason"] == "job-request"], 30, "the requested capture")
+            (dump,) = [s for s in capture_steps(inc) if s["step"] == "cuda_dump"]
+            assert dump.get("skipped") and "shared store" in str(dump["error"]), dump
+            assert work.poll() is None  # no dump ended it
+            time.sleep(2.5)  # past the job-incident window: a new request is a new hang to the store
+            post_request(c, s3, "victim", "job-forged-2")
+            ignored = wait_for(lambda: events(d, "job_capture_request_ignored"), 15, "the second request refused")
+            assert ignored[0]["job_incident"] == "job-forged-2"
+            assert len([i for i in d.store().list() if i["reason"] == "job-request"]) == 1
+            assert work.poll() is None
+        finally:
+            stop(work, group=True)
+
+
+# -- Medium: another user listening on the job's NCCL RAS port -----------------------
+
+FAKE_RAS = """
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen(8)
+print("listening", flush=True)
+while True:
+    c, _ = s.accept()
+    f = c.makefile("rb")
+    for line in f:
+        line = line.strip()
+        if line.startswith(b"CLIENT PROTOCOL"):
+            c.sendall(b"SERVER PROTOCOL 2\\n")
+        elif line.startswith(b"TIMEOUT") or line.startswith(b"SET FORMAT"):
+            c.sendall(b"OK\\n")
+        elif line.endswith(b"STATUS"):
+            c.sendall(sys.argv[2].encode())
+            break
+    c.close()
+"""
+
+
+@needs_root
+def test_another_users_listener_on_the_jobs_ras_port_is_not_believed(base: Path, attacker: Attacker) -> None:
+    from .s3server import free_port
+
+    port = free_port()
+    forged = "Job summary\\n===========\\n  Rank 7 (pid 4242 on node 10.9.9.9) is DEAD \\x1b[2J\\n"
+    listener = attacker.spawn([SYSTEM_PYTHON, "-c", FAKE_RAS, str(port), forged], user=NOBODY, group=NOBODY,
+                              extra_groups=[], cwd="/", stdout=subprocess.PIPE)
+    assert listener.stdout is not None and listener.stdout.readline().startswith("listening")
+    config = dict(QUICK, capture_steps=["proc", "pyspy", "nccl_ras"])
+    with Daemon(base / "d", config=config) as d:
+        victim = RootHangWith(d, {"NCCL_RAS_ADDR": f"127.0.0.1:{port}"})  # hangwatchd run keeps the address given
+        try:
+            inc = stored_within(victim)
+        finally:
+            victim.stop()
+        pdir = next(p for p in Path(str(inc["dir"])).iterdir() if p.is_dir())
+        assert not (pdir / "nccl-ras.txt").exists()
+        (ras,) = [s for s in capture_steps(inc) if s["step"] == "nccl_ras"]
+        assert not ras["ok"] and f"runs as uid {NOBODY}, not the job's uid 0" in str(ras["error"]), ras
+        assert "10.9.9.9" not in (Path(str(inc["dir"])) / "incident.json").read_text()
