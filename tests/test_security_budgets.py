@@ -320,3 +320,79 @@ def test_another_users_listener_on_the_jobs_ras_port_is_not_believed(base: Path,
         (ras,) = [s for s in capture_steps(inc) if s["step"] == "nccl_ras"]
         assert not ras["ok"] and f"runs as uid {NOBODY}, not the job's uid 0" in str(ras["error"]), ras
         assert "10.9.9.9" not in (Path(str(inc["dir"])) / "incident.json").read_text()
+
+
+# -- Medium: junk in the dump dir ------------------------------------------------------
+
+def dump_file(pid: int, tag: int) -> str:
+    return f"core_{socket.gethostname()}.{pid}.{1700000000 + tag}.nvcudmp"
+
+
+def counted(d: Daemon, *reasons: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in d.scrape().splitlines()
+               if line.startswith("hangwatchd_registration_errors_total{") and any(f'reason="{r}"' in line for r in reasons))
+
+
+@needs_root
+def test_300_junk_dumps_make_no_incidents_and_no_new_metric_series(base: Path, attacker: Attacker) -> None:
+    with Daemon(base / "d", config=QUICK) as d:
+        dumps = Path(d.info["dump_dir"])
+        gone = 2**22 - 7  # a pid that names no process: a claim of the writer's own
+        # A driver log naming an exception type of its own making: filed, counted as OTHER.
+        attacker.run(f"""
+import os
+tmp = os.path.join({str(dumps)!r}, '.log')
+open(tmp, 'w').write('[00:00:00.000000] coredump: Detected an exception of type CUDBG_EXCEPTION_FAKE4242 on device 0\\n')
+os.rename(tmp, os.path.join({str(dumps)!r}, 'nodump_{socket.gethostname()}.{gone}.1.driver-log'))
+""")
+        wait_for(lambda: [i for i in d.store().list() if i["reason"] == "gpu-exception"], 20, "the planted report filed")
+        assert d.metric("hangwatchd_gpu_exceptions_total", type="OTHER") == 1.0
+        assert "FAKE4242" not in "".join(ln for ln in d.scrape().splitlines() if ln.startswith("hangwatchd_gpu_exceptions_total"))
+        victim = RootHang(d)
+        try:
+            attacker.run(f"""
+import os
+for i in range(300):
+    tmp = os.path.join({str(dumps)!r}, '.junk%d' % i)
+    open(tmp, 'wb').write(os.urandom(4096))
+    os.rename(tmp, os.path.join({str(dumps)!r}, 'core_{socket.gethostname()}.{gone}.%d.nvcudmp' % (1700000000 + i)))
+""")
+            stored_within(victim)
+            wait_for(lambda: counted(d, "dump_not_coredump", "dump_budget") == 300, 60, "every junk dump refused")
+        finally:
+            victim.stop()
+        assert len([i for i in d.store().list() if i["reason"] == "gpu-exception"]) == 1
+        assert d.metric("hangwatchd_gpu_exceptions_total", type="UNREADABLE") is None
+        logged = [e for e in d.logs() if e.get("event") == "dump_refused"]
+        assert len(logged) <= 60 + 6, len(logged)  # the user's log lines per minute, then counted only
+        assert d.proc.poll() is None
+
+
+@needs_root
+def test_a_huge_junk_dump_with_a_coredump_header_is_compressed_within_its_limits(base: Path, attacker: Attacker) -> None:
+    import lzma
+
+    head = lzma.decompress((FIXTURES / "cpp_ima" / "coredump.nvcudmp.xz").read_bytes())[:64]
+    config = dict(QUICK, symbolize_cpu_seconds=1.0, symbolize_timeout=5.0)
+    with Daemon(base / "d", config=config) as d:
+        dumps = Path(d.info["dump_dir"])
+        victim = RootHang(d)
+        try:
+            start = time.monotonic()
+            attacker.run(f"""
+import os
+tmp = os.path.join({str(dumps)!r}, '.big')
+with open(tmp, 'wb') as f:
+    f.write({head!r})
+    f.truncate(40 << 30)
+os.rename(tmp, os.path.join({str(dumps)!r}, {dump_file(2**22 - 9, 1)!r}))
+""")
+            (inc,) = wait_for(lambda: [i for i in d.store().list() if i["reason"] == "gpu-exception"], 60, "the junk filed")
+            took = time.monotonic() - start
+            stored_within(victim)
+        finally:
+            victim.stop()
+        (step,) = capture_steps(inc)
+        assert "could not keep the dump" in str(step["error"]) and "limit" in str(step["error"]), step
+        assert took < 5.0 + 15.0, f"{took:.1f} s to give up on a 40 GiB junk dump"
+        assert not list(Path(str(inc["dir"])).rglob("coredump.nvcudmp.zst"))
