@@ -396,3 +396,85 @@ os.rename(tmp, os.path.join({str(dumps)!r}, {dump_file(2**22 - 9, 1)!r}))
         assert "could not keep the dump" in str(step["error"]) and "limit" in str(step["error"]), step
         assert took < 5.0 + 15.0, f"{took:.1f} s to give up on a 40 GiB junk dump"
         assert not list(Path(str(inc["dir"])).rglob("coredump.nvcudmp.zst"))
+
+
+# -- Medium: what a terminal is shown ---------------------------------------------------
+
+HOSTILE = "evil\x1b]0;owned\x07\x1b[2J\r\u202eNOTICE\x9b31m"
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hangwatchd", *args], capture_output=True, text=True, timeout=60)
+
+
+def shown_escaped(out: str, whole: bool = True) -> None:
+    assert not any(c in out for c in "\x1b\x07\r\u202e\x9b"), repr(out[:400])
+    shown = "evil\\x1b]0;owned\\x07\\x1b[2J\\x0d\\u202eNOTICE\\x9b31m"
+    assert (shown if whole else shown[:20]) in out, out[:2000]
+
+
+@needs_root
+def test_a_users_control_characters_reach_no_terminal(base: Path, attacker: Attacker) -> None:
+    bait = base / "bait"
+    bait.mkdir()
+    os.chown(bait, NOBODY, NOBODY)
+    with Daemon(base / "d", config=QUICK) as d:
+        p = attacker.spawn([SYSTEM_PYTHON, str(Path(__file__).with_name("attacker.py")), "register", str(d.runtime_dir),
+                            "--timeout", "1", "--bait", str(bait), "--job", HOSTILE],
+                           user=NOBODY, group=NOBODY, extra_groups=[], cwd="/", stdout=subprocess.PIPE)
+        assert p.stdout is not None and p.stdout.readline().startswith("registered")
+        status = cli("status", "--runtime-dir", str(d.runtime_dir))
+        assert status.returncode == 0, status.stderr
+        shown_escaped(status.stdout, whole=False)  # the table cuts a job name at 32 characters
+        (inc,) = wait_for(lambda: [i for i in d.store().list() if p.pid in i["processes"]], 30, "the attacker's hang stored")
+        listed = cli("incidents", "--state-dir", str(d.state_dir))
+        assert listed.returncode == 0, listed.stderr
+        assert "\x1b" not in listed.stdout and "\\x1b" in listed.stdout
+        shown = cli("show", str(inc["id"]), "--state-dir", str(d.state_dir))
+        assert shown.returncode == 0, shown.stderr
+        shown_escaped(shown.stdout)
+        # --json keeps the text whole, JSON-escaped; the page escapes for HTML.
+        as_json = cli("show", str(inc["id"]), "--state-dir", str(d.state_dir), "--json")
+        assert json.loads(as_json.stdout)["job"] == HOSTILE
+
+
+def test_every_text_renderer_escapes_what_others_wrote() -> None:
+    from hangwatchd.report import incident, tables
+    from hangwatchd.report.terminal import escape
+
+    assert escape("plain text, ünïcode ✓") == "plain text, ünïcode ✓"
+    assert escape("a\nb\tc\x00") == "a\\x0ab\\x09c\\x00"
+    assert escape(escape(HOSTILE)) == escape(HOSTILE)
+    analysis = {"summary": f"Rank 1 {HOSTILE} is dead", "culprits": [
+        {"pid": 1, "rank": 1, "node": HOSTILE, "reason": HOSTILE, "location": HOSTILE}],
+        "ranks": [{"rank": 1, "pid": 1, "node": HOSTILE, "verdict": "dead", "detail": HOSTILE}],
+        "rests_on": [HOSTILE], "unreadable": [HOSTILE]}
+    data = {"id": "x", "time": 0, "host": HOSTILE, "reason": "heartbeat", "detail": HOSTILE, "job": HOSTILE,
+            "notify_status": HOSTILE, "analysis": analysis,
+            "processes": [{"pid": 1, "cmdline": [HOSTILE], "steps": [{"step": "nccl_ras", "ok": False, "seconds": 0.1,
+                                                                       "error": HOSTILE}],
+                           "stacks": [{"thread_name": HOSTILE, "frames": [{"name": HOSTILE, "filename": "x.py", "line": 1}]}]}]}
+    for out in (incident.render_text(data), incident.render_analysis(analysis),
+                tables.status({"daemon": {"version": HOSTILE}, "processes": [
+                    {"pid": 1, "job": HOSTILE, "state": "healthy", "timeout": 1.0, "cmdline": [HOSTILE]}]}),
+                tables.incidents([{"id": "x", "complete": True, "time": 0, "reason": HOSTILE, "job": HOSTILE,
+                                   "processes": [1], "summary": HOSTILE}]),
+                tables.job_incidents([{"job_incident": HOSTILE, "time": 0, "job": HOSTILE, "nodes": [HOSTILE],
+                                       "ranks": [1], "reason": HOSTILE}])):
+        assert not any(c in out for c in "\x1b\x07\r\u202e\x9b"), repr(out[:300])
+        assert "\\x1b" in out
+
+
+def test_symbol_names_from_a_dump_reach_no_terminal_raw(tmp_path: Path) -> None:
+    import lzma
+
+    from hangwatchd.cudacore.symbolize import Symbolized, symbolize
+    from hangwatchd.report import gpu
+
+    raw = tmp_path / "d.nvcudmp"
+    raw.write_bytes(lzma.decompress((FIXTURES / "cpp_ima" / "coredump.nvcudmp.xz").read_bytes()))
+    data = symbolize(raw, nvdisasm=None).to_dict()
+    real = data["kernels"][0]["name"]
+    text = json.dumps(data).replace(json.dumps(real)[1:-1], json.dumps(HOSTILE)[1:-1])
+    out = gpu.render(Symbolized.from_dict(json.loads(text)))
+    assert not any(c in out for c in "\x1b\x07\r\u202e\x9b") and "evil\\x1b]0;owned" in out
