@@ -478,3 +478,90 @@ def test_symbol_names_from_a_dump_reach_no_terminal_raw(tmp_path: Path) -> None:
     text = json.dumps(data).replace(json.dumps(real)[1:-1], json.dumps(HOSTILE)[1:-1])
     out = gpu.render(Symbolized.from_dict(json.loads(text)))
     assert not any(c in out for c in "\x1b\x07\r\u202e\x9b") and "evil\\x1b]0;owned" in out
+
+
+# -- Medium: a flood of registration files, and the log ------------------------------
+
+@needs_root
+def test_a_flood_of_bad_registration_files_is_counted_not_logged_line_by_line(base: Path, attacker: Attacker) -> None:
+    n = 3000
+    with Daemon(base / "d", config=QUICK) as d:
+        victim = RootHang(d)
+        try:
+            attacker.run(f"""
+import os
+regs = {str(d.runtime_dir / 'registrations')!r}
+for i in range({n}):
+    tmp = os.path.join(regs, '.f%d' % i)
+    open(tmp, 'w').write('{{"version": 1, "pid": ')
+    os.rename(tmp, os.path.join(regs, '%d-1.json' % (100000 + i)))
+""")
+            stored_within(victim)
+
+            def refused() -> float:
+                return sum(float(ln.rsplit(" ", 1)[1]) for ln in d.scrape().splitlines()
+                           if ln.startswith("hangwatchd_registration_errors_total{"))
+            wait_for(lambda: refused() >= n, 60, "every bad file counted")
+        finally:
+            victim.stop()
+        logged = [e for e in d.logs() if e.get("event") == "registration_refused"]
+        assert len(logged) <= 60 + 5, f"{len(logged)} log lines for one user's {n} bad files"
+        assert d.log.stat().st_size < 1 << 20
+        assert d.proc.poll() is None
+
+
+# -- Medium: the symbolising child is not root ------------------------------------------
+
+@pytest.fixture(scope="module")
+def forkserver() -> Iterator[None]:
+    """The sandbox's warm fork server, started before any test's own processes are counted."""
+    from hangwatchd.cudacore import sandbox
+
+    sandbox.start()
+    try:
+        yield
+    finally:
+        sandbox.stop()
+
+
+def _ids(pid: int) -> tuple[list[str], list[str], str]:
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    field = {ln.split(":")[0]: ln.split(":", 1)[1].split() for ln in status}
+    return field["Uid"], field["Gid"], " ".join(field["Groups"])
+
+
+@needs_root
+@pytest.mark.parametrize("owner", [0, 12345], ids=["root-owned", "a-users"])
+def test_the_symbolising_child_runs_as_the_dumps_owner_or_nobody(owner: int, base: Path, forkserver: None) -> None:
+    import lzma
+
+    from hangwatchd.cudacore import sandbox
+    from hangwatchd.cudacore.sandbox import Limits
+
+    dump = base / "d.nvcudmp"
+    dump.write_bytes(lzma.decompress((FIXTURES / "cpp_ima" / "coredump.nvcudmp.xz").read_bytes()))
+    os.chown(dump, owner, owner)
+    os.chmod(dump, 0o600)  # only its owner (and root) may read it: the child opened it before the drop
+    assert sandbox.symbolize(dump, Limits(cpu_seconds=30, memory_mb=2048, wall_seconds=30)).kernels
+    where = base / "w"
+    where.mkdir()
+    os.chmod(where, 0o1777)
+    pidfile = where / "pid"
+    done: list[object] = []
+    t = threading.Thread(target=lambda: done.append(_stopped(sandbox, dump, pidfile)))
+    t.start()
+    try:
+        pid = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), 10, "the child's helper"))
+        uids, gids, groups = _ids(pid)
+        want = str(owner or NOBODY)
+        assert uids == [want] * 4 and groups == "", (uids, groups)
+        assert gids[0] != "0"
+    finally:
+        t.join()
+
+
+def _stopped(sandbox: Any, dump: Path, pidfile: Path) -> object:
+    try:
+        return sandbox.symbolize(dump, sandbox.Limits(30, 1024, 5), _hook=f"sleep:{pidfile}")
+    except Exception as exc:  # noqa: BLE001 - stopped at its wall deadline, as meant
+        return exc

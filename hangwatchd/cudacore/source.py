@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Iterator
@@ -54,10 +55,16 @@ _MAGIC_OPENERS: list[tuple[bytes, Callable[[IO[bytes]], IO[bytes]]]] = [
 MAX_INFLATED = 8 << 30
 
 
+_OWN_FD = re.compile(r"/proc/self/fd/(\d+)")
+
+
 def _open(p: Path) -> IO[bytes]:
     """The dump, opened once and never blocking: a FIFO named like a dump is refused, not waited on."""
+    own = _OWN_FD.fullmatch(str(p))
     try:
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        # The sandbox's child opened the dump before it dropped root: it reads that open file,
+        # since reopening /proc/self/fd/N would check the file's permissions again.
+        fd = os.dup(int(own.group(1))) if own else os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except IsADirectoryError:
         raise CoreDumpError(f"{p}: is a directory, not a CUDA coredump") from None
     except FileNotFoundError:
