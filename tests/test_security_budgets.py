@@ -565,3 +565,41 @@ def _stopped(sandbox: Any, dump: Path, pidfile: Path) -> object:
         return sandbox.symbolize(dump, sandbox.Limits(30, 1024, 5), _hook=f"sleep:{pidfile}")
     except Exception as exc:  # noqa: BLE001 - stopped at its wall deadline, as meant
         return exc
+
+
+# -- the budgets themselves (any user) ---------------------------------------------------
+
+def test_budgets_bound_each_user_apart_and_never_root() -> None:
+    from hangwatchd.host.user_limits import Budgets
+
+    b = Budgets(captures_in_flight=1, capture_seconds_per_hour=60.0, per_minute={"dump": 6, "incident": 6, "log": 60})
+    assert b.start_capture(1000, 0.0) is None
+    assert "captures_per_uid = 1" in (b.start_capture(1000, 0.0) or "")
+    assert b.start_capture(1001, 0.0) is None  # another user's capture does not wait for the first's
+    assert all(b.start_capture(0, 0.0) is None for _ in range(50))  # root: never limited
+    b.end_capture(1000, 90.0, 90.0)  # a capture that took 90 s of a 60 s hour
+    assert "capture_seconds_per_uid" in (b.start_capture(1000, 90.0) or "")
+    assert b.start_capture(1000, 90.0 + 3600.0) is None  # an hour later it has its time again
+    took = sum(b.allow("dump", 1000, 100.0 + i * 0.1) for i in range(600))  # a minute of asking
+    assert 6 <= took <= 6 + 6 + 1
+    assert sum(b.allow("log", 1002, 100.0) for _ in range(1000)) == 60
+    assert all(b.allow("dump", 0, 100.0) for _ in range(1000))
+
+
+def test_the_spool_keeps_a_bounded_share_for_each_user(tmp_path: Path) -> None:
+    from hangwatchd.incidents.spool import Spool
+
+    spool = Spool(tmp_path / "spool", per_uid_max=1 << 20)
+
+    def keep(uid: int) -> Path | None:
+        draft = spool.begin("gpu-exception", None, [])
+        (draft.path / "driver.log").write_bytes(os.urandom(300 << 10))
+        return spool.keep(draft, {"id": draft.id}, "s", [uid])
+
+    kept = [keep(NOBODY) for _ in range(8)]
+    assert sum(k is not None for k in kept) == 3  # 3 x 300 KiB fit in 1 MiB, the 4th does not
+    assert all(keep(1000) is not None for _ in range(3))  # another user's share is untouched
+    assert all(keep(0) is not None for _ in range(6))  # root's reports are never dropped
+    assert spool.bytes_of(NOBODY) <= 1 << 20
+    assert len(spool.pending()) == 3 + 3 + 6
+    assert not list((tmp_path / "spool").glob(".partial-*"))  # a dropped draft leaves nothing behind

@@ -130,7 +130,11 @@ class CaptureWorkers:
         now = time.monotonic()
         why = self.budgets.start_capture(uid, now)
         if why is None:
-            return "start"
+            if self.budgets.allow("incident", uid, now):
+                return "start"
+            self.budgets.end_capture(uid, 0.0, now)  # the slot back: this one is not taken
+            why = (f"uid {uid} had its {self.budgets.per_minute['incident']:g} incidents this minute "
+                   "(incidents_per_uid_per_minute)")
         assert uid is not None
         queue = self.waiting.setdefault(uid, collections.deque())
         in_flight = self.budgets.in_flight(uid) > 0
