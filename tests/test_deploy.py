@@ -37,7 +37,7 @@ def test_systemd_accepts_the_unit(tmp_path: Path) -> None:
     assert res.returncode == 0 and res.stdout.strip() == "" and res.stderr.strip() == "", res.stdout + res.stderr
     for needed in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "StateDirectory=hangwatchd",
                    "RuntimeDirectory=hangwatchd", "CAP_SYS_PTRACE", "SystemCallFilter=@system-service ptrace",
-                   "ProtectSystem=strict", "ReadWritePaths=/var/lib/hangwatchd /run/hangwatchd"):
+                   "ProtectSystem=strict", "ReadWritePaths=/var/lib/hangwatchd /run/hangwatchd /var/lib/hangwatchd-dumps"):
         assert needed in unit, needed
     assert "PrivateTmp=yes" not in unit
 
@@ -74,6 +74,9 @@ def test_the_kubernetes_example_holds_every_piece() -> None:
     mounts = {m["name"]: m["mountPath"] for m in trainer["volumeMounts"]}
     side_mounts = {m["name"]: m["mountPath"] for m in sidecar["volumeMounts"]}
     assert mounts["hangwatchd-run"] == side_mounts["hangwatchd-run"] == config.DEFAULT_RUNTIME_DIR
+    # The workload writes dumps where the daemon reads them, and never reaches the incidents.
+    assert mounts["hangwatchd-dumps"] == side_mounts["hangwatchd-dumps"] == str(config.Config().dumps)
+    assert "hangwatchd-state" not in mounts
     assert trainer["command"][:2] == ["hangwatchd", "run"]
     assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
     assert kinds["Service"]["spec"]["ports"][0]["port"] == 9842
