@@ -184,7 +184,8 @@ def test_analyze_store_writes_nothing_outside_its_directory(s3: S3Server, base: 
     now = time.time()
     parts = "nodes/nodeA/incidents/inc1/"
     good = {"pid": 1, "node": "nodeA", "rank": 0, "job": "evil", "cmdline": ["x"]}
-    for rel, body in ((f"1/{str(target).lstrip('/')}", b"as root, outside"), ("1/proc.json", json.dumps(good).encode()),
+    # Under the very key the manifest names, so that a reader that followed it would write outside.
+    for rel, body in ((f"1//{str(target).lstrip('/')}", b"as root, outside"), ("1/proc.json", json.dumps(good).encode()),
                       ("incident.json", json.dumps({"processes": [{"pid": 1, "dir": "1"}]}).encode())):
         c.put_object(Bucket=s3.bucket, Key=f"hw/{parts}{rel}", Body=body)
     evil = {"node": "nodeA", "incident": "inc1", "time": now, "ranks": [0], "parts": parts,
@@ -295,6 +296,7 @@ while True:
         elif line.endswith(b"STATUS"):
             c.sendall(sys.argv[2].encode())
             break
+    f.close()
     c.close()
 """
 
