@@ -63,7 +63,7 @@ def test_a_hung_process_goes_through_every_step_and_its_gpu_dump_is_explained(tm
         assert work.wait(10) == 134  # the dump ended it
         time.sleep(2)
         # The dump the capture asked for is not taken again as an exception dump.
-        assert len(d.store().list()) == 1 and not list(d.state_dir.glob("dumps/*.nvcudmp"))
+        assert len(d.store().list()) == 1 and not list(d.dump_dir.glob("*.nvcudmp"))
     finally:
         stop(work)
         d.stop()

@@ -140,10 +140,22 @@ def owner_uid(path: str | os.PathLike[str]) -> int | None:
 
 
 def _run(path: str | os.PathLike[str], lim: Limits, args: tuple[Any, ...], doing: str) -> bytes:
+    import shutil
+    import tempfile
+
+    uid = owner_uid(path)
+    work = tempfile.mkdtemp(prefix="hangwatchd-child-") if uid is not None else None  # removed here, however it ends
+    try:
+        return _run_in(path, lim, (*args, uid, work), doing)
+    finally:
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_in(path: str | os.PathLike[str], lim: Limits, args: tuple[Any, ...], doing: str) -> bytes:
     ctx = _context()
     answer_r, answer_w = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child, args=(answer_w, *args, owner_uid(path)),
-                        name="hangwatchd-symbolize", daemon=True)
+    child = ctx.Process(target=_child, args=(answer_w, *args), name="hangwatchd-symbolize", daemon=True)
     start_time = time.monotonic()
     try:
         child.start()
@@ -211,14 +223,18 @@ def _decode(path: str | os.PathLike[str], raw: bytes) -> Symbolized:
         raise CoreDumpError(f"{path}: the symbolising child's answer is unreadable ({exc})") from None
 
 
-def _drop_to(uid: int) -> None:
-    """Become ``uid`` (its primary group, no others) for good: real, effective and saved ids."""
+def _gid_of(uid: int) -> int:
     import pwd
 
     try:
-        gid = pwd.getpwuid(uid).pw_gid
+        return pwd.getpwuid(uid).pw_gid
     except KeyError:
-        gid = uid if uid != NOBODY else NOBODY
+        return uid  # no passwd entry: its own number, as a group too
+
+
+def _drop_to(uid: int) -> None:
+    """Become ``uid`` (its primary group, no others) for good: real, effective and saved ids."""
+    gid = _gid_of(uid)
     os.setgroups([])
     os.setresgid(gid, gid, gid)
     os.setresuid(uid, uid, uid)
@@ -227,7 +243,7 @@ def _drop_to(uid: int) -> None:
 
 
 def _child(answer: Any, path: str, strict: bool, nvdisasm: str | None, lim: Limits, hook: str | None,
-           compress_to: tuple[str, int] | None, uid: int | None) -> None:
+           compress_to: tuple[str, int] | None, uid: int | None, work: str | None) -> None:
     """In the child: open, drop root, limit, read, answer in JSON. Never returns an exception to the parent."""
     import resource
 
@@ -243,9 +259,23 @@ def _child(answer: Any, path: str, strict: bool, nvdisasm: str | None, lim: Limi
         return
     if uid is not None:
         try:
+            if work is not None:  # TMPDIR may be root's alone (the systemd unit's): the child gets its own
+                os.chown(work, uid, _gid_of(uid))
             _drop_to(uid)
         except OSError:
             os._exit(_EXIT_NO_DROP)
+        if work is not None:
+            import tempfile
+
+            tempfile.tempdir = work  # nvdisasm's cubins and an inflated dump go here
+            os.environ["TMPDIR"] = work
+    _work(answer, src, dst, path, strict, nvdisasm, lim, hook, compress_to)
+
+
+def _work(answer: Any, src: int, dst: int, path: str, strict: bool, nvdisasm: str | None, lim: Limits,
+          hook: str | None, compress_to: tuple[str, int] | None) -> None:
+    import resource
+
     named, path = path, f"/proc/self/fd/{src}"  # read through the fd; named in answers as it came
     cpu = max(1, math.ceil(lim.cpu_seconds))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU, then SIGKILL a second later
