@@ -132,8 +132,10 @@ def server_socket(sock: socket.socket) -> tuple[int, int] | None:
     return None
 
 
-def holder_of(inode: int, uid: int, first: int, end: float) -> int | None:
-    """The pid of a process of ``uid`` holding socket ``inode`` (``first`` is looked at first)."""
+def holder_of(inode: int, uid: int, first: list[int], end: float) -> int | None:
+    """The pid of a process of ``uid`` holding socket ``inode``. The likely ones are looked at
+    first (``first``: the captured process, its ancestors, the last holder found; then the
+    children of those ancestors, a job's other ranks), then every other process of ``uid``."""
     link = f"socket:[{inode}]"
 
     def holds(pid: int) -> bool:
@@ -142,18 +144,26 @@ def holder_of(inode: int, uid: int, first: int, end: float) -> int | None:
         except OSError:
             return False
 
-    if holds(first):
-        return first
+    for pid in first:
+        if holds(pid):
+            return pid
+    near, rest = [], []
     for name in os.listdir("/proc"):
-        if not name.isdigit() or time.monotonic() > end:
+        if not name.isdigit():
             continue
         try:
             if os.stat(f"/proc/{name}").st_uid != uid:
                 continue
-        except OSError:
+            raw = open(f"/proc/{name}/stat", "rb").read()
+            ppid = int(raw[raw.rfind(b")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        if holds(int(name)):
-            return int(name)
+        (near if ppid in first else rest).append(int(name))
+    for pid in near + rest:
+        if time.monotonic() > end:
+            return None
+        if holds(pid):
+            return pid
     return None
 
 
@@ -177,6 +187,7 @@ def job_check(target: Registration, end: float) -> Callable[[socket.socket], Non
     pid = target.process.pid
     uid = target.uid
     mine = {k: v for k, v in procfs.environ(pid, JOB_KEYS).items() if v}
+    found_before: list[int] = []
 
     def check(sock: socket.socket) -> None:
         found = server_socket(sock)
@@ -186,9 +197,10 @@ def job_check(target: Registration, end: float) -> Callable[[socket.socket], Non
         if uid is not None and sock_uid != uid:
             raise NotTheJobs(f"the process listening there runs as uid {sock_uid}, not the job's uid {uid}: "
                              "its answer is not used")
-        holder = holder_of(inode, sock_uid, pid, end)
+        holder = holder_of(inode, sock_uid, [*found_before, pid, *_ancestors(pid)], end)
         if holder is None:
             raise NotTheJobs("no process of the job's user holds the listening socket: its answer is not used")
+        found_before[:] = [holder]  # the JSON query's connection is most likely accepted by the same process
         if holder == pid or holder in _ancestors(pid):
             return
         theirs = {k: v for k, v in procfs.environ(holder, JOB_KEYS).items() if v}
