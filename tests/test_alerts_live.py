@@ -118,7 +118,7 @@ def test_every_alert_fires_on_the_first_event_of_its_kind_on_a_fresh_daemon(tmp_
         work.append(good.run(workload_argv(beats=5, interval=0.05), "--job", "hb", "--heartbeat-timeout", "1", "--on-hang", "abort"))
         work.append(good.run([sys.executable, "-c", "import time\ndef poll_forever():\n    while True: time.sleep(0.2)\npoll_forever()"],
                              "--job", "st", "--stack-timeout", "2", "--heartbeat-timeout", "3600"))
-        raw_dump(good.state_dir / "dumps", 4242)
+        raw_dump(good.dump_dir, 4242)
         (nvml / "events" / "1.json").write_text(json.dumps({"gpu": 3, "xid": 79}))
         work.append(broken.run(workload_argv(beats=5, interval=0.05), "--job", "hb", "--heartbeat-timeout", "1"))
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
