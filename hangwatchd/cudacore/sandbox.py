@@ -258,6 +258,9 @@ def _child(answer: Any, path: str, strict: bool, nvdisasm: str | None, lim: Limi
         answer.close()
         return
     if uid is not None:
+        # Everything the reading needs is imported while root: after the drop the interpreter's own
+        # files may be out of reach (an interpreter under root's home, as on a developer's machine).
+        from . import warm  # noqa: F401
         try:
             if work is not None:  # TMPDIR may be root's alone (the systemd unit's): the child gets its own
                 os.chown(work, uid, _gid_of(uid))
