@@ -9,22 +9,25 @@ from __future__ import annotations
 
 import concurrent.futures
 import queue
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 
 import structlog
 
 from ..host import procfs
 from ..host.user_limits import UserLimits
+from ..metrics import Metrics
 from ..model import ProcessId, State
 from ..watch.stack_history import Sample
-from ..watch.watched import Watched
+from ..watch.watched import Watched, Watchlist
 from .stack import take_sample
 
 log = structlog.get_logger("hangwatchd.daemon")
 
 
 class Sampler:
-    def __init__(self, pyspy_timeout: float, samples_per_uid: float, limits: UserLimits, wake: Callable[[], None]) -> None:
+    def __init__(self, pyspy_timeout: float, samples_per_uid: float, limits: UserLimits, wake: Callable[[], None],
+                 metrics: Metrics) -> None:
+        self.metrics = metrics
         self.pyspy_timeout = pyspy_timeout
         self.samples_per_uid = samples_per_uid
         self.limits = limits
@@ -53,7 +56,7 @@ class Sampler:
 
         future.add_done_callback(done)
 
-    def ready(self, watched: Mapping[ProcessId, Watched]) -> Iterator[tuple[Watched, Sample, bool]]:
+    def ready(self, watched: Watchlist) -> Iterator[tuple[Watched, Sample, bool]]:
         """The samples taken since last asked, of processes still watched and alive, each
         added to its process's history: (process, sample, whether it was the native look)."""
         while True:
@@ -68,7 +71,9 @@ class Sampler:
             if not procfs.alive(pid):
                 continue
             if sample.refused:
-                w.next_check = 0.0  # looked at now: its files and owner are checked, and it is dropped
+                watched.change(w, check_at=0.0)  # looked at now: its files and owner are checked, and it is dropped
+            self.metrics.stack_samples.labels(**self.metrics.labels(kind="native" if native else "plain",
+                                                                    outcome="failed" if sample.error else "ok")).inc()
             if sample.error:
                 log.warning("stack_sample_failed", pid=pid.pid, error=sample.error)
             else:
