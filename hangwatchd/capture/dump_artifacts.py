@@ -6,6 +6,8 @@ daemon's watch on the dump dir (dumps the driver wrote on an exception).
 
 from __future__ import annotations
 
+import dataclasses
+
 import errno
 import json
 import os
@@ -44,7 +46,7 @@ def open_dump(dump: Path, uid: int | None) -> int:
 
 
 def store(dump: Path, outdir: Path, uid: int | None, remove_source: bool = True, keep_dump: bool = True,
-          on_symbolized: Callable[[], None] | None = None) -> Stored:
+          on_symbolized: Callable[[], None] | None = None, deadline: float | None = None) -> Stored:
     """Symbolise ``dump`` into outdir/symbolized.json and keep it as outdir/coredump.nvcudmp.zst.
 
     ``dump`` is opened once through ``untrusted`` (raises untrusted.Refused) and only that
@@ -55,20 +57,24 @@ def store(dump: Path, outdir: Path, uid: int | None, remove_source: bool = True,
     """
     fd = open_dump(dump, uid)
     try:
-        return store_fd(fd, dump, outdir, remove_source, keep_dump, on_symbolized)
+        return store_fd(fd, dump, outdir, remove_source, keep_dump, on_symbolized, deadline)
     finally:
         os.close(fd)
 
 
 def store_fd(fd: int, dump: Path, outdir: Path, remove_source: bool, keep_dump: bool = True,
-             on_symbolized: Callable[[], None] | None = None) -> Stored:
+             on_symbolized: Callable[[], None] | None = None, deadline: float | None = None) -> Stored:
+    """``deadline`` (monotonic): the capture's, where one runs; symbolising and compressing are cut at it."""
     files: list[str] = []
     notes: list[str] = []
     result: Symbolized | None = None
     opened = untrusted.fd_path(fd)
     try:
         # In a limited child, through the fd we checked: the dump is untrusted.
-        result = sandbox.symbolize(opened)
+        limits = sandbox.current()
+        if deadline is not None:
+            limits = dataclasses.replace(limits, wall_seconds=max(0.0, min(limits.wall_seconds, deadline - time.monotonic())))
+        result = sandbox.symbolize(opened, limits)
         data = result.to_dict()
         if data.get("path") == opened:
             data["path"] = str(dump)  # the name it came by, not the fd it was read through
@@ -83,7 +89,7 @@ def store_fd(fd: int, dump: Path, outdir: Path, remove_source: bool, keep_dump: 
         notes.append(f"the disk is full: the dump was not copied (it stays as {dump}); the report is kept")
         return Stored(tuple(files), result, "; ".join(notes))
     try:
-        _compress(fd, dump, target)
+        _compress(fd, dump, target, deadline)
         files.append(target.name)
     except untrusted.Refused as exc:
         target.unlink(missing_ok=True)
@@ -99,14 +105,14 @@ def store_fd(fd: int, dump: Path, outdir: Path, remove_source: bool, keep_dump: 
     return Stored(tuple(files), result, "; ".join(notes) or None)
 
 
-def _compress(fd: int, src: Path, target: Path) -> None:
-    end = time.monotonic() + COPY_DEADLINE
+def _compress(fd: int, src: Path, target: Path, deadline: float | None = None) -> None:
+    end = min(time.monotonic() + COPY_DEADLINE, deadline if deadline is not None else float("inf"))
     out = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with os.fdopen(out, "wb") as dst, zstandard.ZstdCompressor(level=3, threads=-1).stream_writer(dst, closefd=False) as z:
         offset = 0
         while chunk := os.pread(fd, 4 << 20, offset):
             if time.monotonic() > end:
-                raise untrusted.Refused("slow", f"{src}: not compressed within {COPY_DEADLINE:g} s")
+                raise untrusted.Refused("slow", f"{src}: not compressed by its deadline ({COPY_DEADLINE:g} s at most)")
             offset += len(chunk)
             if offset > MAX_DUMP:
                 raise untrusted.Refused("too_big", f"{src} grew past {MAX_DUMP >> 30} GiB")

@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 
 from ..analyze.jsonfile import read_json_or_none
+from ..capture import capture_budget
 from ..capture.base import Step
 from ..config import Config
 from ..detect.machine import StateMachine
@@ -27,7 +28,7 @@ from ..fleet.agent import Agent
 from ..incidents.spool import Spool
 from ..incidents.store import Store
 from ..metrics import Metrics
-from ..model import State, Suspicion
+from ..model import Registration, State, Suspicion
 from ..watch.admission import Registrations
 from ..watch.watched import Watched, Watchlist
 from ..workload import dump_names, exits
@@ -39,6 +40,13 @@ from .make_incident import make_incident
 log = structlog.get_logger("hangwatchd.daemon")
 
 CLOCK_SKEW = 30.0  # seconds two nodes' clocks may differ by, comparing one's request to the other's registrations
+WEDGED_AFTER = 30.0  # seconds past its own deadline a capture may run before the daemon calls itself unhealthy
+INGESTED_MAX = 10_000  # exception-dump names remembered in memory (oldest forgotten first; the store keeps all)
+CAPTURES_MAX = 64  # captures (hangs and dumps) queued or running at once; past it a hang waits for its retry
+
+
+class Saturated(Exception):
+    """The capture queue is full: the hang is captured at its retry (see ``StateMachine.declare``)."""
 
 
 @dataclass
@@ -46,6 +54,7 @@ class _Capture:
     watched: list[Watched]
     suspicion: Suspicion
     started: float
+    deadline: float  # monotonic: every step of it is cut here
     future: concurrent.futures.Future[str | None]
     job_incident: str | None = None
     requested: str | None = None  # the action another node's capture request carried
@@ -68,42 +77,63 @@ class CaptureWorkers:
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="capture")
         self.captures: list[_Capture] = []
         self.dumping: set[int] = set()  # pids whose GPU dump a capture is taking: not exception dumps
-        self.ingested: set[str] = set()  # dump files already made into incidents
+        self.ingested: dict[str, None] = {}  # dump files already made into incidents, oldest first (INGESTED_MAX)
+        self.flushing: concurrent.futures.Future[None] | None = None  # the spool being flushed, off the loop
 
     def healthy(self, now: float) -> bool:
-        """No capture worker is wedged past all its deadlines."""
-        limit = 2 * self.config.capture_timeout + 30
-        return all(now - c.started < limit for c in self.captures)
+        """No capture is running past its own deadline (and a grace for its last step to be killed)."""
+        return all(now < c.deadline + WEDGED_AFTER for c in self.captures)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Other slow work of the loop's (retention), on the same workers."""
-        self.pool.submit(fn, *args)
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        """Other slow work of the loop's (retention, the spool), on the same workers."""
+        return self.pool.submit(self._logged, fn, *args)
+
+    @staticmethod
+    def _logged(fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as exc:
+            log.exception("worker_failed", work=getattr(fn, "__name__", str(fn)), error=f"{type(exc).__name__}: {exc}")
+            raise
+
+    def remember_ingested(self, names: set[str] | list[str]) -> None:
+        for name in names:
+            self.ingested[name] = None
+        while len(self.ingested) > INGESTED_MAX:
+            del self.ingested[next(iter(self.ingested))]
 
     def shutdown(self) -> None:
+        """Stop: queued captures are dropped (logged), running ones end at their deadlines, and
+        every capture that finished is logged and counted like any other."""
         self.pool.shutdown(wait=True, cancel_futures=True)
+        for c in self.captures:
+            if c.future.cancelled():
+                log.warning("capture_cancelled", pids=[w.process.pid for w in c.watched], reason=c.suspicion.reason,
+                            why="the daemon stopped before it started")
+        self.captures = [c for c in self.captures if not c.future.cancelled()]
+        self.collect()
 
     # -- hangs -------------------------------------------------------------
 
-    def on_hung(self, group: list[Watched], suspicion: Suspicion) -> None:
-        """A confirmed hang here (the hung process and its job-mates): capture them."""
-        job = group[0].registration.job
-        # Every other node watching a rank of this job captures it too, under one job incident id.
-        on_hang = self.act.action(w.registration for w in group) if self.act else "report"
-        job_incident = self.fleet.declare(job, suspicion.reason, suspicion.detail, on_hang) if self.fleet and job else None
-        self.start(group, suspicion, job_incident)
-
-    def start(self, group: list[Watched], suspicion: Suspicion, job_incident: str | None, requested: str | None = None) -> None:
-        """Capture the group on a worker, into one incident."""
+    def on_hung(self, group: list[Watched], suspicion: Suspicion, deadline: float, job_incident: str | None,
+                requested: str | None = None) -> None:
+        """A confirmed hang (the hung process and its job-mates): queue their capture, cut at
+        ``deadline``. Raises when it cannot be queued; the caller then retries later. ``requested``:
+        the action another node's capture request carried."""
+        if len(self.captures) >= CAPTURES_MAX:
+            raise Saturated(f"{len(self.captures)} captures queued or running (CAPTURES_MAX)")
         w = group[0]
-        assert self.machine is not None
-        self.machine.captured(group)
-        self.dumping.update(x.process.pid for x in group)
         gone = self.registrations.departures.of_job(w.registration.job, w.registration.uid, w.registration.registered_at)  # job-mates that exited: often the cause
         if gone:
             log.info("exited_job_mates", job=w.registration.job, pids=[d.registration.process.pid for d in gone])
-        future = self.pool.submit(self._capture, group, suspicion, gone, job_incident)
-        future.add_done_callback(self.wake)
-        self.captures.append(_Capture(group, suspicion, time.monotonic(), future, job_incident, requested))
+        declare = job_incident is None and self.fleet is not None and w.registration.job is not None
+        on_hang = self.act.action(x.registration for x in group) if self.act and declare else "report"
+        c = _Capture(list(group), suspicion, time.monotonic(), deadline, concurrent.futures.Future(), job_incident, requested)
+        c.future = self.pool.submit(self._capture, c, [x.registration for x in group], group[0].notify_status(), gone,
+                                    declare, on_hang)
+        c.future.add_done_callback(self.wake)
+        self.captures.append(c)
+        self.dumping.update(x.process.pid for x in group)
 
     def serve_requests(self) -> None:
         """Another node declared a job hung: capture this node's ranks of it now, whatever they look like here."""
@@ -120,23 +150,34 @@ class CaptureWorkers:
                 continue
             log.warning("job_capture_requested", job=req.job, job_incident=req.job_incident, by=req.node,
                         pids=[w.process.pid for w in group])
-            for x in group:
-                x.suspicion = None
-                self.watched.set_state(x, State.HUNG)
             why = Suspicion("job-request", f"node {req.node} declared job {req.job} hung ({req.reason}: {req.detail})", req.time)
-            self.start(group, why, req.job_incident, req.on_hang)
+            assert self.machine is not None
+            self.machine.declare(group, why, time.monotonic(), req.job_incident, requested=req.on_hang)
 
-    def _capture(self, group: list[Watched], suspicion: Suspicion, gone: list[exits.Departed],
-                 job_incident: str | None = None) -> str | None:
-        """On a worker thread."""
-        first = str(group[0].process.pid)
+    def _capture(self, c: _Capture, targets: list[Registration], notify_status: str | None,
+                 gone: list[exits.Departed], declare: bool, on_hang: str = "report") -> str | None:
+        """On a worker thread: tell the fleet, capture, analyse, store, hand the incident to the fleet."""
+        suspicion = c.suspicion
+        job = targets[0].job
+        if declare and self.fleet is not None and job is not None:
+            try:  # every other node watching a rank of this job captures it too, under one job incident id
+                c.job_incident = self.fleet.declare(job, suspicion.reason, suspicion.detail, on_hang)
+            except Exception as exc:  # noqa: BLE001 - the fleet's trouble costs the request, never this node's capture
+                log.exception("job_declare_failed", job=job, error=f"{type(exc).__name__}: {exc}")
+        first = str(targets[0].process.pid)
 
         def gate(outdir: Path) -> str | None:  # a job-mate's GPU dump needs its own evidence
             return gpu_dump_veto(self.config.gpu_dump, outdir, suspicion.signals if outdir.name == first else ())
 
-        return make_incident(self.store, self.steps, [w.registration for w in group], suspicion,
-                             self.config.capture_timeout, self.metrics, gate, group[0].notify_status(), self.spool, gone,
-                             self.config.node, job_incident)
+        budget = c.deadline - time.monotonic()
+        if budget <= 0:
+            raise TimeoutError(f"its deadline passed while it waited for a worker ({-budget:.1f} s ago)")
+        incident_id = make_incident(self.store, self.steps, targets, suspicion, budget, self.metrics, gate,
+                                    notify_status, self.spool, gone, self.config.node, c.job_incident)
+        if self.fleet and incident_id and self.spool.find(incident_id) is None:
+            self.fleet.stored(incident_id, self.store.dir / incident_id, next((t.job for t in targets if t.job), None),
+                              c.job_incident)
+        return incident_id
 
     def collect(self) -> None:
         """The workers that are done: count and announce their incidents, move their processes on."""
@@ -145,7 +186,8 @@ class CaptureWorkers:
             try:
                 incident_id = c.future.result()
             except Exception as exc:  # noqa: BLE001 - a failed capture must never stop the loop
-                log.exception("capture_failed", pids=[w.process.pid for w in c.watched], error=f"{type(exc).__name__}: {exc}")
+                log.error("capture_failed", pids=[w.process.pid for w in c.watched], error=f"{type(exc).__name__}: {exc}",
+                          exc_info=exc)
                 self.metrics.loop_errors.labels(**self.metrics.labels(where="capture")).inc()
                 incident_id = None
             else:
@@ -159,21 +201,18 @@ class CaptureWorkers:
                             seconds=round(time.monotonic() - c.started, 3))
                 if pending:
                     self.metrics.incidents_pending.labels(**self.metrics.const).set(len(self.spool.pending()))
-                elif self.fleet and incident_id:
-                    job = next((w.registration.job for w in c.watched if w.registration.job), None)
-                    self.fleet.stored(incident_id, self.store.dir / incident_id, job, c.job_incident)
                 if self.act and c.suspicion.reason != "gpu-exception":  # stored (or its report kept): now the job's policy acts
                     self.act.after_store([w.registration for w in c.watched], incident_id, c.requested)
+            now = time.monotonic()
             for w in c.watched:
                 self.dumping.discard(w.process.pid)
-                w.incident = incident_id
-                if w.process not in self.watched or w.state is not State.HUNG:
-                    continue
+                if self.watched.get(w.process) is not w:
+                    continue  # gone meanwhile (or an exception dump's stand-in)
+                assert self.machine is not None
                 if incident_id is None:
-                    assert self.machine is not None
-                    self.machine.capture_failed(w, time.monotonic())
+                    self.machine.capture_failed(w, now)
                 else:
-                    self.watched.set_state(w, State.CAPTURED)
+                    self.machine.stored(w, incident_id)
 
     # -- GPU dumps nobody asked for: exceptions ---------------------------
 
@@ -183,19 +222,25 @@ class CaptureWorkers:
         pid = dump_names.pid_of(name)
         if pid is not None and pid in self.dumping:
             return  # a capture asked for this one and takes it itself
-        self.ingested.add(name)
+        self.remember_ingested([name])
         reg = self.registrations.registration_of(pid)  # here on the loop, which owns the watchlist; the worker gets the answer
         future = self.pool.submit(exception_dumps.ingest_counted, self.store, self.config.dumps / name, pid, reg,
                                   self.config.driver_logs, self.metrics, self.spool)
         future.add_done_callback(self.wake)
-        fake = Watched(reg, State.CAPTURED, seen_at=time.monotonic(), timeout=0) if reg else None
+        fake = Watched(reg, State.CAPTURED, seen_at=time.monotonic(), timeout=0) if reg else None  # a stand-in, never watched
         self.captures.append(_Capture([fake] if fake else [], Suspicion("gpu-exception", name, time.time()),
-                                      time.monotonic(), future))
+                                      time.monotonic(), time.monotonic() + capture_budget(self.config), future))
 
     # -- reports kept while the state dir was full -------------------------
 
     def flush_spool(self) -> None:
-        """Reports kept while the state dir had no room: stored and indexed once it has."""
+        """Reports kept while the state dir had no room: stored and indexed once it has, on a worker
+        (it analyses and renders pages), one flush at a time."""
+        if self.flushing is not None and not self.flushing.done():
+            return
+        self.flushing = self.submit(self._flush_spool)
+
+    def _flush_spool(self) -> None:
         pending = self.spool.pending()
         if pending:
             for incident_id in self.spool.flush(self.store):

@@ -64,8 +64,7 @@ class HeartbeatDetector:
         if w.last_progress is None and w.registration.heartbeat_timeout is None:
             deadline = w.seen_at + self.startup_grace
             if now >= deadline and not w.never_beat:
-                w.never_beat = True
-                w.next_sample = now  # from now on its stack is sampled (see Watched.watched_by_stack)
+                w.never_beat = True  # from now on its stack is sampled (see Watched.watched_by_stack)
                 log.warning("never_beat", pid=w.process.pid, job=w.registration.job, rank=w.registration.rank,
                             grace=self.startup_grace, watched_by="stack",
                             note="no first beat and no declared --heartbeat-timeout: watched by its stack, never hung for a missing beat")

@@ -32,18 +32,20 @@ class Sampler:
         self.samples_per_uid = samples_per_uid
         self.limits = limits
         self.wake = wake  # a sample is ready: wake the loop
+        # At most one sample per process is in flight (Watched.sampling), so the pool's queue is
+        # bounded by the watchlist's size.
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="sample")
         self.done: queue.SimpleQueue[tuple[ProcessId, Sample, bool]] = queue.SimpleQueue()
 
-    def sample(self, w: Watched, now: float) -> None:
-        """Start one sample of ``w`` (native when it is the one look at a frozen stack)."""
+    def sample(self, w: Watched, now: float) -> float | None:
+        """Start one sample of ``w`` (native when it is the one look at a frozen stack); or, when its
+        user's budget is spent, say when to try again (the caller schedules it)."""
         wait = self.limits.sample_wait(w.registration.uid, now)
         if wait:
-            w.next_sample = now + wait
             if self.limits.first("pyspy_rate", w.registration.uid):
                 log.warning("stack_sampling_limited", uid=w.registration.uid,
                             limit=f"pyspy_samples_per_uid = {self.samples_per_uid:g}")
-            return
+            return now + wait
         w.sampling = True
         pid = w.process
         native = w.state is State.SUSPECT and w.suspicion is not None and w.suspicion.reason == "stack"
@@ -55,10 +57,11 @@ class Sampler:
             self.wake()
 
         future.add_done_callback(done)
+        return None
 
     def ready(self, watched: Watchlist) -> Iterator[tuple[Watched, Sample, bool]]:
-        """The samples taken since last asked, of processes still watched and alive, each
-        added to its process's history: (process, sample, whether it was the native look)."""
+        """The samples taken since last asked, of processes still watched and alive: (process,
+        sample, whether it was the native look). What they mean is the state machine's to say."""
         while True:
             try:
                 pid, sample, native = self.done.get_nowait()
@@ -76,8 +79,6 @@ class Sampler:
                                                                     outcome="failed" if sample.error else "ok")).inc()
             if sample.error:
                 log.warning("stack_sample_failed", pid=pid.pid, error=sample.error)
-            else:
-                w.history.add(sample)
             yield w, sample, native
 
     def shutdown(self) -> None:
