@@ -91,3 +91,129 @@ def _status_of(d: Daemon, n: int) -> list[dict] | None:
     out = hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout
     procs = [p for p in json.loads(out)["processes"] if p["role"] != "launcher"] if out else []
     return procs if len(procs) >= n else None
+
+
+def gpu_workload(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hangwatchd.testing", "gpu-workload", *args]
+
+
+def _leftover_drafts(state: Path) -> list[str]:
+    incidents = state / "incidents"
+    return [p.name for p in incidents.iterdir() if p.name.startswith(".partial")] if incidents.is_dir() else []
+
+
+def test_a_bug_a_user_can_trigger_in_one_step_fails_that_step_only(tmp_path: Path) -> None:
+    """``TORCH_FR_DUMP_TEMP_FILE=/tmp/fr**`` makes the flight recorder's Path.glob raise ValueError:
+    that step fails (with its traceback in the log), every other step runs, one incident is stored,
+    and no draft is left behind."""
+    with Daemon(tmp_path, config={"gpu_dump": "never"}) as d:
+        env = dict(os.environ, TORCH_FR_DUMP_TEMP_FILE=str(tmp_path / "fr**"))
+        work = d.run(gpu_workload("--cuda", "none", "--fr", "answer"), "--heartbeat-timeout", "1", env=env)
+        try:
+            (inc,) = wait_for(d.store().list, 60, "the incident")
+            wait_for(lambda: _events(d, "incident_stored"), 10, "the incident logged")
+            steps = {s["step"]: s for s in json.loads((Path(inc["dir"]) / "incident.json").read_text())["processes"][0]["steps"]}
+            assert not steps["flight_recorder"]["ok"] and "ValueError" in steps["flight_recorder"]["error"]
+            assert steps["pyspy"]["ok"] and steps["proc"]["ok"]
+            (raised,) = _events(d, "capture_step_raised")
+            assert raised["step"] == "flight_recorder"
+            frames = raised["exception"][0]["frames"]  # structlog's dict traceback, not "exc_info": true
+            assert raised["exception"][0]["exc_type"] == "ValueError" and any(f["name"] == "run" for f in frames)
+            assert _leftover_drafts(d.state_dir) == []
+            assert len(_events(d, "process_hung", work.pid)) <= 1
+            assert _events(d, "process_hung") and not _events(d, "capture_failed")
+        finally:
+            stop(work, sig=signal.SIGKILL)
+
+
+def test_subproc_never_waits_without_limit_for_a_killed_tool(tmp_path: Path) -> None:
+    """A tool whose grandchild escapes its process group keeps the pipes open: past the deadline
+    the tool is killed and the call returns, without waiting for the grandchild."""
+    from hangwatchd.host import subproc
+
+    pidfile = tmp_path / "grandchild.pid"
+    script = (f"import os, subprocess, sys, time\n"
+              f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)\n"
+              f"open({str(pidfile)!r}, 'w').write(str(p.pid))\n"
+              f"time.sleep(120)\n")
+    try:
+        res = subproc.run([sys.executable, "-c", script], timeout=2.0)
+        assert res.timed_out and res.seconds < 2.0 + 2 * subproc.REAP_WAIT + 1
+    finally:
+        if pidfile.exists():
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs for the state dir needs root (CI runs as root)")
+def test_a_hang_is_captured_when_the_fleet_cannot_be_told_for_a_full_state_dir(tmp_path: Path) -> None:
+    """With ``store`` set and the state dir full, telling the fleet fails (its outbox lives in the
+    state dir): the hang is still captured (its report kept in the spool), never left hung."""
+    from tests.s3server import S3Server
+    from tests.test_faults import fill
+
+    state = tmp_path / "state"
+    state.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(state)], check=True)
+    server = S3Server().start()
+    try:
+        d = Daemon(tmp_path / "d", "--state-dir", str(state), "--store", server.url(), "--node-name", "n1",
+                   env=server.env, config={"gpu_dump": "never", "pyspy_native": False})
+        work = None
+        try:
+            filler = fill(state)
+            work = d.run(workload_argv(beats=5, interval=0.02), "--job", "j1", "--heartbeat-timeout", "1")
+            wait_for(lambda: _events(d, "incident_pending"), 60, "the report kept while the state dir is full")
+            (failed,) = _events(d, "job_declare_failed")
+            assert failed["exception"][0]["exc_type"] == "OSError" or "No space" in failed["error"], failed
+            st = json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)
+            (proc,) = [p for p in st["processes"] if p["role"] != "launcher"]
+            assert proc["state"] == "captured" and proc["incident"]
+            assert len(_events(d, "process_hung")) == 1
+            filler.unlink()
+        finally:
+            if work is not None:
+                stop(work, sig=signal.SIGKILL)
+            d.stop()
+    finally:
+        server.stop()
+        subprocess.run(["umount", "-l", str(state)])
+
+
+def test_only_the_transition_writes_a_process_life() -> None:
+    """Nothing but Watchlist.change writes a process's state, suspicion, timers or progress mark."""
+    from hangwatchd.metrics import create
+    from hangwatchd.model import ProcessId, Registration, State
+    from hangwatchd.watch.watched import NotTheOwner, Watched, Watchlist
+
+    reg = Registration(process=ProcessId(os.getpid(), 0), uid=os.getuid(), cmdline=("x",))
+    w = Watched(reg, State.HEALTHY, seen_at=0.0, timeout=5.0)
+    lst = Watchlist(create(node="t"))
+    assert lst.admit(w)
+    for name in ("state", "suspicion", "next_check", "next_sample", "confirm_by", "mark", "incident"):
+        with pytest.raises(NotTheOwner):
+            setattr(w, name, None)
+    lst.change(w, State.SUSPECT, confirm_by=3.0, check_at=1.0)
+    assert (w.state, w.confirm_by, w.next_check) == (State.SUSPECT, 3.0, 1.0)
+    assert lst.counts[State.SUSPECT] == 1 and lst.counts[State.HEALTHY] == 0
+    lst.forget(w)
+    assert w.process not in lst and sum(lst.counts.values()) == 0
+
+
+def test_a_capture_running_when_the_daemon_stops_is_finished_logged_and_counted(tmp_path: Path) -> None:
+    """SIGTERM while a capture runs (a flight recorder that never answers holds it for its
+    timeout): the daemon stops once the capture is done, and that capture is stored, logged as
+    ``incident_stored`` and counted like any other."""
+    d = Daemon(tmp_path, config={"gpu_dump": "never", "flight_recorder_timeout": 4.0, "pyspy_native": False})
+    work = d.run(gpu_workload("--cuda", "none", "--fr", "silent"), "--heartbeat-timeout", "1")
+    try:
+        wait_for(lambda: [e for e in d.logs() if e.get("event") == "capture_step" and e.get("step") == "pyspy"], 30,
+                 "the capture under way")
+        assert not _events(d, "incident_stored")
+        assert d.stop() == 0
+        (stored,) = _events(d, "incident_stored")
+        (inc,) = d.store().list()
+        assert stored["incident"] == inc["id"] and inc["complete"]
+        stopping = next(i for i, e in enumerate(d.logs()) if e.get("event") == "daemon_stopping")
+        assert [e["event"] for e in d.logs()[stopping:]].count("incident_stored") == 1
+    finally:
+        stop(work, sig=signal.SIGKILL)

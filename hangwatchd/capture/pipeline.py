@@ -99,7 +99,9 @@ def capture_all(
     # like torchrun then tears down the other ranks before they could be read.
     gentle = [(s, t) for s, t in steps if not getattr(s, "destructive", False)]
     last = [(s, t) for s, t in steps if getattr(s, "destructive", False)]
-    reserve = min(sum(t for _, t in last), budget / 2) if last else 0.0  # the GPU dump's time, held back from the rest
+    # The GPU dump's time, held back from the gentle steps (half the budget where it is smaller than that).
+    dump_time = sum(t for _, t in last)
+    reserve = (dump_time if dump_time < budget else budget / 2) if last else 0.0
 
     def one(ss: Sequence[tuple[Step, float]], t: Registration, outdir_: Path, left: float) -> ProcessCapture:
         destructive = any(getattr(s, "destructive", False) for s, _ in ss)

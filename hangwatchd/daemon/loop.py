@@ -199,6 +199,7 @@ class Daemon:
                      metrics=self.metrics_address, pid=os.getpid())
             self.loop()
         finally:
+            self.status.stop()  # its thread says nothing after STOPPING=1
             notify("STOPPING=1")
             log.info("daemon_stopping", captures_in_flight=len(self.workers.captures))
             self.registrations.stop()
