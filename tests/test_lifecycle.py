@@ -165,9 +165,9 @@ def test_a_hang_is_captured_when_the_fleet_cannot_be_told_for_a_full_state_dir(t
             wait_for(lambda: _events(d, "incident_pending"), 60, "the report kept while the state dir is full")
             (failed,) = _events(d, "job_declare_failed")
             assert failed["exception"][0]["exc_type"] == "OSError" or "No space" in failed["error"], failed
-            st = json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)
-            (proc,) = [p for p in st["processes"] if p["role"] != "launcher"]
-            assert proc["state"] == "captured" and proc["incident"]
+            # status.json is written off the loop, at most once a second
+            (proc,) = wait_for(lambda: [p for p in _status_of(d, 1) or [] if p["state"] == "captured"], 5, "captured")
+            assert proc["incident"] == _events(d, "incident_pending")[0]["incident"]
             assert len(_events(d, "process_hung")) == 1
             filler.unlink()
         finally:
