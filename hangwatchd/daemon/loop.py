@@ -232,8 +232,7 @@ class Daemon:
         guard = self.guard
         while not self.stopping:
             now = time.monotonic()
-            timers = [next_rescan, next_status, next_retention, next_spool, self.next_dump_scan]
-            timers += [min(w.next_check, w.next_sample) for w in self.watched.values()]
+            timers = [next_rescan, next_status, next_retention, next_spool, self.next_dump_scan, self.watched.next_due()]
             if ping_every:
                 timers.append(next_ping)
             timeout = max(LOOP_TICK, min(timers) - now)
@@ -257,7 +256,7 @@ class Daemon:
             for w, sample, native in self.sampler.ready(self.watched):
                 if not guard("judge_stack", self.machine.judge_stack, w, sample, native, now, pid=w.process.pid):
                     self.machine.backoff(w, now, "sample")
-            for w in list(self.watched.values()):
+            for w in self.watched.due(now):
                 if w.process not in self.watched:
                     continue  # forgotten while handling an earlier one
                 if w.next_check <= now and not guard("observe", self.machine.observe, w, now, pid=w.process.pid):
@@ -266,6 +265,8 @@ class Daemon:
                     continue  # dropped for a tampered file
                 if w.next_sample <= now and not w.sampling and not guard("sample", self._sample, w, now, pid=w.process.pid):
                     self.machine.backoff(w, now, "sample")
+                if w.process in self.watched and w.next_check <= now:
+                    self.machine.backoff(w, now, "observe")  # its look left no timer (a bug): never lose a process
             if now >= self.next_dump_scan:
                 self.next_dump_scan = float("inf")
                 guard("scan_dumps", self._scan_dumps)
@@ -274,6 +275,7 @@ class Daemon:
                     guard("scan_dumps", self._scan_dumps)
                 self.rescan_due = False
                 guard("rescan", self.rescan)
+                self.watched.reschedule_all()  # the safety net under the timer heap, as the rescan is under inotify
                 next_rescan = now + self.config.rescan_interval
             if now >= next_spool:
                 guard("spool", self.workers.flush_spool)

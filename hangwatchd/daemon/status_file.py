@@ -28,7 +28,7 @@ from ..workload.runtime_files import DAEMON_FILE, STATUS_FILE, write_json
 
 log = structlog.get_logger("hangwatchd.daemon")
 
-STATUS_EVERY = 2.0  # seconds: status.json is rewritten at least this often (beat ages move on)
+STATUS_EVERY = 10.0  # seconds: status.json is rewritten at least this often (`status` reads beat ages from the segments)
 WRITE_GAP = 1.0  # seconds: status.json is written at most this often, however many states change
 
 

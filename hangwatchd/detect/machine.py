@@ -76,10 +76,7 @@ class StateMachine:
             self.on_tampered(w, exc)
             return
         r = w.registration
-        labels = self.metrics.labels(job=r.job or "", rank=str(r.rank if r.rank is not None else ""), pid=str(r.process.pid))
-        self.metrics.timeout.labels(**labels).set(w.timeout)
-        if w.beat is not None and w.beat.count:
-            self.metrics.last_beat.labels(**labels).set(w.beat.wall_time() or 0)
+        self._export(w)
         sample_at = now if w.watched_by_stack and w.next_sample == float("inf") else None  # e.g. it never beat
         if w.state in (State.HUNG, State.CAPTURED):
             if self._rearm_if_progressed(w, now):
@@ -108,6 +105,20 @@ class StateMachine:
             self._judge_native(w, w.history.samples[-1], now)
             return
         self.watched.change(w, None if keep else obs.state, why="detector", check_at=obs.next_check, sample_at=sample_at)
+
+    def _export(self, w: Watched) -> None:
+        """Its timeout and last beat on /metrics, set when they change (the series looked up once)."""
+        if w.series is None:
+            r = w.registration
+            values = (*self.metrics.const.values(), r.job or "", str(r.rank if r.rank is not None else ""), str(r.process.pid))
+            w.series = (self.metrics.timeout.labels(*values), self.metrics.last_beat.labels(*values), None, None)
+        timeout_g, beat_g, timeout_set, beat_set = w.series
+        count = w.beat.count if w.beat is not None else 0
+        if w.timeout != timeout_set or (count and count != beat_set):
+            timeout_g.set(w.timeout)
+            if count and count != beat_set:
+                beat_g.set(w.beat.wall_time() or 0)  # type: ignore[union-attr]
+            w.series = (timeout_g, beat_g, w.timeout, count or beat_set)
 
     def _suspect(self, w: Watched, suspicion: Suspicion | None, now: float) -> None:
         """One signal says stalled. Confirm before anything is done about it."""
@@ -289,7 +300,7 @@ class StateMachine:
         if why is None:
             return False
         log.info("process_recovered", pid=w.process.pid, incident=w.incident, why=why)
-        self.watched.change(w, State.HEALTHY, why=why, reset_history=True, check_at=now,
+        self.watched.change(w, State.HEALTHY, why=why, reset_history=True, check_at=now + 0.1,
                             sample_at=now + self.cfg.stack_interval if w.watched_by_stack else float("inf"))
         return True
 

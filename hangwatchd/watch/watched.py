@@ -12,6 +12,8 @@ at once (``Watchlist.forget``). The loop thread is the only caller.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import os
 import time
 from collections import deque
@@ -89,6 +91,7 @@ class Watched:
     attempts: int = 0  # HUNG: captures of this hang that failed so far
     stack_timeout_source: str = "config"  # "registration" or "config" (stack_timeouts), where stack_timeout is set
     stack_window: float = 120.0  # the config's stack_window: what applies where no stack timeout is set
+    series: tuple[Any, Any, float | None, int | None] | None = None  # its /metrics series and the values they hold
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in OWNED and name in self.__dict__:
@@ -188,6 +191,11 @@ class Watchlist(dict[ProcessId, Watched]):
         self.on_change = on_change
         self.limit = limit  # most processes watched at once (None: only the per-user limits)
         self.counts: dict[State, int] = {s: 0 for s in State}
+        # When each process is next due (a check or a sample): a heap the loop pops, so a loop turn
+        # costs what is due, not one look at every process. Entries go stale when a timer moves;
+        # ``due`` skips those, and the heap is rebuilt once stale ones outnumber live ones 4 to 1.
+        self._due: list[tuple[float, int, ProcessId]] = []
+        self._seq = itertools.count()
         self._gauges = {s: metrics.watched.labels(**metrics.labels(state=s.value)) for s in State if s is not State.EXITED}
         self._entered = {s: metrics.state_changes.labels(**metrics.labels(state=s.value)) for s in State}
         for g in self._gauges.values():
@@ -200,8 +208,39 @@ class Watchlist(dict[ProcessId, Watched]):
         self[w.process] = w
         self._entered[w.state].inc()
         self._count(None, w.state)
+        self._schedule(w)
         self.on_change()
         return True
+
+    def _schedule(self, w: Watched) -> None:
+        when = w.next_check if w.sampling else min(w.next_check, w.next_sample)  # a sample in flight is not due
+        if when != float("inf"):
+            heapq.heappush(self._due, (when, next(self._seq), w.process))
+            if len(self._due) > 4 * len(self) + 1024:
+                self.reschedule_all()
+
+    def reschedule_all(self) -> None:
+        """Rebuild the heap from every process's timers (drops stale entries; O(n))."""
+        self._due = [(min(w.next_check, w.next_sample), next(self._seq), w.process) for w in self.values()
+                     if min(w.next_check, w.next_sample) != float("inf")]
+        heapq.heapify(self._due)
+
+    def next_due(self) -> float:
+        """The earliest time a process may be due (perhaps a stale entry's: an early wake-up is harmless)."""
+        return self._due[0][0] if self._due else float("inf")
+
+    def due(self, now: float) -> list[Watched]:
+        """The processes with a check or a sample due by ``now``, each once."""
+        out: list[Watched] = []
+        seen: set[ProcessId] = set()
+        while self._due and self._due[0][0] <= now:
+            _, _, pid = heapq.heappop(self._due)
+            w = self.get(pid)
+            if w is None or pid in seen or min(w.next_check, w.next_sample) > now:
+                continue  # gone, or its timer moved (a later entry stands for it)
+            seen.add(pid)
+            out.append(w)
+        return out
 
     def forget(self, w: Watched) -> None:
         """``w`` is gone: its record goes, and with it everything of its life (marks, timers, suspicion)."""
@@ -246,6 +285,8 @@ class Watchlist(dict[ProcessId, Watched]):
             put(w, "next_check", check_at)
         if sample_at is not None:
             put(w, "next_sample", sample_at)
+        if (check_at is not None or sample_at is not None) and w.process in self:
+            self._schedule(w)
         if reset_history:
             put(w, "history", StackHistory())
         if state is None:
