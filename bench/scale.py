@@ -5,7 +5,7 @@ A real daemon (``hangwatchd daemon``) and 1,000 real processes (``sleep``, each 
 way ``hangwatchd run`` registers its child: a registration file and a beat segment); this bench
 beats into each segment once a second on their behalf (what ``hangwatchd.beat()`` writes: a
 count and a monotonic timestamp), so 1,000 Python interpreters need not fit in a 2-core box.
-The loop's time comes from the daemon's own ``hangwatchd_loop_iteration_duration_seconds``; a
+The loop's time is its thread's CPU time (``hangwatchd_loop_cpu_seconds_total``); a
 state change is timed on the daemon's ``Watchlist`` in this process, among 1,000 watched.
 """
 
@@ -43,6 +43,12 @@ TARGET_RSS = 150.0  # MB
 
 
 def loop_seconds(d: Daemon) -> float:
+    """CPU time of the daemon's loop thread: its own work (the wall time of its turns also holds
+    waits for the GIL and the CPU, which on a 2-core box shared with this bench is most of it)."""
+    return d.metric("hangwatchd_loop_cpu_seconds_total") or 0.0
+
+
+def loop_wall(d: Daemon) -> float:
     return d.metric("hangwatchd_loop_iteration_duration_seconds_sum") or 0.0
 
 
@@ -60,16 +66,25 @@ class Fleet:
         self.segments: list[tuple[object, object]] = []
         self.ids = [procfs.identify(p.pid) for p in self.procs]
 
-    def register(self, first: int, last: int) -> None:
-        for p, me in zip(self.procs[first:last], self.ids[first:last]):
+    def prepare(self) -> None:
+        """Beat segments (each beaten once) and registration files, staged beside the registrations dir."""
+        staging = self.runtime / "staging"
+        staging.mkdir(exist_ok=True)
+        self.staged: list[Path] = []
+        for me in self.ids:
             assert me is not None
             beat_file = self.runtime / "beats" / f"{me.pid}-{me.start_time}.beat"
             beat_segment.create(str(beat_file), me.pid)
             self.segments.append(beat_segment.open_for_writing(str(beat_file)))
             self.beat_one(len(self.segments) - 1)
-            registration_file.write(self.runtime / "registrations", Registration(
+            self.staged.append(registration_file.write(staging, Registration(
                 process=me, uid=os.getuid(), job=None, beat_file=str(beat_file), cmdline=("sleep", "3600"),
-                source="register", registered_at=time.time()))
+                source="register", registered_at=time.time())))
+
+    def register(self, first: int, last: int) -> None:
+        """Registrations arrive at once (renamed in, as the client's atomic write does)."""
+        for path in self.staged[first:last]:
+            path.rename(self.runtime / "registrations" / path.name)
 
     def beat_one(self, i: int) -> None:
         mm, counter = self.segments[i]
@@ -140,6 +155,7 @@ def main() -> None:
         d = Daemon(Path(t) / "d", config=config)
         fleet = Fleet(d.runtime_dir, n)
         try:
+            fleet.prepare()
             daemon = psutil.Process(d.proc.pid)
             # Baseline: the daemon watching nothing, for a while.
             c0, w0 = sum(daemon.cpu_times()[:2]), time.monotonic()
@@ -149,9 +165,9 @@ def main() -> None:
             # Admission: first n/10 (the baseline, per process), then the rest.
             before = loop_seconds(d)
             fleet.register(0, small)
-            wait_for(lambda: watched(d, "healthy") >= small, 60, "the first processes healthy", every=0.2)
+            wait_for(lambda: watched(d, "healthy") >= small, 60, "the first processes healthy", every=1.0)
             admit_small = loop_seconds(d) - before
-            before = loop_seconds(d)
+            before, wall_before = loop_seconds(d), loop_wall(d)
             t0 = time.monotonic()
             fleet.register(small, n)
             while watched(d, "healthy") < n:
@@ -159,6 +175,7 @@ def main() -> None:
                 if time.monotonic() - t0 > 90:
                     raise SystemExit(f"only {watched(d, 'healthy'):.0f} of {n} healthy after 90 s")
             admit = loop_seconds(d) - before
+            admit_turns = loop_wall(d) - wall_before
             admit_wall = time.monotonic() - t0
 
             # Steady: n processes beating at 1 Hz.
@@ -174,12 +191,13 @@ def main() -> None:
             fleet.stop()
             d.stop()
 
-    scaled = admit_small * (n - small) / small
+    total = admit_small + admit
     report("scale", [
-        Figure(f"admitting {n} registered processes: loop time in all",
-               f"{admit:.3f} s ({admit_wall:.1f} s wall, until all {n} healthy)",
-               f"the first {small}: {admit_small:.3f} s (x{(n - small) / small:.0f} = {scaled:.3f} s)",
-               f"< {TARGET_ADMIT:g} s", admit < TARGET_ADMIT),
+        Figure(f"admitting {n} registered processes (the first {small}, then {n - small} at once): loop time in all",
+               f"{total:.3f} s CPU (the {n - small}: {admit:.3f} s CPU, {admit_turns:.2f} s wall in the loop's turns, "
+               f"all healthy {admit_wall:.1f} s after they appeared)",
+               f"the first {small}: {admit_small:.3f} s (x{n / small:.0f} = {admit_small * n / small:.3f} s)",
+               f"< {TARGET_ADMIT:g} s", total < TARGET_ADMIT),
         Figure(f"one state change, {n} watched", f"{per_change * 1e6:.0f} us",
                f"{small} watched: {per_change_small * 1e6:.0f} us", f"< {TARGET_CHANGE * 1e3:g} ms", per_change < TARGET_CHANGE),
         Figure(f"daemon CPU, {n} processes beating at 1 Hz ({args.steady:g} s)",

@@ -238,6 +238,7 @@ class Daemon:
             timeout = max(LOOP_TICK, min(timers) - now)
             events = self.selector.select(timeout)
             started = time.monotonic()
+            cpu_started = time.thread_time()
             for key, _mask in events:
                 if key.data == "inotify":
                     guard("inotify", self._on_inotify)
@@ -291,6 +292,7 @@ class Daemon:
                     notify("WATCHDOG=1")
                 next_ping = now + ping_every
             self.metrics.loop_duration.labels(**self.metrics.const).observe(time.monotonic() - started)
+            self.metrics.loop_cpu.labels(**self.metrics.const).inc(time.thread_time() - cpu_started)
 
     def _drain_wake(self) -> None:
         try:
