@@ -62,6 +62,11 @@ def test_three_hangs_held_for_a_minute_are_each_declared_exactly_once(tmp_path: 
             status = wait_for(lambda: _status_of(d, 3), 20, "three processes watched")
             workloads = [p["pid"] for p in status]
             assert len(workloads) == 3
+            # TIMEOUT says which timeout decides each one's hang, and where it comes from.
+            assert sorted(tuple(p["applied_timeout"]) for p in status) == [
+                (2.0, "heartbeat, registration"), (3.0, "stack, registration"), (3.0, "stack, registration")]
+            table = hangwatchd("status", "--runtime-dir", str(d.runtime_dir)).stdout
+            assert table.count("3s (stack, registration)") == 2 and "2s (heartbeat, registration)" in table
             # Each is declared hung once, and stored.
             wait_for(lambda: all(_events(d, "incident_stored", pid) for pid in workloads), 60, "an incident for each")
             first = time.monotonic()

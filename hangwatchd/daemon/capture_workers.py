@@ -79,6 +79,7 @@ class CaptureWorkers:
         self.dumping: set[int] = set()  # pids whose GPU dump a capture is taking: not exception dumps
         self.ingested: dict[str, None] = {}  # dump files already made into incidents, oldest first (INGESTED_MAX)
         self.flushing: concurrent.futures.Future[None] | None = None  # the spool being flushed, off the loop
+        self.jobs_at = 0.0  # when the fleet's list of jobs watched here is next refreshed
 
     def healthy(self, now: float) -> bool:
         """No capture is running past its own deadline (and a grace for its last step to be killed)."""
@@ -139,7 +140,10 @@ class CaptureWorkers:
         """Another node declared a job hung: capture this node's ranks of it now, whatever they look like here."""
         if self.fleet is None:
             return
-        self.fleet.jobs = frozenset(w.registration.job for w in self.watched.values() if w.registration.job)
+        now = time.monotonic()
+        if now >= self.jobs_at:  # the jobs watched here, for the fleet's poller: at most once a second (O(watched))
+            self.fleet.jobs = frozenset(w.registration.job for w in self.watched.values() if w.registration.job)
+            self.jobs_at = now + 1.0
         for req in self.fleet.pending():
             # A rank registered after the request belongs to a restarted job of the same name, not this hang
             # (give or take the skew between two nodes' clocks).

@@ -69,12 +69,15 @@ class StateMachine:
 
     def observe(self, w: Watched, now: float) -> None:
         """Its detector's look, due now: move its state on, or note when to look again."""
+        timeout = w.timeout
         try:
             w.check_files()
             obs = self.detector.observe(w, now)
         except untrusted.Refused as exc:
             self.on_tampered(w, exc)
             return
+        if w.timeout != timeout:
+            self.watched.on_change()  # a learned timeout: status.json shows it (debounced)
         r = w.registration
         self._export(w)
         sample_at = now if w.watched_by_stack and w.next_sample == float("inf") else None  # e.g. it never beat

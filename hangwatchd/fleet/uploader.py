@@ -149,7 +149,7 @@ class Uploader:
                     continue
                 self.backoff = min(BACKOFF_MAX, max(BACKOFF_MIN, self.backoff * 2))
                 log.warning("store_upload_failed", task=task.name, error=f"{type(exc).__name__}: {exc}", attempt=tries,
-                            retry_in=round(self.backoff, 1))
+                            retry_in=round(self.backoff, 1), exc_info=exc)
                 if in_a_row >= FAILURES_IN_A_ROW:
                     return False
                 continue
