@@ -222,3 +222,53 @@ def test_a_capture_running_when_the_daemon_stops_is_finished_logged_and_counted(
         assert [e["event"] for e in d.logs()[stopping:]].count("incident_stored") == 1
     finally:
         stop(work, sig=signal.SIGKILL)
+
+
+def test_an_upload_that_can_never_succeed_does_not_hold_up_the_others(tmp_path: Path) -> None:
+    """A job name long enough to push its S3 key past 1,024 bytes: that incident is dropped from
+    the outbox (logged, kept on the node), and the incident queued behind it is uploaded."""
+    import structlog
+
+    from hangwatchd.fleet.outbox import Outbox, Task
+    from hangwatchd.fleet.uploader import Uploader
+    from hangwatchd.fleet.url import parse
+    from tests.s3server import S3Server
+
+    server = S3Server().start()
+    try:
+        outbox = Outbox(tmp_path / "outbox", 100)
+        outbox.open()
+        for i, job in enumerate(("j" * 1100, "short-job")):
+            inc = tmp_path / "incidents" / f"inc{i}"
+            inc.mkdir(parents=True)
+            (inc / "incident.json").write_text(json.dumps({"id": f"inc{i}", "job": job, "processes": []}))
+            outbox.put(Task("incident", job, f"ji{i}", incident=f"inc{i}", dir=str(inc), queued=1000.0 + i))
+        url = parse(server.url())
+        up = Uploader(url, "n1", outbox, server.client, lambda t: t, lambda t: t)
+        with structlog.testing.capture_logs() as logs:
+            up.drain()
+        keys = [o["Key"] for o in server.client().list_objects_v2(Bucket=server.bucket).get("Contents", [])]
+        assert any("short-job" in k and k.endswith("inc1.json") for k in keys), keys
+        assert outbox.names() == []  # neither waits: one sent, one dropped for good
+        (dropped,) = [e for e in logs if e["event"] == "store_upload_dropped"]
+        assert "past the store's 1024" in dropped["error"] and dropped["attempts"] == 1
+    finally:
+        server.stop()
+
+
+def test_the_ram_spool_keeps_at_most_its_limit_of_reports_the_oldest_dropped(tmp_path: Path) -> None:
+    """Reports kept while the state dir is full live in RAM: past MAX_REPORTS the oldest goes."""
+    import structlog
+
+    from hangwatchd.incidents import spool as spool_mod
+
+    spool = spool_mod.Spool(tmp_path / "spool")
+    ids = []
+    with structlog.testing.capture_logs() as logs:
+        for i in range(spool_mod.MAX_REPORTS + 2):
+            draft = spool.begin("heartbeat", "j", [100 + i], now=1_000_000.0 + i)
+            spool.keep(draft, {"id": draft.id, "reason": "heartbeat"}, "s")
+            ids.append(draft.id)
+    pending = [p.name for p in spool.pending()]
+    assert len(pending) == spool_mod.MAX_REPORTS and pending == sorted(ids)[2:]
+    assert [e["incident"] for e in logs if e["event"] == "spool_report_dropped"] == sorted(ids)[:2]
