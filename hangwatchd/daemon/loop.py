@@ -169,6 +169,7 @@ class Daemon:
         self.metrics.info.info({"version": __version__})
         self.node_health.start()  # before daemon.json: a daemon that clients see running has its health file
         self.status.write_daemon(cfg.state_dir, cfg.dumps, self.metrics_address)
+        self.status.write([])  # status.json exists whenever daemon.json does; its writer thread keeps it from here
         self.status.start()
 
     def stop(self, *_: object) -> None:
