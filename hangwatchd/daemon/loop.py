@@ -168,8 +168,9 @@ class Daemon:
             self.metrics_address = serve(self.metrics.registry, cfg.metrics_address)
         self.metrics.info.info({"version": __version__})
         self.node_health.start()  # before daemon.json: a daemon that clients see running has its health file
-        self.status.write_daemon(cfg.state_dir, cfg.dumps, self.metrics_address)
+        self.status.metrics_address = self.metrics_address
         self.status.write([])  # status.json exists whenever daemon.json does; its writer thread keeps it from here
+        self.status.write_daemon(cfg.state_dir, cfg.dumps, self.metrics_address)  # last: clients find the daemon by it
         self.status.start()
 
     def stop(self, *_: object) -> None:
