@@ -77,6 +77,8 @@ class Metrics:
     store_write_failures: Counter
     incidents_pending: Gauge
     loop_errors: Counter
+    stack_samples: Counter
+    loop_cpu: Counter
     info: Info
     last_incident: Gauge
     jobs_aborted: Counter
@@ -158,6 +160,10 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
         loop_errors=Counter("hangwatchd_loop_errors_total",
                             "Errors the daemon's loop caught while handling one registration, process or dump.",
                             labels("where"), registry=reg),
+        loop_cpu=Counter("hangwatchd_loop_cpu_seconds_total", "CPU time the daemon's loop thread spent handling events "
+                         "and timers (its own work, not waiting and not other threads').", names, registry=reg),
+        stack_samples=Counter("hangwatchd_stack_samples_total", "py-spy stack samples taken of watched processes, by kind "
+                              "(plain or native) and outcome (ok or failed).", labels("kind", "outcome"), registry=reg),
         info=Info("hangwatchd_build", "Version of hangwatchd.", registry=reg),
         last_incident=Gauge("hangwatchd_last_incident_timestamp_seconds",
                             "Unix time of the latest incident stored for a reason and job; its id is the incident label.",
@@ -180,6 +186,7 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
         m.step_failures.labels(**m.labels(step=step))
     m.jobs_aborted.labels(**const)
     m.loop_duration.labels(**const)
+    m.loop_cpu.labels(**const)
     m.store_write_failures.labels(**const)
     m.incidents_pending.labels(**const)
     return m

@@ -65,18 +65,28 @@ def test_a_workload_that_stops_beating_becomes_one_incident_with_its_stack(daemo
         assert daemon.metric("hangwatchd_capture_step_duration_seconds_count", step="pyspy") == 1.0
         assert daemon.metric("hangwatchd_watched_processes", state="captured") == 1.0
 
-        st = hangwatchd("status", "--json", "--runtime-dir", str(daemon.runtime_dir))
-        assert st.returncode == 0, st.stderr
-        (p,) = json.loads(st.stdout)["processes"]
+        def status() -> dict | None:  # status.json is written off the loop, at most once a second
+            st = hangwatchd("status", "--json", "--runtime-dir", str(daemon.runtime_dir))
+            assert st.returncode == 0, st.stderr
+            (p,) = json.loads(st.stdout)["processes"]
+            return p if p["state"] == "captured" else None
+
+        p = wait_for(status, 5, "status.json saying captured")
         assert (p["job"], p["rank"], p["state"], p["timeout"]) == ("train", 3, "captured", TIMEOUT)
+        assert p["applied_timeout"] == [TIMEOUT, "heartbeat, registration"]
         assert p["last_beat_age"] >= TIMEOUT and p["incident"] == inc["id"]
         table = hangwatchd("status", "--runtime-dir", str(daemon.runtime_dir))
         assert "captured" in table.stdout and "train" in table.stdout
 
         listing = json.loads(hangwatchd("incidents", "--json", "--state-dir", str(daemon.state_dir)).stdout)
         assert [i["id"] for i in listing] == [inc["id"]]
-        # One hang, one incident: the daemon does not capture the same hang again.
-        time.sleep(TIMEOUT + 1)
+        # One hang, one incident: the daemon looks at it again (its check is due every TIMEOUT s,
+        # the status rewritten each 2 s: the loop's own iterations count them) and declares nothing.
+        looked = daemon.metric("hangwatchd_loop_iteration_duration_seconds_count") or 0.0
+        wait_for(lambda: (daemon.metric("hangwatchd_loop_iteration_duration_seconds_count") or 0.0) >= looked + 4,
+                 20, "the daemon's next looks", every=0.2)
+        assert [e for e in daemon.logs() if e.get("event") == "process_hung"] != []
+        assert len([e for e in daemon.logs() if e.get("event") == "process_hung"]) == 1
         assert len(store.list()) == 1
     finally:
         stop(work)

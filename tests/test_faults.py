@@ -129,9 +129,11 @@ def test_a_full_state_dir_keeps_the_report_and_stores_it_when_space_returns(tmp_
                 assert "wait" in lines[0] and "room" in lines[0], lines
             assert d.metric("hangwatchd_store_write_failures_total") >= 1
             assert d.metric("hangwatchd_incidents_pending") == 1.0
-            st = json.loads(hangwatchd("status", "--json", *dirs).stdout)
-            (proc,) = st["processes"]
-            assert proc["state"] == "captured" and proc["incident"] == incident_id
+            def captured() -> dict | None:  # status.json is written off the loop, at most once a second
+                (p,) = json.loads(hangwatchd("status", "--json", *dirs).stdout)["processes"]
+                return p if p["state"] == "captured" else None
+            proc = wait_for(captured, 5, "status.json saying captured")
+            assert proc["incident"] == incident_id
             assert Store(state).list() == []
 
             # Space returns: the report of that hang, with its stuck stack, is stored and listed.

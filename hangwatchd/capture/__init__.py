@@ -35,4 +35,12 @@ def make_steps(config: Config) -> list[tuple[Step, float]]:
     return [factories[name]() for name in names]
 
 
-__all__ = ["Step", "StepFailed", "StepNotApplicable", "capture_all", "make_steps", "run_steps"]
+def capture_budget(config: Config) -> float:
+    """Seconds from a hang's declaration to its capture's one deadline: ``capture_timeout`` for the
+    gentle steps, plus ``gpu_dump_timeout`` kept for the GPU dump where one may be taken (the
+    pipeline holds that much back from the gentle steps)."""
+    dump = "cuda_dump" in config.capture_steps and config.gpu_dump != "never"
+    return config.capture_timeout + (config.gpu_dump_timeout if dump else 0.0)
+
+
+__all__ = ["Step", "StepFailed", "StepNotApplicable", "capture_all", "capture_budget", "make_steps", "run_steps"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ class CudaDumpStep:
     destructive: bool = True  # the dump ends the process
 
     def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
+        end = time.monotonic() + timeout  # the wait, symbolising and compressing all end here
         proc = target.process
         pid = proc.pid
         if not procfs.alive(proc):
@@ -53,7 +55,7 @@ class CudaDumpStep:
         watch = Watch(target_glob.parent, target_glob.name, owner)
         try:
             poke_held_fifo(pid, pipes[0], b"\0", owner)
-            found = watch.wait(timeout, lambda: not procfs.alive(proc))
+            found = watch.wait(max(0.0, end - time.monotonic()), lambda: not procfs.alive(proc))
             if found is None:
                 partial = watch.new_files()
                 if partial:
@@ -67,7 +69,7 @@ class CudaDumpStep:
             try:
                 # symbolized.json goes into the stored incident before the dump is compressed (capture.late).
                 stored = dump_artifacts.store_fd(fd, found, outdir, remove_source=False,
-                                                 on_symbolized=lambda: late.publish(outdir))
+                                                 on_symbolized=lambda: late.publish(outdir), deadline=end)
                 if "coredump.nvcudmp.zst" in stored.files:  # kept: the workload's copy goes
                     watch.unlink_same(found, os.fstat(fd))
             finally:

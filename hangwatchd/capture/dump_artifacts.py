@@ -12,16 +12,18 @@ root): a junk "dump" costs one killed child, never every core for minutes.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..cudacore import sandbox
-from ..cudacore.layout import EM_CUDA, ET_CORE
 from ..cudacore.errors import CoreDumpError
+from ..cudacore.layout import EM_CUDA, ET_CORE
 from ..cudacore.symbolize import Symbolized
 from ..host import untrusted
 
@@ -48,7 +50,7 @@ def open_dump(dump: Path, uid: int | None) -> int:
 
 
 def store(dump: Path, outdir: Path, uid: int | None, remove_source: bool = True, keep_dump: bool = True,
-          on_symbolized: Callable[[], None] | None = None) -> Stored:
+          on_symbolized: Callable[[], None] | None = None, deadline: float | None = None) -> Stored:
     """Symbolise ``dump`` into outdir/symbolized.json and keep it as outdir/coredump.nvcudmp.zst.
 
     ``dump`` is opened once through ``untrusted`` (raises untrusted.Refused) and only that
@@ -59,7 +61,7 @@ def store(dump: Path, outdir: Path, uid: int | None, remove_source: bool = True,
     """
     fd = open_dump(dump, uid)
     try:
-        return store_fd(fd, dump, outdir, remove_source, keep_dump, on_symbolized)
+        return store_fd(fd, dump, outdir, remove_source, keep_dump, on_symbolized, deadline)
     finally:
         os.close(fd)
 
@@ -76,9 +78,10 @@ def check_header(fd: int, dump: Path) -> None:
 
 
 def store_fd(fd: int, dump: Path, outdir: Path, remove_source: bool, keep_dump: bool = True,
-             on_symbolized: Callable[[], None] | None = None) -> Stored:
+             on_symbolized: Callable[[], None] | None = None, deadline: float | None = None) -> Stored:
     """``store`` of an fd ``open_dump`` opened. Raises untrusted.Refused("not_coredump"),
-    before anything is done with it, when the file is not a CUDA coredump."""
+    before anything is done with it, when the file is not a CUDA coredump. ``deadline``
+    (monotonic): the capture's, where one runs; symbolising and compressing are cut at it."""
     check_header(fd, dump)
     files: list[str] = []
     notes: list[str] = []
@@ -86,7 +89,10 @@ def store_fd(fd: int, dump: Path, outdir: Path, remove_source: bool, keep_dump: 
     opened = untrusted.fd_path(fd)
     try:
         # In a limited child, through the fd we checked: the dump is untrusted.
-        result = sandbox.symbolize(opened)
+        limits = sandbox.current()
+        if deadline is not None:
+            limits = dataclasses.replace(limits, wall_seconds=max(0.0, min(limits.wall_seconds, deadline - time.monotonic())))
+        result = sandbox.symbolize(opened, limits)
         data = result.to_dict()
         if data.get("path") == opened:
             data["path"] = str(dump)  # the name it came by, not the fd it was read through
@@ -101,7 +107,7 @@ def store_fd(fd: int, dump: Path, outdir: Path, remove_source: bool, keep_dump: 
         notes.append(f"the disk is full: the dump was not copied (it stays as {dump}); the report is kept")
         return Stored(tuple(files), result, "; ".join(notes))
     try:
-        _compress(fd, dump, target)
+        _compress(fd, dump, target, deadline)
         files.append(target.name)
     except CoreDumpError as exc:  # a limit stopped it, or it failed
         target.unlink(missing_ok=True)
@@ -117,14 +123,21 @@ def store_fd(fd: int, dump: Path, outdir: Path, remove_source: bool, keep_dump: 
     return Stored(tuple(files), result, "; ".join(notes) or None)
 
 
-def _compress(fd: int, src: Path, target: Path) -> None:
-    """``fd`` compressed into a new ``target`` (root's, 0600) by the sandbox's limited child.
-    Raises CoreDumpError (a limit stopped it) or OSError (ENOSPC: the disk is full)."""
+def _compress(fd: int, src: Path, target: Path, deadline: float | None = None) -> None:
+    """``fd`` compressed into a new ``target`` (root's, 0600) by the sandbox's limited child, cut at
+    ``deadline`` (monotonic) where there is one. Raises CoreDumpError (a limit stopped it) or
+    OSError (ENOSPC: the disk is full)."""
     out = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         if os.fstat(fd).st_size > MAX_DUMP:
             raise CoreDumpError(f"{src} grew past {MAX_DUMP >> 30} GiB")
-        sandbox.compress(untrusted.fd_path(fd), untrusted.fd_path(out))
+        limits = sandbox.current()
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CoreDumpError(f"{src}: not compressed, the capture's deadline had passed")
+            limits = dataclasses.replace(limits, wall_seconds=min(limits.wall_seconds, left))
+        sandbox.compress(untrusted.fd_path(fd), untrusted.fd_path(out), limits=limits)
     finally:
         os.close(out)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -72,12 +73,13 @@ def run_late(
     done: StepDone,
     head_start: float = HEAD_START,
     early: Early | None = None,
+    deadline: float | None = None,
 ) -> None:
     """Run the late ``steps`` on every target at once, each step into its own ``outdir_of(target,
     step)``; call ``done(target, outdir, result)`` on that step's thread as soon as it is over,
     so each piece of evidence is handed over as it comes, and ``early(target, outdir)`` where a
     step has finished some of its files before it is over (``publish``). Returns when every
-    rank is done."""
+    rank is done. ``deadline`` (monotonic): the capture's; no step runs past it."""
     if not steps or not targets:
         return
     gentle = [x for x in steps if not getattr(x[0], "destructive", False)]
@@ -89,6 +91,8 @@ def run_late(
         if early is not None:
             with _early_lock:
                 _early[str(outdir)] = lambda: early(target, outdir)
+        if deadline is not None:  # its own timeout, cut at the capture's deadline
+            timeout = min(timeout, max(0.0, deadline - time.monotonic()))
         try:
             # Each under its own deadline, whatever the others took.
             results = run_steps([(step, timeout)], target, outdir, timeout, metrics, step_gate).steps

@@ -18,6 +18,7 @@ from .base import Step
 
 # Steps whose moment matters across ranks: they start on every rank together, after a barrier.
 TOGETHER = frozenset({"flight_recorder"})
+OVERRUN = 5.0  # seconds past the capture's deadline a step may take to notice it before its result is given up
 
 RunSteps = Callable[[Sequence[tuple[Step, float]], Registration, Path, float], ProcessCapture]
 
@@ -48,15 +49,25 @@ def run_across(
     if not targets:
         return []
     beside = max((sum(1 for s, _ in p if getattr(s, "beside", False)) for p in phases(steps)), default=0)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(targets) * (1 + beside), thread_name_prefix="rank") as pool:
+    # Not a ``with`` block: leaving one waits for every thread, and a step that ignores its
+    # deadline (a bug) must cost its own result, not hold the capture past the deadline.
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(targets) * (1 + beside), thread_name_prefix="rank")
+    try:
         for phase in phases(steps):
             left = max(0.0, end - time.monotonic())
             # A step that only watches over a window (``beside = True``) runs beside the rank's other steps.
             lanes = [[x for x in phase if not getattr(x[0], "beside", False)]] + [[x] for x in phase if getattr(x[0], "beside", False)]
             lanes = [lane for lane in lanes if lane]
-            futures = [[pool.submit(run_steps, lane, t, outdir_of(t), left) for lane in lanes] for t in targets]
+            futures = [[(lane, pool.submit(run_steps, lane, t, outdir_of(t), left)) for lane in lanes] for t in targets]
             order = {step.name: k for k, (step, _) in enumerate(phase)}
             for i, fs in enumerate(futures):
-                done = [r for f in fs for r in f.result().steps]
+                done: list[StepResult] = []
+                for lane, f in fs:
+                    try:
+                        done += f.result(timeout=max(0.0, end - time.monotonic()) + OVERRUN).steps
+                    except concurrent.futures.TimeoutError:
+                        done += [StepResult(s.name, False, left, "did not return by the capture's deadline") for s, _ in lane]
                 results[i].extend(sorted(done, key=lambda r: order.get(r.step, len(order))))
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     return [ProcessCapture(t, tuple(r)) for t, r in zip(targets, results)]

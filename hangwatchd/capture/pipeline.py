@@ -1,4 +1,10 @@
-"""The capture pipeline: steps in order, each with a deadline, each outcome recorded."""
+"""The capture pipeline: steps in order, each cut at the capture's one deadline, each outcome recorded.
+
+A capture's deadline is set when the hang is declared; every step gets its own
+timeout or what is left before that deadline, whichever is less (the GPU dump
+too: a capture never runs past its deadline). Whatever a step raises is that
+step's failure, recorded with its traceback in the log; the next step runs.
+"""
 
 from __future__ import annotations
 
@@ -31,8 +37,20 @@ def run_steps(
     destructive step (the GPU dump) runs only if ``gate(outdir)`` gives no reason
     against it, after seeing what the earlier steps captured.
     """
-    outdir.mkdir(parents=True, exist_ok=True)
     end = time.monotonic() + budget
+    return run_steps_by(steps, target, outdir, end, metrics, gate)
+
+
+def run_steps_by(
+    steps: Sequence[tuple[Step, float]],
+    target: Registration,
+    outdir: Path,
+    end: float,
+    metrics: Metrics | None = None,
+    gate: Callable[[Path], str | None] | None = None,
+) -> ProcessCapture:
+    """``run_steps`` cut at the absolute deadline ``end`` (time.monotonic())."""
+    outdir.mkdir(parents=True, exist_ok=True)
     results: list[StepResult] = []
     for step, timeout in steps:
         if getattr(step, "destructive", False):
@@ -41,10 +59,7 @@ def run_steps(
                 results.append(StepResult(step.name, True, 0.0, f"skipped: {veto}", skipped=True))
                 log.info("capture_step_skipped", pid=target.process.pid, step=step.name, why=veto)
                 continue
-            # A GPU dump has its own deadline: the driver needs it whatever the others took.
-            left = timeout
-        else:
-            left = end - time.monotonic()
+        left = end - time.monotonic()
         if left <= 0:
             results.append(StepResult(step.name, False, 0.0, "skipped: the capture's time budget was spent", skipped=True))
             continue
@@ -58,6 +73,9 @@ def run_steps(
             result = StepResult(step.name, False, time.monotonic() - start, str(exc))
         except OSError as exc:  # a full disk, a vanished directory: the step fails, the pipeline goes on
             result = StepResult(step.name, False, time.monotonic() - start, f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a bug in one step (or input a user shaped to break it) is that step's failure
+            result = StepResult(step.name, False, time.monotonic() - start, f"{type(exc).__name__}: {exc}")
+            log.error("capture_step_raised", pid=target.process.pid, step=step.name, error=result.error, exc_info=exc)
         results.append(result)
         if metrics is not None:
             metrics.step_duration.labels(**metrics.labels(step=step.name)).observe(result.seconds)
@@ -81,8 +99,12 @@ def capture_all(
     # like torchrun then tears down the other ranks before they could be read.
     gentle = [(s, t) for s, t in steps if not getattr(s, "destructive", False)]
     last = [(s, t) for s, t in steps if getattr(s, "destructive", False)]
+    # The GPU dump's time, held back from the gentle steps (half the budget where it is smaller than that).
+    dump_time = sum(t for _, t in last)
+    reserve = (dump_time if dump_time < budget else budget / 2) if last else 0.0
 
     def one(ss: Sequence[tuple[Step, float]], t: Registration, outdir_: Path, left: float) -> ProcessCapture:
-        return run_steps(ss, t, outdir_, left, metrics, gate)
+        destructive = any(getattr(s, "destructive", False) for s, _ in ss)
+        return run_steps(ss, t, outdir_, left if destructive else max(0.0, left - reserve), metrics, gate)
 
     return run_across(gentle + last, targets, lambda t: outdir / str(t.process.pid), budget, one)

@@ -29,7 +29,10 @@ class PySpyStep:
         if tool is None:
             raise StepFailed("py-spy is not installed; pip install py-spy")
         pid = target.process.pid
-        deadline = time.monotonic() + timeout
+        # One deadline for both runs, never the whole timeout twice: the native run may take two
+        # thirds of it, so a plain dump after a native one that hung still gets the rest.
+        start = time.monotonic()
+        deadline = start + timeout
         errors: list[str] = []
         files: list[str] = []
         for native, name in ((True, "pyspy-native.json"), (False, "pyspy.json")):
@@ -42,10 +45,11 @@ class PySpyStep:
             except untrusted.Refused as exc:
                 raise StepFailed(f"not read: {exc}") from None
             argv = [tool, "dump", "--json", "--pid", str(pid)] + (["--native"] if native else ["--locals"] if self.locals else [])
-            res = subproc.run(argv, timeout=timeout)
+            res = subproc.run_by(argv, start + timeout * 2 / 3 if native else deadline)
             label = "py-spy --native" if native else "py-spy"
             if res.timed_out:
-                errors.append(f"{label} took longer than {timeout:g} s and was killed")
+                errors.append(f"{label} was killed at its deadline ({res.seconds:.1f} s of the step's {timeout:g} s)"
+                              if res.returncode is not None else f"{label} did not start: the step's deadline had passed")
                 continue
             if not res.ok:
                 errors.append(f"{label}: {self._why(res.stderr_line(), res.stderr.decode('utf-8', 'replace'), res.returncode)}")

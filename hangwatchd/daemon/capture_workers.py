@@ -29,6 +29,7 @@ from typing import Any
 import structlog
 
 from ..analyze.jsonfile import read_json_or_none
+from ..capture import capture_budget
 from ..capture.base import Step
 from ..config import Config
 from ..detect.machine import StateMachine
@@ -36,7 +37,7 @@ from ..fleet.agent import Agent
 from ..incidents.spool import Spool
 from ..incidents.store import Store
 from ..metrics import Metrics
-from ..model import State, Suspicion
+from ..model import Registration, State, Suspicion
 from ..watch.admission import Registrations
 from ..watch.watched import Watched, Watchlist
 from ..workload import dump_names, exits
@@ -50,6 +51,17 @@ log = structlog.get_logger("hangwatchd.daemon")
 CLOCK_SKEW = 30.0  # seconds two nodes' clocks may differ by, comparing one's request to the other's registrations
 REQUEST_PAUSE_EVERY = 3600.0  # seconds: a process captured on a store request is not paused for another before this
 MAX_WAITING = 16  # captures of one uid queued behind its budget; past it a hang is tried again later
+WEDGED_AFTER = 30.0  # seconds past its own deadline a capture may run before the daemon calls itself unhealthy
+INGESTED_MAX = 10_000  # exception-dump names remembered in memory (oldest forgotten first; the store keeps all)
+CAPTURES_MAX = 64  # captures (hangs and dumps) queued or running at once; past it a hang waits for its retry
+
+
+class Saturated(Exception):
+    """The capture queue is full: the hang is captured at its retry (see ``StateMachine.declare``)."""
+
+
+class OverBudget(Exception):
+    """Its user's capture budget is spent: the hang is captured at its retry."""
 
 
 @dataclass
@@ -57,6 +69,7 @@ class _Capture:
     watched: list[Watched]
     suspicion: Suspicion
     started: float
+    deadline: float  # monotonic: every step of it is cut here
     future: concurrent.futures.Future[str | None]
     job_incident: str | None = None
     requested: str | None = None  # the action another node's capture request carried
@@ -80,53 +93,82 @@ class CaptureWorkers:
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="capture")
         self.captures: list[_Capture] = []
         self.dumping: set[int] = set()  # pids whose GPU dump a capture is taking: not exception dumps
-        self.ingested: set[str] = set()  # dump files already made into incidents
+        self.ingested: dict[str, None] = {}  # dump files already made into incidents, oldest first (INGESTED_MAX)
+        self.flushing: concurrent.futures.Future[None] | None = None  # the spool being flushed, off the loop
+        self.jobs_at = 0.0  # when the fleet's list of jobs watched here is next refreshed
         self.budgets = registrations.limits.budgets  # per-user: captures in flight, capture time, dumps, log lines
         self.waiting: dict[int, collections.deque[Callable[[], None]]] = {}  # uid -> captures held by its budget
         self.requested: dict[object, float] = {}  # process -> when a store request last had it captured
 
     def healthy(self, now: float) -> bool:
-        """No capture worker is wedged past all its deadlines."""
-        limit = 2 * self.config.capture_timeout + 30
-        return all(now - c.started < limit for c in self.captures)
+        """No capture is running past its own deadline (and a grace for its last step to be killed)."""
+        return all(now < c.deadline + WEDGED_AFTER for c in self.captures)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Other slow work of the loop's (retention), on the same workers."""
-        self.pool.submit(fn, *args)
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        """Other slow work of the loop's (retention, the spool), on the same workers."""
+        return self.pool.submit(self._logged, fn, *args)
+
+    @staticmethod
+    def _logged(fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as exc:
+            log.exception("worker_failed", work=getattr(fn, "__name__", str(fn)), error=f"{type(exc).__name__}: {exc}")
+            raise
+
+    def remember_ingested(self, names: set[str] | list[str]) -> None:
+        for name in names:
+            self.ingested[name] = None
+        while len(self.ingested) > INGESTED_MAX:
+            del self.ingested[next(iter(self.ingested))]
 
     def shutdown(self) -> None:
+        """Stop: queued captures are dropped (logged), running ones end at their deadlines, and
+        every capture that finished is logged and counted like any other."""
         self.pool.shutdown(wait=True, cancel_futures=True)
+        for c in self.captures:
+            if c.future.cancelled():
+                log.warning("capture_cancelled", pids=[w.process.pid for w in c.watched], reason=c.suspicion.reason,
+                            why="the daemon stopped before it started")
+        self.captures = [c for c in self.captures if not c.future.cancelled()]
+        self.collect()
 
     # -- hangs -------------------------------------------------------------
 
-    def on_hung(self, group: list[Watched], suspicion: Suspicion) -> None:
-        """A confirmed hang here (the hung process and its job-mates): capture them."""
-        job = group[0].registration.job
-        # Every other node watching a rank of this job captures it too, under one job incident id.
-        on_hang = self.act.action(w.registration for w in group) if self.act else "report"
-        job_incident = self.fleet.declare(job, suspicion.reason, suspicion.detail, on_hang) if self.fleet and job else None
-        self.start(group, suspicion, job_incident)
+    def on_hung(self, group: list[Watched], suspicion: Suspicion, deadline: float, job_incident: str | None,
+                requested: str | None = None) -> None:
+        """A confirmed hang (the hung process and its job-mates): queue their capture, cut at
+        ``deadline``, within its user's budget (a capture whose user has one in flight waits for it).
+        Raises when it cannot be queued; the caller then retries later. ``requested``: the action
+        another node's capture request carried."""
+        if len(self.captures) >= CAPTURES_MAX:
+            raise Saturated(f"{len(self.captures)} captures queued or running (CAPTURES_MAX)")
+        uid = group[0].registration.uid
+        outcome = self._admit(uid, lambda: self._start(group, suspicion, deadline, job_incident, requested))
+        if outcome == "deferred":
+            raise OverBudget(f"uid {uid}'s capture budget is spent")
+        if outcome == "start":
+            self._start(group, suspicion, deadline, job_incident, requested)
 
-    def start(self, group: list[Watched], suspicion: Suspicion, job_incident: str | None, requested: str | None = None) -> None:
-        """Capture the group on a worker, into one incident, within its user's budget."""
+    def _start(self, group: list[Watched], suspicion: Suspicion, deadline: float, job_incident: str | None,
+               requested: str | None) -> None:
         w = group[0]
-        assert self.machine is not None
-        uid = w.registration.uid
-        if self._admit(uid, lambda: self.start(group, suspicion, job_incident, requested), group) != "start":
-            return
-        self.machine.captured(group)
-        self.dumping.update(x.process.pid for x in group)
         gone = self.registrations.departures.of_job(w.registration.job, w.registration.uid, w.registration.registered_at)  # job-mates that exited: often the cause
         if gone:
             log.info("exited_job_mates", job=w.registration.job, pids=[d.registration.process.pid for d in gone])
-        future = self.pool.submit(self._capture, group, suspicion, gone, job_incident)
-        future.add_done_callback(self.wake)
-        self.captures.append(_Capture(group, suspicion, time.monotonic(), future, job_incident, requested, uid=uid))
+        declare = job_incident is None and self.fleet is not None and w.registration.job is not None
+        on_hang = self.act.action(x.registration for x in group) if self.act and declare else "report"
+        c = _Capture(list(group), suspicion, time.monotonic(), deadline, concurrent.futures.Future(), job_incident, requested,
+                     uid=w.registration.uid)
+        c.future = self.pool.submit(self._capture, c, [x.registration for x in group], w.notify_status(), gone,
+                                    declare, on_hang)
+        c.future.add_done_callback(self.wake)
+        self.captures.append(c)
+        self.dumping.update(x.process.pid for x in group)
 
-    def _admit(self, uid: int | None, later: Callable[[], None], group: list[Watched]) -> str:
+    def _admit(self, uid: int | None, later: Callable[[], None]) -> str:
         """"start" when ``uid``'s budget lets this capture start now; "queued" when its slot is taken
-        (``later`` runs when one frees); "deferred" past its capture time or its queue (a hang is
-        tried again later)."""
+        (``later`` runs when one frees); "deferred" past its capture time or its queue."""
         now = time.monotonic()
         why = self.budgets.start_capture(uid, now)
         if why is None:
@@ -137,19 +179,14 @@ class CaptureWorkers:
                    "(incidents_per_uid_per_minute)")
         assert uid is not None
         queue = self.waiting.setdefault(uid, collections.deque())
-        in_flight = self.budgets.in_flight(uid) > 0
-        if in_flight and len(queue) < MAX_WAITING:
+        if self.budgets.in_flight(uid) > 0 and len(queue) < MAX_WAITING:
             queue.append(later)
             outcome = "queued"
         else:
             outcome = "deferred"
-            for w in group:
-                if self.machine is not None and w.process in self.watched and w.state is State.HUNG:
-                    self.machine.capture_failed(w, now)
         self.metrics.registration_errors.labels(**self.metrics.labels(reason="capture_budget")).inc()
         if self.budgets.allow("log", uid, now):
-            log.warning("capture_over_budget", uid=uid, outcome=outcome, error=why,
-                        pids=[w.process.pid for w in group])
+            log.warning("capture_over_budget", uid=uid, outcome=outcome, error=why)
         return outcome
 
     def _release(self, c: _Capture) -> None:
@@ -168,7 +205,10 @@ class CaptureWorkers:
         """Another node declared a job hung: capture this node's ranks of it now, whatever they look like here."""
         if self.fleet is None:
             return
-        self.fleet.jobs = frozenset(w.registration.job for w in self.watched.values() if w.registration.job)
+        now = time.monotonic()
+        if now >= self.jobs_at:  # the jobs watched here, for the fleet's poller: at most once a second (O(watched))
+            self.fleet.jobs = frozenset(w.registration.job for w in self.watched.values() if w.registration.job)
+            self.jobs_at = now + 1.0
         for req in self.fleet.pending():
             # A rank registered after the request belongs to a restarted job of the same name, not this hang
             # (give or take the skew between two nodes' clocks).
@@ -188,24 +228,35 @@ class CaptureWorkers:
                 self.requested[x.process] = now
             log.warning("job_capture_requested", job=req.job, job_incident=req.job_incident, by=req.node,
                         pids=[w.process.pid for w in group])
-            for x in group:
-                x.suspicion = None
-                self.watched.set_state(x, State.HUNG)
             why = Suspicion("job-request", f"node {req.node} declared job {req.job} hung ({req.reason}: {req.detail})", req.time)
-            self.start(group, why, req.job_incident, req.on_hang)
+            assert self.machine is not None
+            self.machine.declare(group, why, time.monotonic(), req.job_incident, requested=req.on_hang)
 
-    def _capture(self, group: list[Watched], suspicion: Suspicion, gone: list[exits.Departed],
-                 job_incident: str | None = None) -> str | None:
-        """On a worker thread."""
-        first = str(group[0].process.pid)
+    def _capture(self, c: _Capture, targets: list[Registration], notify_status: str | None,
+                 gone: list[exits.Departed], declare: bool, on_hang: str = "report") -> str | None:
+        """On a worker thread: tell the fleet, capture, analyse, store, hand the incident to the fleet."""
+        suspicion = c.suspicion
+        job = targets[0].job
+        if declare and self.fleet is not None and job is not None:
+            try:  # every other node watching a rank of this job captures it too, under one job incident id
+                c.job_incident = self.fleet.declare(job, suspicion.reason, suspicion.detail, on_hang)
+            except Exception as exc:  # noqa: BLE001 - the fleet's trouble costs the request, never this node's capture
+                log.exception("job_declare_failed", job=job, error=f"{type(exc).__name__}: {exc}")
+        first = str(targets[0].process.pid)
 
         def gate(outdir: Path) -> str | None:  # a job-mate's GPU dump needs its own evidence
             return gpu_dump_veto(self.config.gpu_dump, outdir, suspicion.signals if outdir.name == first else (),
                                  suspicion.reason)
 
-        return make_incident(self.store, self.steps, [w.registration for w in group], suspicion,
-                             self.config.capture_timeout, self.metrics, gate, group[0].notify_status(), self.spool, gone,
-                             self.config.node, job_incident)
+        budget = c.deadline - time.monotonic()
+        if budget <= 0:
+            raise TimeoutError(f"its deadline passed while it waited for a worker ({-budget:.1f} s ago)")
+        incident_id = make_incident(self.store, self.steps, targets, suspicion, budget, self.metrics, gate,
+                                    notify_status, self.spool, gone, self.config.node, c.job_incident)
+        if self.fleet and incident_id and self.spool.find(incident_id) is None:
+            self.fleet.stored(incident_id, self.store.dir / incident_id, next((t.job for t in targets if t.job), None),
+                              c.job_incident)
+        return incident_id
 
     def collect(self) -> None:
         """The workers that are done: count and announce their incidents, move their processes on."""
@@ -215,7 +266,8 @@ class CaptureWorkers:
             try:
                 incident_id = c.future.result()
             except Exception as exc:  # noqa: BLE001 - a failed capture must never stop the loop
-                log.exception("capture_failed", pids=[w.process.pid for w in c.watched], error=f"{type(exc).__name__}: {exc}")
+                log.error("capture_failed", pids=[w.process.pid for w in c.watched], error=f"{type(exc).__name__}: {exc}",
+                          exc_info=exc)
                 self.metrics.loop_errors.labels(**self.metrics.labels(where="capture")).inc()
                 incident_id = None
             else:
@@ -229,21 +281,18 @@ class CaptureWorkers:
                             seconds=round(time.monotonic() - c.started, 3))
                 if pending:
                     self.metrics.incidents_pending.labels(**self.metrics.const).set(len(self.spool.pending()))
-                elif self.fleet and incident_id:
-                    job = next((w.registration.job for w in c.watched if w.registration.job), None)
-                    self.fleet.stored(incident_id, self.store.dir / incident_id, job, c.job_incident)
                 if self.act and c.suspicion.reason != "gpu-exception":  # stored (or its report kept): now the job's policy acts
                     self.act.after_store([w.registration for w in c.watched], incident_id, c.requested)
+            now = time.monotonic()
             for w in c.watched:
                 self.dumping.discard(w.process.pid)
-                w.incident = incident_id
-                if w.process not in self.watched or w.state is not State.HUNG:
-                    continue
+                if self.watched.get(w.process) is not w:
+                    continue  # gone meanwhile (or an exception dump's stand-in)
+                assert self.machine is not None
                 if incident_id is None:
-                    assert self.machine is not None
-                    self.machine.capture_failed(w, time.monotonic())
+                    self.machine.capture_failed(w, now)
                 else:
-                    self.watched.set_state(w, State.CAPTURED)
+                    self.machine.stored(w, incident_id)
 
     # -- GPU dumps nobody asked for: exceptions ---------------------------
 
@@ -261,7 +310,7 @@ class CaptureWorkers:
         now = time.monotonic()
         if not stat.S_ISREG(st.st_mode):  # refused here, at no cost to a worker or the user's dump budget
             reason = "dump_symlink" if stat.S_ISLNK(st.st_mode) else "dump_not_regular"
-            self.ingested.add(name)
+            self.remember_ingested([name])
             self.metrics.registration_errors.labels(**self.metrics.labels(reason=reason)).inc()
             if self.budgets.allow("log", owner, now):
                 log.warning("dump_refused", file=name, reason=reason, uid=owner, error=f"{name}: not a regular file")
@@ -274,13 +323,13 @@ class CaptureWorkers:
                             error=f"uid {owner} is past dumps_per_uid_per_minute = "
                                   f"{self.budgets.per_minute['dump']:g}; left in the dump dir")
             return
-        self.ingested.add(name)
+        self.remember_ingested([name])
         self._ingest(name, pid, owner)
 
     def _ingest(self, name: str, pid: int | None, owner: int | None) -> None:
-        outcome = self._admit(owner, lambda: self._ingest(name, pid, owner), [])
+        outcome = self._admit(owner, lambda: self._ingest(name, pid, owner))
         if outcome == "deferred":
-            self.ingested.discard(name)  # left in the dump dir for a later scan
+            self.ingested.pop(name, None)  # left in the dump dir for a later scan
         if outcome != "start":
             return
         reg = self.registrations.registration_of(pid)  # here on the loop, which owns the watchlist; the worker gets the answer
@@ -288,14 +337,21 @@ class CaptureWorkers:
                                   self.config.driver_logs, self.metrics, self.spool,
                                   lambda uid: self.budgets.allow("log", uid, time.monotonic()))
         future.add_done_callback(self.wake)
-        fake = Watched(reg, State.CAPTURED, seen_at=time.monotonic(), timeout=0) if reg else None
+        fake = Watched(reg, State.CAPTURED, seen_at=time.monotonic(), timeout=0) if reg else None  # a stand-in, never watched
         self.captures.append(_Capture([fake] if fake else [], Suspicion("gpu-exception", name, time.time()),
-                                      time.monotonic(), future, uid=owner))
+                                      time.monotonic(), time.monotonic() + capture_budget(self.config), future,
+                                      uid=owner))
 
     # -- reports kept while the state dir was full -------------------------
 
     def flush_spool(self) -> None:
-        """Reports kept while the state dir had no room: stored and indexed once it has."""
+        """Reports kept while the state dir had no room: stored and indexed once it has, on a worker
+        (it analyses and renders pages), one flush at a time."""
+        if self.flushing is not None and not self.flushing.done():
+            return
+        self.flushing = self.submit(self._flush_spool)
+
+    def _flush_spool(self) -> None:
         pending = self.spool.pending()
         if pending:
             for incident_id in self.spool.flush(self.store):

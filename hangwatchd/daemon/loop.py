@@ -30,11 +30,11 @@ from inotify_simple import INotify
 from inotify_simple import flags as inflags
 
 from .. import __version__
-from ..capture import make_steps
+from ..capture import capture_budget, make_steps
 from ..config import Config
 from ..cudacore import sandbox
 from ..detect import HeartbeatDetector
-from ..detect.machine import ERROR_BACKOFF, StateMachine
+from ..detect.machine import StateMachine
 from ..detect.sampler import Sampler
 from ..detect.stack import BLOCKING, IDLE
 from ..fleet.agent import Agent
@@ -58,6 +58,8 @@ from .status_file import STATUS_EVERY, StatusFile
 log = structlog.get_logger("hangwatchd.daemon")
 
 SPOOL_RETRY_EVERY = 5.0  # how soon a report kept in the spool is tried again once the state dir has room
+LOOP_TICK = 0.05  # seconds: timers due within this are handled together (1,000 processes' timers cost one wake-up, not 1,000)
+WATCH_MAX = 10_000  # processes watched at once, all users together (each user is held to max_registrations_per_uid)
 
 
 class SetupError(Exception):
@@ -76,7 +78,8 @@ class Daemon:
         self.fleet = Agent(cfg.store, cfg.node, Path(cfg.state_dir), cfg.store_poll_interval, cfg.job_incident_window,
                            cfg.store_spool_max, self._wake, self._count_sends) if cfg.store else None
         self.status = StatusFile(Path(cfg.runtime_dir))
-        self.watched = Watchlist(self.metrics, on_change=self._write_status)
+        self.watched = Watchlist(self.metrics, on_change=self._status_changed, limit=WATCH_MAX)
+        self.status_dirty = False  # a state changed since status.json was last handed to its writer
         self.limits = UserLimits(cfg.max_registrations_per_uid, cfg.pyspy_samples_per_uid, budgets=Budgets(
             cfg.captures_per_uid, cfg.capture_seconds_per_uid, {"dump": cfg.dumps_per_uid_per_minute,
                                                                 "incident": cfg.incidents_per_uid_per_minute,
@@ -85,7 +88,8 @@ class Daemon:
         self.guard = Guard(self.metrics)
         self.registrations = Registrations(cfg, self.watched, self.metrics, self.limits,
                                            attach=lambda fd, p: self.selector.register(fd, selectors.EVENT_READ, p),
-                                           detach=self.selector.unregister, first_look=self._first_look, guard=self.guard)
+                                           detach=self.selector.unregister, first_look=self._first_look, guard=self.guard,
+                                           wake=self._wake)
         self.spool = Spool(Path(cfg.runtime_dir) / SPOOL_DIR, cfg.spool_bytes_per_uid)  # reports kept while the state dir is full
         self.workers = CaptureWorkers(cfg, self.store, self.spool, make_steps(cfg), self.metrics,
                                       self.watched, self.registrations, self.fleet, self._wake)
@@ -93,10 +97,11 @@ class Daemon:
                                      cfg.learned_timeout_min, cfg.learned_timeout_max, int(cfg.learn_min_beats))
         self.machine = StateMachine(cfg, detector, self.watched, self.metrics,
                                     tuple(BLOCKING) + tuple(cfg.stack_blocking_patterns), cfg.stack_idle_pattern or IDLE,
-                                    on_hung=self.workers.on_hung, on_tampered=self.registrations.tampered)
+                                    on_hung=self.workers.on_hung, on_tampered=self.registrations.tampered,
+                                    capture_budget=capture_budget(cfg))
         self.workers.machine = self.machine
         self.workers.act = act.Acting(Path(cfg.runtime_dir), cfg.on_hang, cfg.abort_grace, self.metrics)
-        self.sampler = Sampler(cfg.pyspy_timeout, cfg.pyspy_samples_per_uid, self.limits, self._wake)
+        self.sampler = Sampler(cfg.pyspy_timeout, cfg.pyspy_samples_per_uid, self.limits, self._wake, self.metrics)
         self.lock = InstanceLock(Path(cfg.runtime_dir))
         self.node_health = NodeHealth(Path(cfg.runtime_dir), self.metrics)  # GPU faults (XIDs), health.json
         # New GPU processes within seconds, found on a thread of its own (watch/discovery.py).
@@ -139,7 +144,12 @@ class Daemon:
                 log.warning("incident_recovered", incident=incident_id)
         except StoreWriteError as exc:
             log.error("recover_deferred", error=str(exc))
-        self.workers.ingested |= self.store.ingested()
+        # Only names still in the dump dir matter (an ingested dump is moved into its incident).
+        try:
+            present = set(os.listdir(cfg.dumps))
+        except OSError:
+            present = set()
+        self.workers.remember_ingested(self.store.ingested() & present)
         self.spool.clear_partials()
         if self.fleet:
             self.fleet.start()
@@ -161,7 +171,10 @@ class Daemon:
             self.metrics_address = serve(self.metrics.registry, cfg.metrics_address)
         self.metrics.info.info({"version": __version__})
         self.node_health.start()  # before daemon.json: a daemon that clients see running has its health file
-        self.status.write_daemon(cfg.state_dir, cfg.dumps, self.metrics_address)
+        self.status.metrics_address = self.metrics_address
+        self.status.write([])  # status.json exists whenever daemon.json does; its writer thread keeps it from here
+        self.status.write_daemon(cfg.state_dir, cfg.dumps, self.metrics_address)  # last: clients find the daemon by it
+        self.status.start()
 
     def stop(self, *_: object) -> None:
         self.stopping = True
@@ -191,9 +204,11 @@ class Daemon:
                      metrics=self.metrics_address, pid=os.getpid())
             self.loop()
         finally:
+            self.status.stop()  # its thread says nothing after STOPPING=1
             notify("STOPPING=1")
             log.info("daemon_stopping", captures_in_flight=len(self.workers.captures))
-            self.workers.shutdown()
+            self.registrations.stop()
+            self.workers.shutdown()  # running captures end at their deadlines; each finished one is logged and counted
             self.sampler.shutdown()
             if self.workers.act:
                 self.workers.act.stop()
@@ -222,13 +237,13 @@ class Daemon:
         guard = self.guard
         while not self.stopping:
             now = time.monotonic()
-            timers = [next_rescan, next_status, next_retention, next_spool, self.next_dump_scan]
-            timers += [min(w.next_check, w.next_sample) for w in self.watched.values()]
+            timers = [next_rescan, next_status, next_retention, next_spool, self.next_dump_scan, self.watched.next_due()]
             if ping_every:
                 timers.append(next_ping)
-            timeout = max(0.0, min(timers) - now)
+            timeout = max(LOOP_TICK, min(timers) - now)
             events = self.selector.select(timeout)
             started = time.monotonic()
+            cpu_started = time.thread_time()
             for key, _mask in events:
                 if key.data == "inotify":
                     guard("inotify", self._on_inotify)
@@ -243,17 +258,21 @@ class Daemon:
                 if found:
                     guard("discover", self.registrations.discover, found)
             self.workers.serve_requests()
+            guard("discovery", self.registrations.discovered)
             for w, sample, native in self.sampler.ready(self.watched):
-                self.machine.judge_stack(w, sample, native, now)
-            for w in list(self.watched.values()):
+                if not guard("judge_stack", self.machine.judge_stack, w, sample, native, now, pid=w.process.pid):
+                    self.machine.backoff(w, now, "sample")
+            for w in self.watched.due(now):
                 if w.process not in self.watched:
                     continue  # forgotten while handling an earlier one
                 if w.next_check <= now and not guard("observe", self.machine.observe, w, now, pid=w.process.pid):
-                    w.next_check = now + ERROR_BACKOFF
+                    self.machine.backoff(w, now, "observe")
                 if w.process not in self.watched:
                     continue  # dropped for a tampered file
-                if w.next_sample <= now and not w.sampling and not guard("sample", self.sampler.sample, w, now, pid=w.process.pid):
-                    w.next_sample = now + ERROR_BACKOFF
+                if w.next_sample <= now and not w.sampling and not guard("sample", self._sample, w, now, pid=w.process.pid):
+                    self.machine.backoff(w, now, "sample")
+                if w.process in self.watched and w.next_check <= now:
+                    self.machine.backoff(w, now, "observe")  # its look left no timer (a bug): never lose a process
             if now >= self.next_dump_scan:
                 self.next_dump_scan = float("inf")
                 guard("scan_dumps", self._scan_dumps)
@@ -262,21 +281,23 @@ class Daemon:
                     guard("scan_dumps", self._scan_dumps)
                 self.rescan_due = False
                 guard("rescan", self.rescan)
+                self.watched.reschedule_all()  # the safety net under the timer heap, as the rescan is under inotify
                 next_rescan = now + self.config.rescan_interval
             if now >= next_spool:
                 guard("spool", self.workers.flush_spool)
                 next_spool = now + SPOOL_RETRY_EVERY
-            if now >= next_status:
+            if now >= next_status or self.status_dirty:
                 guard("status", self._write_status)
                 next_status = now + STATUS_EVERY
             if now >= next_retention and not self.workers.captures:
                 self.workers.submit(retention.enforce, self.store, self.config)
                 next_retention = now + retention.RETENTION_EVERY
             if ping_every and now >= next_ping:
-                if self.workers.healthy(now):  # the loop runs (we are in it), no worker is wedged
+                if self.workers.healthy(now):  # the loop runs (we are in it), no capture is past its own deadline
                     notify("WATCHDOG=1")
                 next_ping = now + ping_every
             self.metrics.loop_duration.labels(**self.metrics.const).observe(time.monotonic() - started)
+            self.metrics.loop_cpu.labels(**self.metrics.const).inc(time.thread_time() - cpu_started)
 
     def _drain_wake(self) -> None:
         try:
@@ -306,8 +327,18 @@ class Daemon:
     def _first_look(self, w: Watched, now: float) -> None:
         self.machine.observe(w, now)
 
+    def _status_changed(self) -> None:
+        self.status_dirty = True
+
     def _write_status(self) -> None:
-        self.status.write(self.watched.values())
+        """Hand a snapshot to the status writer: it writes off the loop, at most once a second."""
+        self.status_dirty = False
+        self.status.post(list(self.watched.values()))
+
+    def _sample(self, w: Watched, now: float) -> None:
+        again = self.sampler.sample(w, now)
+        if again is not None:
+            self.watched.change(w, sample_at=again)
 
     def _scan_dumps(self) -> None:
         """Dumps that appeared while nobody watched (the daemon down, an inotify overflow)."""

@@ -10,6 +10,7 @@ commits the incident. The daemon and ``hangwatchd capture`` both come here.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import socket
 import threading
 import time
@@ -64,25 +65,34 @@ def make_incident(
     job = targets[0].job if targets else None
     pids = [t.process.pid for t in targets]
     draft = begin_draft(store, spool, suspicion.reason, job, pids, metrics)
-    if draft.spooled:
-        why = "the state dir has no room: the report is kept, a GPU dump would be lost (it ends the process)"
-        gate = lambda _outdir: why  # noqa: E731
-    first, later = late.split(steps)
-    if draft.spooled:  # a spooled report is sealed once: everything goes in before
-        first, later = list(steps), []
-    captures = capture_all(first, targets, draft.path, budget, metrics, gate)
-    exits.write_into(draft.path, list(gone), targets[0] if targets else None, suspicion.since)
-    gpu_events.attach(draft.path, pids, suspicion.since)  # the GPU faults (XIDs) of the GPUs these ran on
-    until = time.time() + max((t for _, t in later), default=0.0) + late.HEAD_START
-    # A GPU dump the policy refuses is not coming: said at once, never listed as pending.
-    pending = tuple(PendingEvidence(t.process.pid, s.name, until) for t in targets for s, _ in later
-                    if not getattr(s, "destructive", False) or (gate is not None and gate(draft.path / str(t.process.pid)) is None))
-    incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason=suspicion.reason,
-                        detail=suspicion.detail, job=job, processes=tuple(captures), signals=suspicion.signals,
-                        notify_status=notify_status, since=suspicion.since, node=node,
-                        job_incident=job_incident, pending=pending)
-    incident, analysis_dict = _analysed(draft.path, incident)
-    finish_draft(store, spool, draft, incident, _summary(incident, suspicion), analysis_dict, metrics)
+    committed = False
+    try:
+        if draft.spooled:
+            why = "the state dir has no room: the report is kept, a GPU dump would be lost (it ends the process)"
+            gate = lambda _outdir: why  # noqa: E731
+        first, later = late.split(steps)
+        if draft.spooled:  # a spooled report is sealed once: everything goes in before
+            first, later = list(steps), []
+        captures = capture_all(first, targets, draft.path, budget, metrics, gate)
+        exits.write_into(draft.path, list(gone), targets[0] if targets else None, suspicion.since)
+        gpu_events.attach(draft.path, pids, suspicion.since)  # the GPU faults (XIDs) of the GPUs these ran on
+        until = time.time() + max((t for _, t in later), default=0.0) + late.HEAD_START
+        # A GPU dump the policy refuses is not coming: said at once, never listed as pending.
+        pending = tuple(PendingEvidence(t.process.pid, s.name, until) for t in targets for s, _ in later
+                        if not getattr(s, "destructive", False) or (gate is not None and gate(draft.path / str(t.process.pid)) is None))
+        incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason=suspicion.reason,
+                            detail=suspicion.detail, job=job, processes=tuple(captures), signals=suspicion.signals,
+                            notify_status=notify_status, since=suspicion.since, node=node,
+                            job_incident=job_incident, pending=pending)
+        incident, analysis_dict = _analysed(draft.path, incident)
+        finish_draft(store, spool, draft, incident, _summary(incident, suspicion), analysis_dict, metrics)
+        committed = True
+    finally:
+        if not committed:  # whatever stopped it before the incident was stored: no half-written draft stays behind
+            if draft.spooled:
+                shutil.rmtree(draft.path, ignore_errors=True)
+            else:
+                store.abandon(draft)
     log.info("incident_stored_first", incident=draft.id, pids=pids, pending=len(pending),
              seconds=round(time.monotonic() - declared, 3))
     if later and not (store.dir / draft.id).is_dir():
@@ -90,7 +100,7 @@ def make_incident(
         # slow evidence cannot be added there; the GPU dump would be lost anyway (it ends the process).
         log.error("late_evidence_not_taken", incident=draft.id, why="the report went to the spool")
     elif later:
-        _add_late(store, later, targets, incident, suspicion, gate, metrics, declared)
+        _add_late(store, later, targets, incident, suspicion, gate, metrics, declared, declared + budget)
     return draft.id
 
 
@@ -100,7 +110,7 @@ def _analysed(directory: Path, incident: Incident) -> tuple[Incident, dict[str, 
         analysis = analyze(directory)
         verdict, analysis_dict = analysis.summary, analysis.to_dict()
     except Exception as exc:  # noqa: BLE001 - a capture is stored even when its analysis fails
-        log.error("analysis_failed", incident=incident.id, error=f"{type(exc).__name__}: {exc}")
+        log.error("analysis_failed", incident=incident.id, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
         verdict, analysis_dict = f"the analysis failed ({type(exc).__name__}: {exc}); the evidence is kept", None
     incident = dataclasses.replace(incident, verdict=verdict)
     if analysis_dict is not None:
@@ -124,7 +134,7 @@ def coming(incident: Incident) -> str:
 
 def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequence[Registration], incident: Incident,
               suspicion: Suspicion, gate: Callable[[Path], str | None] | None, metrics: Metrics | None,
-              declared: float) -> None:
+              declared: float, deadline: float | None = None) -> None:
     """Run the slow steps on every rank and add each piece of evidence to the stored incident as it comes.
 
     Files move in at once, under a lock; the verdict is then made again and incident.json,
@@ -199,7 +209,7 @@ def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequen
                  seconds=round(time.monotonic() - declared, 3), outcome="partial")
 
     late.run_late(steps, targets, lambda t, step: store.late_dir(incident.id, t.process.pid, step), late_gate, metrics,
-                  step_done, early=early)
+                  step_done, early=early, deadline=deadline)
     settle()  # whatever a thread that returned early left for the last one
 
 

@@ -2,12 +2,17 @@
 
 ``hangwatchd status`` and the clients read these files (``runtime``); the
 daemon writes them here, on every state change and every few seconds, so a
-reader always sees a whole file of a recent moment.
+reader always sees a whole file of a recent moment. The loop only hands over
+a snapshot (``post``); a thread of its own writes it, at most once a second
+(reading each process's STATUS= file and writing the JSON take time that
+grows with the number watched, and a disk can stall): the latest snapshot
+wins, older ones are dropped unwritten.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,13 +28,56 @@ from ..workload.runtime_files import DAEMON_FILE, STATUS_FILE, write_json
 
 log = structlog.get_logger("hangwatchd.daemon")
 
-STATUS_EVERY = 2.0  # seconds: status.json is rewritten at least this often (beat ages move on)
+STATUS_EVERY = 10.0  # seconds: status.json is rewritten at least this often (`status` reads beat ages from the segments)
+WRITE_GAP = 1.0  # seconds: status.json is written at most this often, however many states change
 
 
 class StatusFile:
     def __init__(self, runtime_dir: Path) -> None:
         self.runtime_dir = runtime_dir
         self.metrics_address = ""
+        self._cond = threading.Condition()
+        self._latest: list[Watched] | None = None  # the one snapshot waiting to be written (a newer replaces it)
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.written = 0  # snapshots written (the bench and tests read it)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="status", daemon=True)
+        self._thread.start()
+
+    def post(self, watched: list[Watched]) -> None:
+        """On the loop: a snapshot to write soon. Never blocks on the disk."""
+        with self._cond:
+            self._latest = watched
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        last = 0.0
+        while True:
+            with self._cond:
+                while self._latest is None and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+            time.sleep(max(0.0, last + WRITE_GAP - time.monotonic()))  # debounce: changes meanwhile join this write
+            with self._cond:
+                snapshot, self._latest = self._latest, None
+            if snapshot is None:
+                continue
+            last = time.monotonic()
+            try:
+                self.write(snapshot)
+            except Exception as exc:  # noqa: BLE001 - a bad record costs this write, never the writer
+                log.exception("status_write_failed", file=str(self.runtime_dir / STATUS_FILE), error=f"{type(exc).__name__}: {exc}")
+            self.written += 1
 
     def write_daemon(self, state_dir: str, dump_dir: Path, metrics_address: str) -> None:
         """daemon.json: who the daemon is and where it keeps things (what clients look for)."""

@@ -64,8 +64,7 @@ class HeartbeatDetector:
         if w.last_progress is None and w.registration.heartbeat_timeout is None:
             deadline = w.seen_at + self.startup_grace
             if now >= deadline and not w.never_beat:
-                w.never_beat = True
-                w.next_sample = now  # from now on its stack is sampled (see Watched.watched_by_stack)
+                w.never_beat = True  # from now on its stack is sampled (see Watched.watched_by_stack)
                 log.warning("never_beat", pid=w.process.pid, job=w.registration.job, rank=w.registration.rank,
                             grace=self.startup_grace, watched_by="stack",
                             note="no first beat and no declared --heartbeat-timeout: watched by its stack, never hung for a missing beat")
@@ -86,7 +85,10 @@ class HeartbeatDetector:
                 "heartbeat", f"no beat for {silent:.1f} s (timeout {w.timeout:g} s, {w.timeout_source}; "
                 f"{reading.count} beats before)", time.time() - silent, ("heartbeat",)))
         if self._learning(w):
-            return Observation(State.HEALTHY, min(deadline, now + min(1.0, max(0.25, w.timeout / 4))))
+            # Looks every second until it has a timeout of its own, then a quarter of it (at most 5 s):
+            # the deadline itself is never passed over, and 1,000 processes are not read each second.
+            every = 1.0 if w.timeout_source != "learned" else max(1.0, min(5.0, w.timeout / 4))
+            return Observation(State.HEALTHY, min(deadline, now + min(every, max(0.25, w.timeout / 4))))
         return Observation(State.HEALTHY, deadline)
 
     def _learning(self, w: Watched) -> bool:

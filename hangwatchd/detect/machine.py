@@ -1,13 +1,19 @@
-"""The state machine of one watched process: healthy -> suspect -> hung, and back.
+"""The state machine of one watched process: healthy -> suspect -> hung -> captured, and back.
 
 One signal makes a process suspect (a beat that does not come, a stack that
 does not move); a second look confirms or drops the suspicion before anything
 destructive happens. A beat that pauses under a learned timeout needs a still
 stack too; a frozen stack counts only when it is blocked on something that
 should come (the GPU, a collective, a lock), not idle waiting for work, unless
-the user declared ``--stack-timeout``. On a confirmed hang every rank of the
-same job here is declared hung with it, and the group is handed to
-``on_hung``: the daemon captures it.
+the user declared ``--stack-timeout``.
+
+A confirmed hang is handed over as a transaction: every rank of the same job
+here goes with it, the capture is queued (``on_hung``) and only then is the
+state HUNG; a capture that fails before its incident is stored (or that could
+not be queued) is tried again after a bounded pause, so no process is left
+HUNG without a capture coming. A captured process is declared again only after
+progress it could not fake while hung (``rearm``). Every change goes through
+``Watchlist.change``.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import structlog
 from ..config import Config
 from ..host import untrusted
 from ..metrics import Metrics
-from ..model import ProcessId, State, Suspicion
+from ..model import State, Suspicion
 from ..watch.stack_history import Sample
 from ..watch.watched import Watched, Watchlist
 from . import rearm
@@ -30,69 +36,104 @@ from .stack import classify
 log = structlog.get_logger("hangwatchd.daemon")
 
 ERROR_BACKOFF = 5.0  # a process whose handling failed is looked at again after this, not at once
+RETRY_FIRST = 5.0  # a failed capture of a hang is tried again after this, doubling each time ...
+RETRY_MAX = 300.0  # ... up to this
+HUNG_LOOK = 5.0  # a hung or captured process is looked at this often (for progress, for a retry)
+
+OnHung = Callable[[list[Watched], Suspicion, float, "str | None", "str | None"], None]
+
+
+def retry_pause(attempts: int) -> float:
+    return min(RETRY_MAX, RETRY_FIRST * 2 ** max(0, attempts - 1))
 
 
 class StateMachine:
     def __init__(self, cfg: Config, detector: Detector, watched: Watchlist, metrics: Metrics,
-                 blocking: Sequence[str], idle: str,
-                 on_hung: Callable[[list[Watched], Suspicion], None],
-                 on_tampered: Callable[[Watched, untrusted.Refused], None]) -> None:
+                 blocking: Sequence[str], idle: str, on_hung: OnHung,
+                 on_tampered: Callable[[Watched, untrusted.Refused], None], capture_budget: float | None = None) -> None:
         self.cfg = cfg
+        # Seconds from a declaration to its capture's deadline (capture.capture_budget: the GPU dump's time included).
+        self.capture_budget = capture_budget if capture_budget is not None else cfg.capture_timeout
         self.detector = detector
         self.watched = watched
         self.metrics = metrics
         self.blocking = blocking
         self.idle = idle
-        self.on_hung = on_hung  # a confirmed hang: the process and its job-mates here, to capture
+        # Queue the capture of a hung group: (group, suspicion, absolute deadline, job incident id or None,
+        # the action another node's request carried or None).
+        # It must not block; it raises when the capture cannot be queued.
+        self.on_hung = on_hung
         self.on_tampered = on_tampered  # its files were swapped: the registration is dropped
-        self.marks: dict[ProcessId, rearm.ProgressMark] = {}  # where each captured process stood
+
+    # -- looks ---------------------------------------------------------------
 
     def observe(self, w: Watched, now: float) -> None:
         """Its detector's look, due now: move its state on, or note when to look again."""
+        timeout = w.timeout
         try:
             w.check_files()
             obs = self.detector.observe(w, now)
         except untrusted.Refused as exc:
             self.on_tampered(w, exc)
             return
-        w.next_check = obs.next_check
+        if w.timeout != timeout:
+            self.watched.on_change()  # a learned timeout: status.json shows it (debounced)
         r = w.registration
-        labels = self.metrics.labels(job=r.job or "", rank=str(r.rank if r.rank is not None else ""), pid=str(r.process.pid))
-        self.metrics.timeout.labels(**labels).set(w.timeout)
-        if w.beat is not None and w.beat.count:
-            self.metrics.last_beat.labels(**labels).set(w.beat.wall_time() or 0)
+        self._export(w)
+        sample_at = now if w.watched_by_stack and w.next_sample == float("inf") else None  # e.g. it never beat
         if w.state in (State.HUNG, State.CAPTURED):
-            if w.state is State.CAPTURED and self._rearm_if_progressed(w):
-                pass
-            else:
-                w.next_check = now + min(w.timeout, 5.0)  # look again later in case it recovers
+            if self._rearm_if_progressed(w, now):
+                return
+            if w.state is State.HUNG and w.retry_at is not None and now >= w.retry_at:
+                self._retry(w, now)
+                return
+            look = now + min(w.timeout, HUNG_LOOK)
+            self.watched.change(w, check_at=min(look, w.retry_at) if w.retry_at is not None else look, sample_at=sample_at)
             return
         if obs.state is State.SUSPECT:
             if w.state is not State.SUSPECT:
                 self._suspect(w, obs.suspicion, now)
             elif now >= w.confirm_by:
                 self._confirm(w, now)
-            w.next_check = max(now + 0.1, min(w.confirm_by, now + 1.0))
+            if w.state is State.SUSPECT:
+                self.watched.change(w, check_at=max(now + 0.1, min(w.confirm_by, now + 1.0)))
             return
         if w.state is State.SUSPECT and w.suspicion and w.suspicion.reason == "heartbeat":
             log.info("suspicion_dropped", pid=r.process.pid, why="a beat came")
-            w.suspicion = None
-        if obs.state is not w.state and not (w.state is State.SUSPECT and w.suspicion):
-            self.watched.set_state(w, obs.state)
+            self.watched.change(w, obs.state, why="a beat came", suspicion=None, check_at=obs.next_check, sample_at=sample_at)
+            return
+        keep = w.state is State.SUSPECT and w.suspicion is not None  # a stack suspicion: the native look decides
+        if keep and now >= w.confirm_by and w.history.samples:
+            # Its native look never came back (py-spy refused, the user's budget spent): judge the plain one.
+            self._judge_native(w, w.history.samples[-1], now)
+            return
+        self.watched.change(w, None if keep else obs.state, why="detector", check_at=obs.next_check, sample_at=sample_at)
+
+    def _export(self, w: Watched) -> None:
+        """Its timeout and last beat on /metrics, set when they change (the series looked up once)."""
+        if w.series is None:
+            r = w.registration
+            values = (*self.metrics.const.values(), r.job or "", str(r.rank if r.rank is not None else ""), str(r.process.pid))
+            w.series = (self.metrics.timeout.labels(*values), self.metrics.last_beat.labels(*values), None, None)
+        timeout_g, beat_g, timeout_set, beat_set = w.series
+        count = w.beat.count if w.beat is not None else 0
+        if w.timeout != timeout_set or (count and count != beat_set):
+            timeout_g.set(w.timeout)
+            if count and count != beat_set:
+                beat_g.set(w.beat.wall_time() or 0)  # type: ignore[union-attr]
+            w.series = (timeout_g, beat_g, w.timeout, count or beat_set)
 
     def _suspect(self, w: Watched, suspicion: Suspicion | None, now: float) -> None:
         """One signal says stalled. Confirm before anything is done about it."""
         assert suspicion is not None
-        w.suspicion = suspicion
-        self.watched.set_state(w, State.SUSPECT)
         log.info("process_suspect", pid=w.process.pid, reason=suspicion.reason, detail=suspicion.detail)
         if suspicion.reason == "heartbeat" and w.timeout_source == "learned":
             # A learned timeout may only mean a new phase: the stack must hold still too.
-            w.history = type(w.history)()
-            w.confirm_by = now + max(3.0, min(10.0, w.timeout / 2))
-            w.next_sample = now
+            self.watched.change(w, State.SUSPECT, why="heartbeat", suspicion=suspicion, reset_history=True,
+                                confirm_by=now + max(3.0, min(10.0, w.timeout / 2)), sample_at=now)
         else:
-            w.confirm_by = now + 0.5  # a declared timeout: one more look, then act
+            self.watched.change(w, State.SUSPECT, why=suspicion.reason, suspicion=suspicion,
+                                confirm_by=now + 0.5)  # a declared timeout: one more look, then act
 
     def _confirm(self, w: Watched, now: float) -> None:
         suspicion = w.suspicion
@@ -113,93 +154,87 @@ class StateMachine:
             log.info("suspicion_dropped", pid=w.process.pid, why=why_not, paused=round(now - (w.last_progress or now), 1))
             w.intervals.append(now - (w.last_progress or now))
             w.last_progress = now
-            w.suspicion = None
-            w.next_sample = float("inf") if not w.watched_by_stack else now + self.cfg.stack_interval
-            self.watched.set_state(w, State.HEALTHY)
+            self.watched.change(w, State.HEALTHY, why=why_not, suspicion=None,
+                                sample_at=float("inf") if not w.watched_by_stack else now + self.cfg.stack_interval)
             return
         if w.beat is not None and w.last_progress is not None and suspicion.reason == "stack":
             if now - w.last_progress > w.timeout:
                 signals.add("heartbeat")
         evidence = f"; {w.history.evidence()}" if w.history.samples and "stack" in signals else ""
-        self._hung(w, Suspicion(suspicion.reason, suspicion.detail + evidence, suspicion.since, tuple(sorted(signals))))
+        self._hung(w, Suspicion(suspicion.reason, suspicion.detail + evidence, suspicion.since, tuple(sorted(signals))), now)
 
     def judge_stack(self, w: Watched, sample: Sample, native: bool, now: float) -> None:
-        """A stack sample came back: confirm or drop a suspicion, or start one, and say when to sample next."""
+        """A stack sample came back: confirm or drop a suspicion, or start one, and say when to sample next.
+
+        Only plain samples enter the history and the progress mark; the one native look
+        at a frozen stack only classifies it (like is compared with like)."""
+        every = now + self.cfg.stack_interval
+        if sample.error:
+            self.watched.change(w, sample_at=every if w.watched_by_stack else float("inf"))
+            return
         suspect = w.state is State.SUSPECT and w.suspicion is not None
+        if native:
+            if suspect and w.suspicion.reason == "stack":  # type: ignore[union-attr]
+                self._judge_native(w, sample, now)
+            else:  # the state moved on while it was taken: it says nothing now
+                self.watched.change(w, sample_at=every if w.watched_by_stack else float("inf"))
+            return
+        if w.state in (State.HUNG, State.CAPTURED):
+            if w.mark is not None:
+                self.watched.change(w, mark=rearm.with_sample(w.mark, sample))
+            self.watched.change(w, sample_at=every if w.watched_by_stack else float("inf"))
+            if w.state is State.CAPTURED:
+                self._rearm_if_progressed(w, now)
+            return
+        w.history.add(sample)
         if suspect and w.suspicion.reason == "heartbeat":  # type: ignore[union-attr]
             if len(w.history.samples) <= 1 and now < w.confirm_by:
-                w.next_sample = now + 1.0  # confirming: sample fast
+                self.watched.change(w, sample_at=now + 1.0)  # confirming: sample fast
             elif w.history.frozen_for() >= 2.0 or now >= w.confirm_by:
                 self._confirm(w, now)
             else:
-                w.next_sample = now + 1.0
+                self.watched.change(w, sample_at=now + 1.0)
             return
-        if suspect and native:  # the one native look at a frozen stack: does it count?
-            blocked, idle = classify(sample.frames, self.blocking, self.idle)
-            declared = w.stack_timeout is not None
-            if declared or (blocked and not idle):
-                why = "declared --stack-timeout" if declared and not blocked else f"blocked in {blocked}"
-                w.suspicion = Suspicion("stack", f"the same stack for {w.history.frozen_for():.0f} s ({why})",
-                                        w.suspicion.since, ("stack",))  # type: ignore[union-attr]
-                self._confirm(w, now)
-            else:
-                if not w.idle_noted:
-                    log.info("stack_frozen_idle", pid=w.process.pid, why="idle pattern" if idle else "no blocking call")
-                    w.idle_noted = True
-                w.suspicion = None
-                self.watched.set_state(w, State.HEALTHY)
-                w.next_sample = now + self.cfg.stack_interval
-            return
-        if not w.watched_by_stack or w.state in (State.HUNG, State.CAPTURED):
-            w.next_sample = float("inf") if not w.watched_by_stack else now + self.cfg.stack_interval
-            if w.process in self.marks:
-                self.marks[w.process] = rearm.with_sample(self.marks[w.process], sample)
-            if w.state is State.CAPTURED:
-                self._rearm_if_progressed(w)
+        if suspect:
+            return  # a stack suspicion waits for its native look
+        if not w.watched_by_stack:
+            self.watched.change(w, sample_at=float("inf"))
             return
         window = w.stack_timeout or self.cfg.stack_window
         if len(w.history.samples) == 1:
             w.idle_noted = False
         if w.history.frozen_for() >= window and not w.idle_noted:
-            w.suspicion = Suspicion("stack", f"the same stack for {w.history.frozen_for():.0f} s", time.time() - w.history.frozen_for(), ("stack",))
-            self.watched.set_state(w, State.SUSPECT)
+            held = w.history.frozen_for()
             log.info("process_suspect", pid=w.process.pid, reason="stack", detail=w.history.evidence())
-            w.confirm_by = now + self.cfg.pyspy_timeout + 5
-            w.next_sample = now  # the native look
+            self.watched.change(w, State.SUSPECT, why="stack",
+                                suspicion=Suspicion("stack", f"the same stack for {held:.0f} s", time.time() - held, ("stack",)),
+                                confirm_by=now + self.cfg.pyspy_timeout + 5, sample_at=now)  # now: the native look
         else:
-            w.next_sample = now + self.cfg.stack_interval
+            self.watched.change(w, sample_at=every)
 
-    def captured(self, group: list[Watched]) -> None:
-        """A capture of ``group`` starts: mark where each stood, to tell progress from a hang later."""
-        for x in group:
-            self.marks[x.process] = rearm.mark(x)
+    def _judge_native(self, w: Watched, sample: Sample, now: float) -> None:
+        """The one native look at a frozen stack: is it blocked on something (or declared), or idle?"""
+        assert w.suspicion is not None
+        blocked, idle = classify(sample.frames, self.blocking, self.idle)
+        declared = w.stack_timeout is not None
+        if declared or (blocked and not idle):
+            why = "declared --stack-timeout" if declared and not blocked else f"blocked in {blocked}"
+            suspicion = Suspicion("stack", f"the same stack for {w.history.frozen_for():.0f} s ({why})", w.suspicion.since, ("stack",))
+            self.watched.change(w, suspicion=suspicion)
+            self._confirm(w, now)
+            return
+        if not w.idle_noted:
+            log.info("stack_frozen_idle", pid=w.process.pid, why="idle pattern" if idle else "no blocking call")
+            w.idle_noted = True
+        self.watched.change(w, State.HEALTHY, why="idle", suspicion=None, sample_at=now + self.cfg.stack_interval)
 
-    def capture_failed(self, w: Watched, now: float) -> None:
-        """No incident to show for it: watch it as before, so the hang is captured again
-        (after a pause, so a capture that always fails does not spin)."""
-        self.marks.pop(w.process, None)
-        self.watched.set_state(w, State.HEALTHY)
-        w.next_check = now + ERROR_BACKOFF
+    # -- hangs ---------------------------------------------------------------
 
-    def _rearm_if_progressed(self, w: Watched) -> bool:
-        """A captured process is watched for a new hang only once it shows progress again."""
-        m = self.marks.get(w.process)
-        why = rearm.progressed(w, m) if m is not None else "no mark"
-        if why is None:
-            return False
-        self.marks.pop(w.process, None)
-        log.info("process_recovered", pid=w.process.pid, incident=w.incident, why=why)
-        w.history = type(w.history)()
-        self.watched.set_state(w, State.HEALTHY)
-        return True
-
-    def _hung(self, w: Watched, suspicion: Suspicion | None) -> None:
-        assert suspicion is not None
-        self.watched.set_state(w, State.HUNG)
+    def _hung(self, w: Watched, suspicion: Suspicion, now: float) -> None:
+        """Declare ``w`` hung: every rank of its job here goes with it, into one capture."""
         self.metrics.hangs.labels(**self.metrics.labels(reason=suspicion.reason)).inc()
         log.warning("process_hung", pid=w.process.pid, job=w.registration.job, rank=w.registration.rank,
                     reason=suspicion.reason, detail=suspicion.detail, signals=list(suspicion.signals))
-        w.suspicion = None
         # Every rank of the same job on this node goes into the same incident: the rank
         # that differs is the answer, and it may be one that looks healthy. A job is
         # (owner uid, name): another user's process under the same name is not a rank of it.
@@ -207,7 +242,75 @@ class StateMachine:
                  and x.registration.job == w.registration.job and x.registration.uid == w.registration.uid
                  and x.role != "launcher"
                  and x.state in (State.STARTING, State.HEALTHY, State.SUSPECT)]
-        for x in mates:
-            x.suspicion = None
-            self.watched.set_state(x, State.HUNG)
-        self.on_hung([w] + mates, suspicion)
+        self.declare([w] + mates, suspicion, now)
+
+    def declare(self, group: list[Watched], suspicion: Suspicion, now: float, job_incident: str | None = None,
+                requested: str | None = None) -> None:
+        """The hand-over, as a transaction: the capture is queued, then the group is HUNG. When it
+        cannot be queued, the group is HUNG with a retry due, never HUNG with nothing coming."""
+        deadline = now + self.capture_budget
+        marks = {x.process: rearm.mark(x) for x in group}
+        try:
+            self.on_hung(group, suspicion, deadline, job_incident, requested)
+            retry_at = None
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the hang is captured again
+            retry_at = now + retry_pause(1)
+            log.exception("capture_not_queued", pids=[x.process.pid for x in group], retry_in=retry_pause(1),
+                          error=f"{type(exc).__name__}: {exc}")
+        for x in group:
+            self.watched.change(x, State.HUNG, why=suspicion.reason, suspicion=suspicion, mark=marks[x.process],
+                                retry_at=retry_at, attempts=1 if retry_at else 0,
+                                check_at=retry_at if retry_at is not None else now + min(x.timeout, HUNG_LOOK))
+
+    def stored(self, w: Watched, incident: str) -> None:
+        """Its incident is stored: captured, watched for progress from here."""
+        if w.state is State.HUNG:
+            self.watched.change(w, State.CAPTURED, why="incident stored", suspicion=None, incident=incident,
+                                retry_at=None, attempts=0)
+
+    def capture_failed(self, w: Watched, now: float) -> None:
+        """No incident came of its capture: it stays HUNG, and is captured again after a pause
+        that grows with each failure (bounded), unless it shows progress before."""
+        if w.state is not State.HUNG:
+            return
+        attempts = w.attempts + 1
+        pause = retry_pause(attempts)
+        log.warning("capture_retry_due", pid=w.process.pid, attempt=attempts, retry_in=pause)
+        self.watched.change(w, attempts=attempts, retry_at=now + pause, check_at=now + pause)
+
+    def _retry(self, w: Watched, now: float) -> None:
+        """Its capture failed earlier: capture it (and its job-mates waiting likewise) again."""
+        assert w.suspicion is not None
+        group = [w] + [x for x in self.watched.values() if x is not w and w.registration.job
+                       and x.registration.job == w.registration.job and x.state is State.HUNG and x.retry_at is not None]
+        log.warning("capture_retry", pids=[x.process.pid for x in group], attempt=w.attempts + 1)
+        deadline = now + self.capture_budget
+        try:
+            self.on_hung(group, w.suspicion, deadline, None, None)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("capture_not_queued", pids=[x.process.pid for x in group], error=f"{type(exc).__name__}: {exc}")
+            for x in group:
+                self.capture_failed(x, now)
+            return
+        for x in group:
+            self.watched.change(x, retry_at=None, check_at=now + min(x.timeout, HUNG_LOOK))
+
+    def _rearm_if_progressed(self, w: Watched, now: float) -> bool:
+        """A hung or captured process is watched for a new hang only once it shows progress again."""
+        if w.mark is None or (w.state is State.HUNG and w.retry_at is None):
+            return False  # no mark (a bug); or its capture is under way: that ends first
+        why = rearm.progressed(w, w.mark)
+        if why is None:
+            return False
+        log.info("process_recovered", pid=w.process.pid, incident=w.incident, why=why)
+        self.watched.change(w, State.HEALTHY, why=why, reset_history=True, check_at=now + 0.1,
+                            sample_at=now + self.cfg.stack_interval if w.watched_by_stack else float("inf"))
+        return True
+
+    def backoff(self, w: Watched, now: float, what: str) -> None:
+        """Its handling raised (logged by the loop's guard): look again after a pause, not at once."""
+        if w.process in self.watched:
+            if what == "sample":
+                self.watched.change(w, sample_at=now + ERROR_BACKOFF)
+            else:
+                self.watched.change(w, check_at=now + ERROR_BACKOFF)

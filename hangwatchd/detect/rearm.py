@@ -1,26 +1,23 @@
-"""When a captured hang may be declared again: only after the process shows progress.
+"""When a captured hang may be declared again: only after progress a hung process cannot show.
 
 A captured process stays hung in our eyes until it does something a hung
-process does not: a new beat, for a process that beats; a different stack,
-for one watched by its stack alone. Anything less (a history reset, a stack
-that wobbles in a wait loop while the beats stay silent) would declare the
+process does not: a new beat, for a process that beats; for one watched by its
+stack alone, a stack other than the hung one in two plain samples in a row.
+Like is compared with like: the mark is a plain sample, and only plain samples
+are held against it (a ``--native`` sample shows C frames a plain one never
+does, so it always "differs"). One odd sample (a sleep loop caught between two
+sleeps, a torn read) is not progress either. Anything less would declare the
 same hang twice.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 
 from ..watch.stack_history import Sample
-from ..watch.watched import Watched
+from ..watch.watched import ProgressMark, Watched
 
-
-@dataclass(frozen=True)
-class ProgressMark:
-    """Where a process stood when it was declared hung."""
-
-    beats: int | None  # its beat count; None when it never beat (its stack is the only sign)
-    signature: tuple | None  # type: ignore[type-arg]  # its last stack; None when none was sampled
+MOVED_SAMPLES = 2  # plain samples in a row that must differ from the hung stack
 
 
 def mark(w: Watched) -> ProgressMark:
@@ -30,10 +27,13 @@ def mark(w: Watched) -> ProgressMark:
 
 
 def with_sample(m: ProgressMark, sample: Sample) -> ProgressMark:
-    """A stack-only mark that had no stack yet takes the first one seen after the hang."""
-    if m.beats is None and m.signature is None and not sample.error:
+    """The mark after one more plain sample: a stack-only mark with no stack yet takes this one;
+    otherwise the run of samples unlike the hung stack grows, or starts over."""
+    if sample.error or m.beats is not None:
+        return m
+    if m.signature is None:
         return ProgressMark(None, sample.signature)
-    return m
+    return replace(m, moved=m.moved + 1 if sample.signature != m.signature else 0)
 
 
 def progressed(w: Watched, m: ProgressMark) -> str | None:
@@ -43,7 +43,6 @@ def progressed(w: Watched, m: ProgressMark) -> str | None:
         return f"{count - m.beats} new beats" if count > m.beats else None
     if w.beat is not None and w.beat.count:
         return "its first beats"
-    last = w.history.samples[-1] if w.history.samples else None
-    if last is not None and m.signature is not None and last.signature != m.signature:
-        return "its stack moved"
+    if m.moved >= MOVED_SAMPLES:
+        return f"its stack moved ({m.moved} plain samples in a row unlike the hung one)"
     return None

@@ -9,38 +9,43 @@ from __future__ import annotations
 
 import concurrent.futures
 import queue
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 
 import structlog
 
 from ..host import procfs
 from ..host.user_limits import UserLimits
+from ..metrics import Metrics
 from ..model import ProcessId, State
 from ..watch.stack_history import Sample
-from ..watch.watched import Watched
+from ..watch.watched import Watched, Watchlist
 from .stack import take_sample
 
 log = structlog.get_logger("hangwatchd.daemon")
 
 
 class Sampler:
-    def __init__(self, pyspy_timeout: float, samples_per_uid: float, limits: UserLimits, wake: Callable[[], None]) -> None:
+    def __init__(self, pyspy_timeout: float, samples_per_uid: float, limits: UserLimits, wake: Callable[[], None],
+                 metrics: Metrics) -> None:
+        self.metrics = metrics
         self.pyspy_timeout = pyspy_timeout
         self.samples_per_uid = samples_per_uid
         self.limits = limits
         self.wake = wake  # a sample is ready: wake the loop
+        # At most one sample per process is in flight (Watched.sampling), so the pool's queue is
+        # bounded by the watchlist's size.
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="sample")
         self.done: queue.SimpleQueue[tuple[ProcessId, Sample, bool]] = queue.SimpleQueue()
 
-    def sample(self, w: Watched, now: float) -> None:
-        """Start one sample of ``w`` (native when it is the one look at a frozen stack)."""
+    def sample(self, w: Watched, now: float) -> float | None:
+        """Start one sample of ``w`` (native when it is the one look at a frozen stack); or, when its
+        user's budget is spent, say when to try again (the caller schedules it)."""
         wait = self.limits.sample_wait(w.registration.uid, now)
         if wait:
-            w.next_sample = now + wait
             if self.limits.first("pyspy_rate", w.registration.uid):
                 log.warning("stack_sampling_limited", uid=w.registration.uid,
                             limit=f"pyspy_samples_per_uid = {self.samples_per_uid:g}")
-            return
+            return now + wait
         w.sampling = True
         pid = w.process
         native = w.state is State.SUSPECT and w.suspicion is not None and w.suspicion.reason == "stack"
@@ -52,10 +57,11 @@ class Sampler:
             self.wake()
 
         future.add_done_callback(done)
+        return None
 
-    def ready(self, watched: Mapping[ProcessId, Watched]) -> Iterator[tuple[Watched, Sample, bool]]:
-        """The samples taken since last asked, of processes still watched and alive, each
-        added to its process's history: (process, sample, whether it was the native look)."""
+    def ready(self, watched: Watchlist) -> Iterator[tuple[Watched, Sample, bool]]:
+        """The samples taken since last asked, of processes still watched and alive: (process,
+        sample, whether it was the native look). What they mean is the state machine's to say."""
         while True:
             try:
                 pid, sample, native = self.done.get_nowait()
@@ -68,11 +74,11 @@ class Sampler:
             if not procfs.alive(pid):
                 continue
             if sample.refused:
-                w.next_check = 0.0  # looked at now: its files and owner are checked, and it is dropped
+                watched.change(w, check_at=0.0)  # looked at now: its files and owner are checked, and it is dropped
+            self.metrics.stack_samples.labels(**self.metrics.labels(kind="native" if native else "plain",
+                                                                    outcome="failed" if sample.error else "ok")).inc()
             if sample.error:
                 log.warning("stack_sample_failed", pid=pid.pid, error=sample.error)
-            else:
-                w.history.add(sample)
             yield w, sample, native
 
     def shutdown(self) -> None:

@@ -26,6 +26,13 @@ log = structlog.get_logger("hangwatchd.fleet")
 
 BACKOFF_MIN = 0.5
 BACKOFF_MAX = 30.0
+TASK_ATTEMPTS = 5  # a task that failed this many times while others went through is dropped (the incident stays on the node)
+FAILURES_IN_A_ROW = 2  # failures in a row in one pass: the store is likely down, back off
+KEY_MAX = 1024  # bytes in an S3 object key
+
+
+class Unsendable(Exception):
+    """This task can never be sent (a key past the store's limit): dropped at once, the others go on."""
 
 
 def _sha256(path: Path) -> str:
@@ -86,6 +93,7 @@ class Uploader:
         self.backoff = 0.0
         self.failures = 0
         self.sent = 0
+        self.attempts: dict[str, int] = {}  # task name -> failed sends so far (only tasks still in the outbox)
         self.thread = threading.Thread(target=self._run, name=f"store-{kind}", daemon=True)
 
     def start(self) -> None:
@@ -108,8 +116,15 @@ class Uploader:
             self.drain()
 
     def drain(self) -> bool:
-        """Send what is spooled, oldest first; stop at the first failure (the store is likely down)."""
+        """Send what is spooled, oldest first. One task's failure does not hold up those behind it:
+        it is tried again at the next pass, and dropped after TASK_ATTEMPTS while others get
+        through (or at once when it can never be sent); failures in a row mean the store is
+        down: stop and back off."""
         tasks = self.spool.tasks()
+        names = {t.name for t in tasks}
+        self.attempts = {k: v for k, v in self.attempts.items() if k in names}  # bounded by the outbox
+        in_a_row = 0
+        ok = True
         # An incident waits for its job's request: that is where its job incident id is settled.
         asking = {t.job for t in tasks if t.kind == "request"}
         for task in tasks:
@@ -119,19 +134,34 @@ class Uploader:
                 return False
             try:
                 self._send(task)
-            except Exception as exc:  # noqa: BLE001 - any failure: keep it spooled and back off
+            except Exception as exc:  # noqa: BLE001 - any failure: keep it spooled (or drop it), go on or back off
                 self.failures += 1
-                self.backoff = min(BACKOFF_MAX, max(BACKOFF_MIN, self.backoff * 2))
-                log.warning("store_upload_failed", task=task.name, error=f"{type(exc).__name__}: {exc}",
-                            retry_in=round(self.backoff, 1))
+                in_a_row += 1
+                ok = False
+                tries = self.attempts[task.name] = self.attempts.get(task.name, 0) + 1
                 self._counted("failed", len(self.spool.names()))
-                return False
+                if isinstance(exc, Unsendable) or tries >= TASK_ATTEMPTS:
+                    log.error("store_upload_dropped", task=task.name, attempts=tries, error=f"{type(exc).__name__}: {exc}",
+                              note="the incident stays on this node", exc_info=exc)
+                    self.spool.done(task)
+                    self.attempts.pop(task.name, None)
+                    in_a_row -= 1  # this task's fault, not the store's
+                    continue
+                self.backoff = min(BACKOFF_MAX, max(BACKOFF_MIN, self.backoff * 2))
+                log.warning("store_upload_failed", task=task.name, error=f"{type(exc).__name__}: {exc}", attempt=tries,
+                            retry_in=round(self.backoff, 1), exc_info=exc)
+                if in_a_row >= FAILURES_IN_A_ROW:
+                    return False
+                continue
+            in_a_row = 0
+            self.attempts.pop(task.name, None)
             self.spool.done(task)
             self.sent += 1
             self._counted("ok", len(self.spool.names()))
             self.then()
-        self.backoff = 0.0
-        return True
+        if ok:
+            self.backoff = 0.0
+        return ok
 
     def _send(self, task: Task) -> None:
         if task.kind == "request":
@@ -144,11 +174,15 @@ class Uploader:
             return
         s3 = self._client()
         files = incident_files(root)
-        for f in files:
-            key = self.url.key(layout.part(self.node, task.incident, str(f.relative_to(root))))
+        manifest_key = self.url.key(layout.manifest(task.job, task.job_incident, self.node, task.incident))
+        keys = [self.url.key(layout.part(self.node, task.incident, str(f.relative_to(root)))) for f in files]
+        too_long = [k for k in [manifest_key, *keys] if len(k.encode()) > KEY_MAX]
+        if too_long:
+            raise Unsendable(f"key of {len(too_long[0].encode())} bytes, past the store's {KEY_MAX}: {too_long[0][:120]}...")
+        for f, key in zip(files, keys):
             s3.upload_file(str(f), self.url.bucket, key)
         manifest = build_manifest(self.node, task, root, files)
-        s3.put_object(Bucket=self.url.bucket, Key=self.url.key(layout.manifest(task.job, task.job_incident, self.node, task.incident)),
+        s3.put_object(Bucket=self.url.bucket, Key=manifest_key,
                       Body=json.dumps(manifest, indent=1).encode(), ContentType="application/json")
         log.info("store_uploaded", incident=task.incident, job=task.job, job_incident=task.job_incident,
                  files=len(files), bytes=sum(f["size"] for f in manifest["files"]))

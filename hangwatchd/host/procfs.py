@@ -14,16 +14,28 @@ from ..model import ProcessId
 PROC = Path("/proc")
 
 
+def _stat(pid: int) -> list[bytes] | None:
+    """The fields of /proc/PID/stat after the command name (state first); None when it is gone.
+    One read with plain os calls: the daemon asks this for every watched process, often."""
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        raw = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    # The command name may hold spaces and parentheses: split after the last ')'.
+    return raw[raw.rfind(b")") + 2 :].split()
+
+
 def start_time(pid: int) -> int | None:
     """Field 22 of /proc/PID/stat: when the process started, in clock ticks since boot."""
+    rest = _stat(pid)
     try:
-        raw = (PROC / str(pid) / "stat").read_bytes()
-    except (FileNotFoundError, ProcessLookupError, PermissionError, OSError):
-        return None
-    # The command name may hold spaces and parentheses: split after the last ')'.
-    rest = raw[raw.rfind(b")") + 2 :].split()
-    try:
-        return int(rest[19])
+        return int(rest[19]) if rest is not None else None
     except (IndexError, ValueError):
         return None
 
@@ -35,15 +47,15 @@ def identify(pid: int) -> ProcessId | None:
 
 def alive(proc: ProcessId) -> bool:
     """True while this very process lives (not a later one given the same pid)."""
-    return start_time(proc.pid) == proc.start_time and state(proc.pid) not in ("Z", "X", None)
+    rest = _stat(proc.pid)
+    try:
+        return rest is not None and int(rest[19]) == proc.start_time and rest[0] not in (b"Z", b"X")
+    except (IndexError, ValueError):
+        return False
 
 
 def state(pid: int) -> str | None:
-    try:
-        raw = (PROC / str(pid) / "stat").read_bytes()
-    except OSError:
-        return None
-    rest = raw[raw.rfind(b")") + 2 :].split()
+    rest = _stat(pid)
     return rest[0].decode() if rest else None
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from . import pdeathsig
 
+REAP_WAIT = 2.0  # seconds to collect a killed tool's last output; a grandchild that escaped its group keeps the pipes, not us
+
 
 @dataclass(frozen=True)
 class Result:
@@ -43,7 +45,13 @@ def run(
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
 ) -> Result:
-    """Run argv (never through a shell) and return what it did within ``timeout`` seconds."""
+    """Run argv (never through a shell) and return what it did within ``timeout`` seconds.
+
+    Past it the tool's process group is killed, and what it wrote is collected for at most
+    ``REAP_WAIT`` more: nothing here waits without a limit. A ``timeout`` of 0 or less (a
+    deadline already passed) runs nothing."""
+    if timeout <= 0:
+        return Result(tuple(argv), None, b"", b"", True, 0.0)
     start = time.monotonic()
     me = os.getpid()
     proc = subprocess.Popen(
@@ -61,9 +69,24 @@ def run(
         timed_out = False
     except subprocess.TimeoutExpired:
         kill_group(proc.pid)
-        out, err = proc.communicate()
         timed_out = True
-    return Result(tuple(argv), proc.returncode, out, err, timed_out, time.monotonic() - start)
+        try:
+            out, err = proc.communicate(timeout=REAP_WAIT)
+        except subprocess.TimeoutExpired:  # something outside its group holds the pipes open
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+            try:
+                proc.wait(timeout=REAP_WAIT)
+            except subprocess.TimeoutExpired:
+                pass  # unkillable (D state): pdeathsig and the kernel have it; we go on
+            out, err = b"", b""
+    return Result(tuple(argv), proc.returncode, out or b"", err or b"", timed_out, time.monotonic() - start)
+
+
+def run_by(argv: Sequence[str], deadline: float, env: Mapping[str, str] | None = None, cwd: str | None = None) -> Result:
+    """``run`` cut at an absolute ``deadline`` (time.monotonic())."""
+    return run(argv, deadline - time.monotonic(), env, cwd)
 
 
 def find_tool(name: str, env_var: str, candidates: Sequence[str] = ()) -> str | None:

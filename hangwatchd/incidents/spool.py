@@ -41,6 +41,7 @@ SPOOL_DIR = "spool"
 ROW_SUFFIX = ".row.json"  # spool/ID.row.json: what the index row will say, beside the report's directory
 MAX_FILE = 4 << 20  # a spooled report keeps stacks and facts; a file bigger than this is evidence we lose
 ROOM_FLOOR = 8 << 20  # below this many free bytes the state dir counts as full before anything is tried
+MAX_REPORTS = 100  # reports kept in the spool (in RAM); past it the oldest is dropped, logged as spool_report_dropped
 
 
 class Spool:
@@ -106,7 +107,17 @@ class Spool:
         tmp = self.dir / f".{draft.id}{ROW_SUFFIX}"
         tmp.write_text(json.dumps(row))
         tmp.replace(self.dir / f"{draft.id}{ROW_SUFFIX}")  # last: a report is pending once its row is there
+        self._prune()
         return final
+
+    def _prune(self) -> None:
+        """At most MAX_REPORTS reports wait here (they live in RAM): the oldest go first."""
+        pending = self.pending()
+        for old in pending[: max(0, len(pending) - MAX_REPORTS)]:
+            log.error("spool_report_dropped", incident=old.name, limit=MAX_REPORTS,
+                      why="the state dir has had no room for longer than the spool holds reports")
+            old.with_name(old.name + ROW_SUFFIX).unlink(missing_ok=True)
+            shutil.rmtree(old, ignore_errors=True)
 
     def pending(self) -> list[Path]:
         """Sealed reports waiting for the state dir, oldest first."""

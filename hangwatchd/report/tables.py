@@ -42,13 +42,19 @@ def status(status: dict[str, Any]) -> str:
             str(p["pid"]), cut(p.get("job") or "-", 32),
             "launcher" if p.get("role") == "launcher" else str(p["rank"]) if p.get("rank") is not None else "-", p["state"],
             f"{age:.1f}s ago" if age is not None else "never",
-            f"{p['timeout']:.3g}s ({p.get('timeout_source', 'config')})", p.get("incident") or "-",
+            _timeout(p), p.get("incident") or "-",
             cut(" ".join(p.get("cmdline") or []), 60),
         ))
     out += table(rows)
     if len(rows) == 1:
         out += "(no process is watched)\n"
     return out
+
+
+def _timeout(p: dict[str, Any]) -> str:
+    """The timeout that decides this process's hang (stack or heartbeat) and where it comes from."""
+    seconds, source = p.get("applied_timeout") or (p["timeout"], p.get("timeout_source", "config"))
+    return f"{seconds:.3g}s ({source})"
 
 
 def incidents(items: Sequence[dict[str, Any]]) -> str:

@@ -10,6 +10,7 @@ and its job-mates' incidents.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import time
@@ -37,7 +38,8 @@ RECENT_KEEP = 600.0  # seconds an exited process is remembered, to link a dump t
 class Registrations:
     def __init__(self, config: Config, watched: Watchlist, metrics: Metrics, limits: UserLimits,
                  attach: Callable[[int, ProcessId], None], detach: Callable[[int], None],
-                 first_look: Callable[[Watched, float], None], guard: Callable[..., bool]) -> None:
+                 first_look: Callable[[Watched, float], None], guard: Callable[..., bool],
+                 wake: Callable[[], None] = lambda: None) -> None:
         """``attach``/``detach`` hand a process's pidfd to the loop's selector and take it back;
         ``first_look`` is the detectors' first observation of a process just watched; ``guard``
         contains a failure to one registration."""
@@ -54,6 +56,12 @@ class Registrations:
         self.recent: dict[int, tuple[Registration, float]] = {}  # exited processes, to link late dumps
         self.beats = registration_file.BeatsDir(config.beats)  # opened once, every beat and status file read through it
         self.departures = exits.Departures(Path(config.runtime_dir), config.exited_keep)  # for job-mates' incidents
+        # Discovery reads other processes' /proc files (fd lists, environ: that read takes the target's
+        # mmap lock and can block behind a process stuck in the driver): on its own thread, one scan at a time.
+        self.wake = wake
+        self._discovery = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="discover")
+        self._found: concurrent.futures.Future[list[Registration]] | None = None
+        self._pids_waiting: set[int] = set()  # found by ``discovery`` while a scan ran: for the next one
 
     def changed(self, name: str, mask: int) -> None:
         """An inotify event on RUNTIME_DIR/registrations."""
@@ -141,21 +149,26 @@ class Registrations:
         source = "registration" if reg.heartbeat_timeout else "config"
         state = State.STARTING if reg.beat_file else State.HEALTHY
         w = Watched(reg, state, seen_at=now, timeout=timeout, next_check=now, timeout_source=source,
-                    stack_timeout=reg.stack_timeout or self._stack_timeout_for(reg), role=reg.role)
+                    stack_timeout=reg.stack_timeout or self._stack_timeout_for(reg), role=reg.role,
+                    stack_timeout_source="registration" if reg.stack_timeout else "config",
+                    stack_window=self.config.stack_window)
         launcher = ranks.launcher_of(w, self.watched.values())
         if launcher is not None and launcher.role != "launcher":
             launcher.role = "launcher"
             log.info("launcher_found", pid=launcher.process.pid, rank_pid=reg.process.pid, job=reg.job)
         if ranks.ranks_below(w, self.watched.values()):
             w.role = "launcher"
-        self.watched[reg.process] = w
+        if w.watched_by_stack:
+            self.watched.change(w, sample_at=now)
+        if not self.watched.admit(w):
+            os.close(pidfd)
+            self._refuse(registration_file.file_name(reg.process), "watch_limit",
+                         f"{len(self.watched)} processes watched already (max_watched)", reg.uid)
+            return
         self.attach(pidfd, reg.process)
         w.pidfd = pidfd
-        if w.watched_by_stack:
-            w.next_sample = now
         log.info("process_registered", pid=reg.process.pid, job=reg.job, rank=reg.rank, timeout=timeout,
                  stack_timeout=w.stack_timeout, source=reg.source, cmdline=" ".join(reg.cmdline)[:200])
-        self.watched.set_state(w, state)
         self.first_look(w, now)
 
     def _stack_timeout_for(self, reg: Registration) -> float | None:
@@ -167,21 +180,32 @@ class Registrations:
 
     def discover(self, pids: list[int] | None = None) -> None:
         """Every process holding /dev/nvidia* open (or ``pids``, found so by ``discovery``), watched by
-        its stack (a sidecar's view of the pod)."""
-        known = {p.pid for p in self.watched} | {os.getpid()}
-        prefix = self.config.discover_devices
-        found = discovery.holders(prefix) if pids is None else pids
-        workers_of = {k.pid for k, w in self.watched.items() if w.role != "launcher"}
-        for pid in found:
-            if pid in known:
-                continue
-            # A DataLoader or multiprocessing worker inherits its parent's /dev/nvidia* files: it is
-            # captured with its parent (capture/children), never watched as a process of its own.
-            if set(procfs.ancestors(pid)) & (workers_of | set(found)):
-                continue
-            reg = registration_file.from_proc(pid, source="discovered")
-            if reg is not None:
+        its stack (a sidecar's view of the pod). The reads of their /proc files run on a thread of
+        their own, one scan at a time (pids that come meanwhile wait for the next); ``discovered``
+        admits what a scan found."""
+        if pids is not None:
+            self._pids_waiting.update(pids)
+        if self._found is not None and not self._found.done():
+            return
+        if pids is not None or self._pids_waiting:
+            pids, self._pids_waiting = sorted(self._pids_waiting), set()
+        known = frozenset({p.pid for p in self.watched} | {os.getpid()})
+        workers_of = frozenset(k.pid for k, w in self.watched.items() if w.role != "launcher")
+        self._found = self._discovery.submit(find_gpu_processes, known, workers_of, self.config.discover_devices, pids)
+        self._found.add_done_callback(lambda _f: self.wake())
+
+    def discovered(self) -> None:
+        """Watch what the last discovery scan found (on the loop, once the scan is done)."""
+        found, self._found = self._found, None
+        if found is None or not found.done():
+            self._found = found
+            return
+        for reg in found.result():
+            if reg.process not in self.watched and procfs.alive(reg.process):
                 self.watch(reg)
+
+    def stop(self) -> None:
+        self._discovery.shutdown(wait=False, cancel_futures=True)
 
     def unregistered(self, name: str) -> None:
         for key, w in list(self.watched.items()):
@@ -208,21 +232,18 @@ class Registrations:
                 w.registration.beat_at.unlink()
 
     def forget(self, w: Watched, why: str) -> None:
-        self.watched.set_state(w, State.EXITED)
         log.info("process_forgotten", pid=w.process.pid, why=why, job=w.registration.job, rank=w.registration.rank)
         pidfd = w.pidfd
         if pidfd is not None:
             self.detach(pidfd)
             os.close(pidfd)
-        del self.watched[w.process]
+        self.watched.forget(w)  # its life (state, marks, timers, suspicion) goes with the record
         r = w.registration
         try:
             self.metrics.last_beat.remove(*self.metrics.const.values(), r.job or "", str(r.rank if r.rank is not None else ""), str(r.process.pid))
             self.metrics.timeout.remove(*self.metrics.const.values(), r.job or "", str(r.rank if r.rank is not None else ""), str(r.process.pid))
         except KeyError:
             pass
-        self.watched.count_states()
-        self.watched.on_change()
 
     def tampered(self, w: Watched, exc: untrusted.Refused) -> None:
         """A beat or status file swapped after acceptance (a directory, FIFO, link, another
@@ -245,3 +266,25 @@ class Registrations:
             if w.process.pid == pid:
                 return w.registration
         return self.recent.get(pid, (None, 0.0))[0]
+
+
+def find_gpu_processes(known: frozenset[int], workers_of: frozenset[int], prefix: str,
+                       pids: list[int] | None = None) -> list[Registration]:
+    """Every process holding /dev/nvidia* open (or ``pids``) and not yet ``known``, as a discovered
+    registration (a sidecar's view of the pod). Reads other processes' /proc files (their fd
+    lists, their environ: that read takes the target's mmap lock and can block behind a process
+    stuck in the driver): never on the loop thread. ``workers_of``: the pids watched as workloads."""
+    found_list = discovery.holders(prefix) if pids is None else pids
+    found = set(found_list)
+    out = []
+    for pid in found_list:
+        if pid in known:
+            continue
+        # A DataLoader or multiprocessing worker inherits its parent's /dev/nvidia* files: it is
+        # captured with its parent (capture/children), never watched as a process of its own.
+        if set(procfs.ancestors(pid)) & (workers_of | found):
+            continue
+        reg = registration_file.from_proc(pid, source="discovered")
+        if reg is not None:
+            out.append(reg)
+    return out

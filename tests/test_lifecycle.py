@@ -1,0 +1,298 @@
+"""A process's life in the daemon: one hang is one incident, however long it lasts; a hang is
+captured as a transaction (never left hung without an incident); every capture step's bug is a
+failed step; the status file says which timeout applies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
+
+from .conftest import hangwatchd
+
+HELD = 60.0  # seconds each hang is kept after it was first declared
+
+DEADLOCK = """
+import threading
+a = threading.Lock()
+a.acquire()
+def frozen_on_a_lock():
+    a.acquire()
+frozen_on_a_lock()
+"""
+
+SLEEP_LOOP = """
+import time
+def waiting_in_a_loop():
+    while True:
+        time.sleep(0.2)
+waiting_in_a_loop()
+"""
+
+
+def _events(d: Daemon, name: str, pid: int | None = None) -> list[dict]:
+    return [e for e in d.logs() if e.get("event") == name and (pid is None or e.get("pid") == pid
+                                                                or pid in (e.get("pids") or []))]
+
+
+def _samples_seen(d: Daemon) -> float:
+    return d.metric("hangwatchd_stack_samples_total") or 0.0
+
+
+def test_three_hangs_held_for_a_minute_are_each_declared_exactly_once(tmp_path: Path) -> None:
+    """A never-instrumented process frozen on a lock, a process whose beats stop, and one asleep in
+    a loop under a declared stack timeout: each hang is held for a minute while the daemon keeps
+    sampling (the native confirming look included), and each is declared hung once."""
+    config = {"stack_interval": 1.0, "gpu_dump": "never", "capture_timeout": 20.0}
+    with Daemon(tmp_path, config=config) as d:
+        procs = [
+            d.run([sys.executable, "-c", DEADLOCK], "--stack-timeout", "3", start_new_session=True),
+            d.run(workload_argv(beats=30, interval=0.05), "--heartbeat-timeout", "2", start_new_session=True),
+            d.run([sys.executable, "-c", SLEEP_LOOP], "--stack-timeout", "3", start_new_session=True),
+        ]
+        try:
+            status = wait_for(lambda: _status_of(d, 3), 20, "three processes watched")
+            workloads = [p["pid"] for p in status]
+            assert len(workloads) == 3
+            # TIMEOUT says which timeout decides each one's hang, and where it comes from.
+            assert sorted(tuple(p["applied_timeout"]) for p in status) == [
+                (2.0, "heartbeat, registration"), (3.0, "stack, registration"), (3.0, "stack, registration")]
+            table = hangwatchd("status", "--runtime-dir", str(d.runtime_dir)).stdout
+            assert table.count("3s (stack, registration)") == 2 and "2s (heartbeat, registration)" in table
+            # Each is declared hung once, and stored.
+            wait_for(lambda: all(_events(d, "incident_stored", pid) for pid in workloads), 60, "an incident for each")
+            first = time.monotonic()
+            # Held: the daemon keeps looking at each (stack samples go on) for a minute.
+            before = _samples_seen(d)
+            wait_for(lambda: time.monotonic() - first >= HELD and _samples_seen(d) >= before + 60, HELD + 60,
+                     "a minute of sampling", every=1.0)
+            for pid in workloads:
+                hung = _events(d, "process_hung", pid)
+                assert len(hung) == 1, f"pid {pid} declared hung {len(hung)} times: {hung}"
+                assert not _events(d, "process_recovered", pid)
+            assert len(_events(d, "incident_stored")) == 3
+            assert {p["state"] for p in _status_of(d, 3)} == {"captured"}
+            # The incident says truthfully how long the stack held still, over how many samples.
+            for inc in d.store().list():
+                if inc["reason"] == "stack":
+                    detail = json.loads((Path(inc["dir"]) / "incident.json").read_text())["detail"]
+                    held = float(detail.split("the same stack for ")[1].split(" s")[0])
+                    samples = int(detail.split("; ")[1].split(" samples")[0])
+                    assert held >= 3 and samples >= 3, detail
+        finally:
+            for p in procs:
+                stop(p, sig=signal.SIGKILL, group=True)
+
+
+def _status_of(d: Daemon, n: int) -> list[dict] | None:
+    out = hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout
+    procs = [p for p in json.loads(out)["processes"] if p["role"] != "launcher"] if out else []
+    return procs if len(procs) >= n else None
+
+
+def gpu_workload(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hangwatchd.testing", "gpu-workload", *args]
+
+
+class _Broken:
+    """A capture step with a bug: what a user-shaped input (``TORCH_FR_DUMP_TEMP_FILE=/tmp/fr**``
+    made ``Path.glob`` raise ValueError in the flight recorder step) looks like to the pipeline."""
+
+    name = "broken"
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def run(self, target: object, outdir: Path, timeout: float) -> tuple[str, ...]:
+        raise self.exc
+
+
+def test_a_bug_in_one_step_fails_that_step_only_and_no_draft_is_left(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Whatever a step raises is that step's failure (its traceback in the JSON log); the other
+    steps run and the incident is stored. Whatever stops a capture half way leaves no draft."""
+    from hangwatchd import log
+    from hangwatchd.capture import ProcStep
+    from hangwatchd.daemon.make_incident import make_incident
+    from hangwatchd.host import procfs
+    from hangwatchd.incidents.store import Store
+    from hangwatchd.model import Registration, Suspicion
+
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        me = wait_for(lambda: procfs.identify(victim.pid), 5, "the victim")
+        target = Registration(process=me, uid=os.getuid(), cmdline=("python",))
+        store = Store(tmp_path / "state")
+        store.open()
+        why = Suspicion("heartbeat", "no beat for 3 s", time.time())
+        log.configure("json", "info")
+        steps = [(_Broken(ValueError("Invalid pattern: '**' can only be an entire path component")), 5.0), (ProcStep(), 5.0)]
+        incident_id = make_incident(store, steps, [target], why, 30.0)
+        (inc,) = store.list()
+        assert inc["id"] == incident_id and inc["complete"]
+        results = {r["step"]: r for r in json.loads((Path(inc["dir"]) / "incident.json").read_text())["processes"][0]["steps"]}
+        assert not results["broken"]["ok"] and results["broken"]["error"].startswith("ValueError: Invalid pattern")
+        assert results["proc"]["ok"]
+        lines = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith("{")]
+        (raised,) = [e for e in lines if e.get("event") == "capture_step_raised"]
+        exc = raised["exception"][0]  # structlog's dict traceback, not "exc_info": true
+        assert exc["exc_type"] == "ValueError" and any(f["name"] == "run" for f in exc["frames"])
+
+        # Something no step may swallow (the daemon stopping) ends the capture: no draft stays.
+        with pytest.raises(SystemExit):
+            make_incident(store, [(_Broken(SystemExit(1)), 5.0)], [target], why, 30.0)
+        assert [p.name for p in store.dir.iterdir() if p.name.startswith(".partial")] == []
+        assert len(store.list()) == 1
+    finally:
+        stop(victim, sig=signal.SIGKILL)
+        log.configure("console", "warning")
+
+
+def test_subproc_never_waits_without_limit_for_a_killed_tool(tmp_path: Path) -> None:
+    """A tool whose grandchild escapes its process group keeps the pipes open: past the deadline
+    the tool is killed and the call returns, without waiting for the grandchild."""
+    from hangwatchd.host import subproc
+
+    pidfile = tmp_path / "grandchild.pid"
+    script = (f"import os, subprocess, sys, time\n"
+              f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)\n"
+              f"open({str(pidfile)!r}, 'w').write(str(p.pid))\n"
+              f"time.sleep(120)\n")
+    try:
+        res = subproc.run([sys.executable, "-c", script], timeout=2.0)
+        assert res.timed_out and res.seconds < 2.0 + 2 * subproc.REAP_WAIT + 1
+    finally:
+        if pidfile.exists():
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs for the state dir needs root (CI runs as root)")
+def test_a_hang_is_captured_when_the_fleet_cannot_be_told_for_a_full_state_dir(tmp_path: Path) -> None:
+    """With ``store`` set and the state dir full, telling the fleet fails (its outbox lives in the
+    state dir): the hang is still captured (its report kept in the spool), never left hung."""
+    from tests.s3server import S3Server
+    from tests.test_faults import fill
+
+    state = tmp_path / "state"
+    state.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(state)], check=True)
+    server = S3Server().start()
+    try:
+        d = Daemon(tmp_path / "d", "--state-dir", str(state), "--store", server.url(), "--node-name", "n1",
+                   env=server.env, config={"gpu_dump": "never", "pyspy_native": False})
+        work = None
+        try:
+            filler = fill(state)
+            work = d.run(workload_argv(beats=5, interval=0.02), "--job", "j1", "--heartbeat-timeout", "1")
+            wait_for(lambda: _events(d, "incident_pending"), 60, "the report kept while the state dir is full")
+            (failed,) = _events(d, "job_declare_failed")
+            assert failed["exception"][0]["exc_type"] == "OSError" or "No space" in failed["error"], failed
+            # status.json is written off the loop, at most once a second
+            (proc,) = wait_for(lambda: [p for p in _status_of(d, 1) or [] if p["state"] == "captured"], 5, "captured")
+            assert proc["incident"] == _events(d, "incident_pending")[0]["incident"]
+            assert len(_events(d, "process_hung")) == 1
+            filler.unlink()
+        finally:
+            if work is not None:
+                stop(work, sig=signal.SIGKILL)
+            d.stop()
+    finally:
+        server.stop()
+        subprocess.run(["umount", "-l", str(state)])
+
+
+def test_only_the_transition_writes_a_process_life() -> None:
+    """Nothing but Watchlist.change writes a process's state, suspicion, timers or progress mark."""
+    from hangwatchd.metrics import create
+    from hangwatchd.model import ProcessId, Registration, State
+    from hangwatchd.watch.watched import NotTheOwner, Watched, Watchlist
+
+    reg = Registration(process=ProcessId(os.getpid(), 0), uid=os.getuid(), cmdline=("x",))
+    w = Watched(reg, State.HEALTHY, seen_at=0.0, timeout=5.0)
+    lst = Watchlist(create(node="t"))
+    assert lst.admit(w)
+    for name in ("state", "suspicion", "next_check", "next_sample", "confirm_by", "mark", "incident"):
+        with pytest.raises(NotTheOwner):
+            setattr(w, name, None)
+    lst.change(w, State.SUSPECT, confirm_by=3.0, check_at=1.0)
+    assert (w.state, w.confirm_by, w.next_check) == (State.SUSPECT, 3.0, 1.0)
+    assert lst.counts[State.SUSPECT] == 1 and lst.counts[State.HEALTHY] == 0
+    lst.forget(w)
+    assert w.process not in lst and sum(lst.counts.values()) == 0
+
+
+def test_a_capture_running_when_the_daemon_stops_is_finished_logged_and_counted(tmp_path: Path) -> None:
+    """SIGTERM while a capture runs (a flight recorder that never answers holds it for its
+    timeout): the daemon stops once the capture is done, and that capture is stored, logged as
+    ``incident_stored`` and counted like any other."""
+    d = Daemon(tmp_path, config={"gpu_dump": "never", "flight_recorder_timeout": 4.0, "pyspy_native": False})
+    work = d.run(gpu_workload("--cuda", "none", "--fr", "silent"), "--heartbeat-timeout", "1")
+    try:
+        wait_for(lambda: [e for e in d.logs() if e.get("event") == "capture_step" and e.get("step") == "pyspy"], 30,
+                 "the capture under way")
+        assert not _events(d, "incident_stored")
+        assert d.stop() == 0
+        (stored,) = _events(d, "incident_stored")
+        (inc,) = d.store().list()
+        assert stored["incident"] == inc["id"] and inc["complete"]
+        stopping = next(i for i, e in enumerate(d.logs()) if e.get("event") == "daemon_stopping")
+        assert [e["event"] for e in d.logs()[stopping:]].count("incident_stored") == 1
+    finally:
+        stop(work, sig=signal.SIGKILL)
+
+
+def test_an_upload_that_can_never_succeed_does_not_hold_up_the_others(tmp_path: Path) -> None:
+    """A job name long enough to push its S3 key past 1,024 bytes: that incident is dropped from
+    the outbox (logged, kept on the node), and the incident queued behind it is uploaded."""
+    import structlog
+
+    from hangwatchd.fleet.outbox import Outbox, Task
+    from hangwatchd.fleet.uploader import Uploader
+    from hangwatchd.fleet.url import parse
+    from tests.s3server import S3Server
+
+    server = S3Server().start()
+    try:
+        outbox = Outbox(tmp_path / "outbox", 100)
+        outbox.open()
+        for i, job in enumerate(("j" * 1100, "short-job")):
+            inc = tmp_path / "incidents" / f"inc{i}"
+            inc.mkdir(parents=True)
+            (inc / "incident.json").write_text(json.dumps({"id": f"inc{i}", "job": job, "processes": []}))
+            outbox.put(Task("incident", job, f"ji{i}", incident=f"inc{i}", dir=str(inc), queued=1000.0 + i))
+        url = parse(server.url())
+        up = Uploader(url, "n1", outbox, server.client, lambda t: t, lambda t: t)
+        with structlog.testing.capture_logs() as logs:
+            up.drain()
+        keys = [o["Key"] for o in server.client().list_objects_v2(Bucket=server.bucket).get("Contents", [])]
+        assert any("short-job" in k and k.endswith("inc1.json") for k in keys), keys
+        assert outbox.names() == []  # neither waits: one sent, one dropped for good
+        (dropped,) = [e for e in logs if e["event"] == "store_upload_dropped"]
+        assert "past the store's 1024" in dropped["error"] and dropped["attempts"] == 1
+    finally:
+        server.stop()
+
+
+def test_the_ram_spool_keeps_at_most_its_limit_of_reports_the_oldest_dropped(tmp_path: Path) -> None:
+    """Reports kept while the state dir is full live in RAM: past MAX_REPORTS the oldest goes."""
+    import structlog
+
+    from hangwatchd.incidents import spool as spool_mod
+
+    spool = spool_mod.Spool(tmp_path / "spool")
+    ids = []
+    with structlog.testing.capture_logs() as logs:
+        for i in range(spool_mod.MAX_REPORTS + 2):
+            draft = spool.begin("heartbeat", "j", [100 + i], now=1_000_000.0 + i)
+            spool.keep(draft, {"id": draft.id, "reason": "heartbeat"}, "s")
+            ids.append(draft.id)
+    pending = [p.name for p in spool.pending()]
+    assert len(pending) == spool_mod.MAX_REPORTS and pending == sorted(ids)[2:]
+    assert [e["incident"] for e in logs if e["event"] == "spool_report_dropped"] == sorted(ids)[:2]
