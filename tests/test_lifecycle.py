@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import structlog
 
 from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
 
@@ -152,7 +153,7 @@ def test_a_bug_in_one_step_fails_that_step_only_and_no_draft_is_left(tmp_path: P
         assert len(store.list()) == 1
     finally:
         stop(victim, sig=signal.SIGKILL)
-        log.configure("console", "warning")
+        structlog.reset_defaults()  # the configuration held capsys's stream, closed after this test
 
 
 def test_subproc_never_waits_without_limit_for_a_killed_tool(tmp_path: Path) -> None:
