@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch of GPU scenarios on the GPU machine (never in CI), all output in one tarball:
-#   bash tests/gpu/run_device.sh WAVE OUTDIR        WAVE: jobs | node
+#   bash tests/gpu/run_device.sh WAVE OUTDIR        WAVE: jobs | node1 | node2
 # The machine has PyTorch but not our dependencies: carry them as wheels in .whl/ (README,
 # "Running the GPU scenarios"). jobs needs 2 GPUs; node runs on one.
 set -u
@@ -26,13 +26,15 @@ case "$wave" in
     run abort python3 tests/gpu/run_jobs.py "$work/abort" --scenario killed --on-hang abort &
     wait
     for n in uneven nodes killed abort; do echo "######## $n"; tail -c 2500 "$work/$n.log"; done ;;
-  node)  # issues 18, 19, 20, 21 on one GPU
-    run one_incident python3 tests/gpu/run_one_incident.py "$work/one_incident"
+  node1)  # issues 18, 19, 20 on one GPU
+    run one_incident python3 tests/gpu/run_one_incident.py "$work/one_incident" --hold 120
     run cause python3 tests/gpu/run_cause.py "$work/cause"
-    run fast python3 tests/gpu/run_fast.py "$work/fast"
     run xid python3 tests/gpu/run_xid.py "$work/xid"
+    for n in one_incident cause xid; do echo "######## $n"; tail -c 3000 "$work/$n.log"; done ;;
+  node2)  # issue 21 on one GPU: timings, nothing else running
+    run fast python3 tests/gpu/run_fast.py "$work/fast"
     HANGWATCHD_BENCH_OUT=$work run symbolize python3 bench/symbolize.py --name symbolize_h200 tests/fixtures/gpu/*/coredump.nvcudmp.xz
-    for n in one_incident cause fast xid symbolize; do echo "######## $n"; tail -c 1800 "$work/$n.log"; done ;;
+    for n in fast symbolize; do echo "######## $n"; tail -c 4000 "$work/$n.log"; done ;;
   *) echo "unknown wave $wave" >&2; exit 2 ;;
 esac
 find "$work" -name '*.zst' -delete
