@@ -93,10 +93,10 @@ def main(out: Path) -> int:
     for name, *args in scenarios:
         kw = args.pop()
         try:
-            rows.append(one(name, out, *args, **kw))
+            rows.append(one(name, *args, **kw))  # args start with OUTDIR
         except Exception as exc:  # noqa: BLE001 - one scenario's failure must not hide the others'
             print(f"{name}: failed: {type(exc).__name__}: {exc}", flush=True)
-            rows.append({"name": name, "expect": args[3], "verdict": None, "error": f"{type(exc).__name__}: {exc}"})
+            rows.append({"name": name, "expect": args[4], "verdict": None, "error": f"{type(exc).__name__}: {exc}"})
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
     bad = [r["name"] for r in rows if r["verdict"] != r["expect"]]
     print("all scenarios gave the verdict they expect" if not bad else f"unexpected verdicts: {', '.join(bad)}")

@@ -31,10 +31,11 @@ case "$wave" in
     run cause python3 tests/gpu/run_cause.py "$work/cause"
     run xid python3 tests/gpu/run_xid.py "$work/xid"
     for n in one_incident cause xid; do echo "######## $n"; tail -c 3000 "$work/$n.log"; done ;;
-  node2)  # issue 21 on one GPU: timings, nothing else running
+  node2)  # issues 19 and 21 on one GPU: timings, one scenario at a time
+    run cause python3 tests/gpu/run_cause.py "$work/cause"
     run fast python3 tests/gpu/run_fast.py "$work/fast"
     HANGWATCHD_BENCH_OUT=$work run symbolize python3 bench/symbolize.py --name symbolize_h200 tests/fixtures/gpu/*/coredump.nvcudmp.xz
-    for n in fast symbolize; do echo "######## $n"; tail -c 4000 "$work/$n.log"; done ;;
+    for n in cause fast symbolize; do echo "######## $n"; tail -c 3500 "$work/$n.log"; done ;;
   *) echo "unknown wave $wave" >&2; exit 2 ;;
 esac
 find "$work" -name '*.zst' -delete
