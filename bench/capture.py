@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd.testing import Daemon, wait_for  # noqa: E402
+from hangwatchd.testing import ScratchDaemon, wait_for  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from _figures import Figure, report  # noqa: E402
@@ -31,7 +31,7 @@ RUNS = 3
 def main() -> None:
     blob = lzma.decompress((ROOT / "tests/fixtures/gpu/triton_hang/coredump.nvcudmp.xz").read_bytes())
     latencies = []
-    with tempfile.TemporaryDirectory() as t, Daemon(Path(t)) as d:
+    with tempfile.TemporaryDirectory() as t, ScratchDaemon(Path(t)) as d:
         raw = Path(t) / "raw.nvcudmp"
         raw.write_bytes(blob)
         start = time.perf_counter()

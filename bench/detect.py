@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hangwatchd.testing import Daemon, wait_for  # noqa: E402
+from hangwatchd.testing import ScratchDaemon, wait_for  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _figures import Figure, report  # noqa: E402
@@ -42,7 +42,7 @@ def main() -> None:
             "print(time.time(), flush=True)\nthreading.Event().wait()\n")
     alone_declared: list[float] = []
     alone_stored: list[float] = []
-    with tempfile.TemporaryDirectory() as tmp, Daemon(Path(tmp)) as d:
+    with tempfile.TemporaryDirectory() as tmp, ScratchDaemon(Path(tmp)) as d:
         # The baseline: one workload at a time, same daemon, same timeout.
         for _ in range(ALONE):
             p = d.run([sys.executable, "-c", code], "--heartbeat-timeout", str(TIMEOUT), stdout=subprocess.PIPE)

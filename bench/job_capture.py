@@ -26,7 +26,7 @@ from hangwatchd import (
     log,  # noqa: E402
 )
 from hangwatchd.capture import make_steps, run_steps  # noqa: E402
-from hangwatchd.testing import Daemon, stop, wait_for  # noqa: E402
+from hangwatchd.testing import ScratchDaemon, stop, wait_for  # noqa: E402
 from hangwatchd.workload import registration_file  # noqa: E402
 from tests.s3server import S3Server  # noqa: E402
 
@@ -38,13 +38,13 @@ TARGET = 5.0
 CONFIG = {"pyspy_native": False, "gpu_dump": "never", "flight_recorder_timeout": 10.0, "store_poll_interval": 1.0}
 
 
-def _ranks(d: Daemon, job: str, timeout: float) -> list[subprocess.Popen[bytes]]:
+def _ranks(d: ScratchDaemon, job: str, timeout: float) -> list[subprocess.Popen[bytes]]:
     argv = [sys.executable, "-m", "hangwatchd.testing", "gpu-workload", "--cuda", "none", "--fr", "answer", "--beats", "20"]
     return [d.run(argv, "--job", job, "--rank", str(r), "--heartbeat-timeout", str(timeout),
                   env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(RANKS)), stdout=subprocess.DEVNULL) for r in range(RANKS)]
 
 
-def _workload_pids(d: Daemon) -> list[int]:
+def _workload_pids(d: ScratchDaemon) -> list[int]:
     """The workloads (not their launchers) as the daemon watches them."""
     status = json.loads((d.runtime_dir / "status.json").read_text())
     return [p["pid"] for p in status["processes"]]
@@ -55,7 +55,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as t, S3Server() as s3:
         base = Path(t)
         # Together: the daemon's parallel capture and upload.
-        with Daemon(base / "node", "--store", s3.url(), "--node-name", "node-a", env=s3.env, config=CONFIG) as d:
+        with ScratchDaemon(base / "node", "--store", s3.url(), "--node-name", "node-a", env=s3.env, config=CONFIG) as d:
             procs = _ranks(d, "bench-job", 2.0)
             try:
                 wait_for(lambda: s3.keys("hw/jobs/"), 60, "the job incident in the store", every=0.1)
@@ -69,7 +69,7 @@ def main() -> None:
             finally:
                 stop(*procs)
         # One after another: the same steps on eight fresh ranks, in this process.
-        with Daemon(base / "serial", config={**CONFIG, "heartbeat_timeout": 3600.0}) as d:
+        with ScratchDaemon(base / "serial", config={**CONFIG, "heartbeat_timeout": 3600.0}) as d:
             procs = _ranks(d, "bench-serial", 3600.0)
             try:
                 pids = wait_for(lambda: len(_workload_pids(d)) == RANKS and _workload_pids(d), 30, "eight registrations")

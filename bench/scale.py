@@ -29,7 +29,7 @@ from hangwatchd import log  # noqa: E402
 from hangwatchd.host import procfs  # noqa: E402
 from hangwatchd.metrics import create  # noqa: E402
 from hangwatchd.model import Registration, State, Suspicion  # noqa: E402
-from hangwatchd.testing import Daemon, wait_for  # noqa: E402
+from hangwatchd.testing import ScratchDaemon, wait_for  # noqa: E402
 from hangwatchd.watch.watched import Watched, Watchlist  # noqa: E402
 from hangwatchd.workload import beat_segment, registration_file  # noqa: E402
 
@@ -42,17 +42,17 @@ TARGET_CPU = 5.0  # per cent of one core while they beat
 TARGET_RSS = 150.0  # MB
 
 
-def loop_seconds(d: Daemon) -> float:
+def loop_seconds(d: ScratchDaemon) -> float:
     """CPU time of the daemon's loop thread: its own work (the wall time of its turns also holds
     waits for the GIL and the CPU, which on a 2-core box shared with this bench is most of it)."""
     return d.metric("hangwatchd_loop_cpu_seconds_total") or 0.0
 
 
-def loop_wall(d: Daemon) -> float:
+def loop_wall(d: ScratchDaemon) -> float:
     return d.metric("hangwatchd_loop_iteration_duration_seconds_sum") or 0.0
 
 
-def watched(d: Daemon, state: str) -> float:
+def watched(d: ScratchDaemon, state: str) -> float:
     return d.metric("hangwatchd_watched_processes", state=state) or 0.0
 
 
@@ -152,7 +152,7 @@ def main() -> None:
     config = {"max_registrations_per_uid": n + 10, "heartbeat_timeout": 30.0, "startup_grace": 60.0,
               "discover": False, "rescan_interval": 60.0}
     with tempfile.TemporaryDirectory() as t:
-        d = Daemon(Path(t) / "d", config=config)
+        d = ScratchDaemon(Path(t) / "d", config=config)
         fleet = Fleet(d.runtime_dir, n)
         try:
             fleet.prepare()

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from hangwatchd import log  # noqa: E402
 from hangwatchd.fleet import s3 as s3client  # noqa: E402
 from hangwatchd.fleet.agent import Agent  # noqa: E402
-from hangwatchd.testing import Daemon  # noqa: E402
+from hangwatchd.testing import ScratchDaemon  # noqa: E402
 from tests.s3server import S3Server  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -81,10 +81,10 @@ def main() -> None:
         for a in agents:
             threading.Thread(target=a.stop, daemon=True).start()
         # A real daemon with a store configured, watching nothing: its memory; and one without a store.
-        with Daemon(Path(t) / "one", "--store", s3.url(), env=s3.env, config={"store_poll_interval": args.interval}) as d:
+        with ScratchDaemon(Path(t) / "one", "--store", s3.url(), env=s3.env, config={"store_poll_interval": args.interval}) as d:
             time.sleep(3)
             rss = psutil.Process(d.proc.pid).memory_info().rss / 2**20
-        with Daemon(Path(t) / "plain") as d:
+        with ScratchDaemon(Path(t) / "plain") as d:
             time.sleep(3)
             plain_rss = psutil.Process(d.proc.pid).memory_info().rss / 2**20
     report("store_scale", [

@@ -24,7 +24,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hangwatchd.testing import Daemon, wait_for, workload_argv  # noqa: E402
+from hangwatchd.testing import ScratchDaemon, wait_for, workload_argv  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _figures import Figure, judged, report  # noqa: E402
@@ -53,7 +53,7 @@ def cpu_and_rss(pid: int, seconds: float) -> tuple[float, float]:
 
 
 def daemon_load(tmp: Path) -> Figure:
-    with Daemon(tmp / "load", config={"pyspy_native": False}) as d:
+    with ScratchDaemon(tmp / "load", config={"pyspy_native": False}) as d:
         idle_cpu, idle_rss = cpu_and_rss(d.proc.pid, WINDOW / 3)
         env = dict(os.environ, HANGWATCHD_RUNTIME_DIR=str(d.runtime_dir))
         procs = [subprocess.Popen(workload_argv(beats=10**9, interval=0.1) + ["--register"], env=env,
@@ -110,7 +110,7 @@ def sampling_slowdown(tmp: Path) -> Figure:
 
 
 def eight_at_once(tmp: Path) -> Figure:
-    with Daemon(tmp / "eight", config={"pyspy_native": False, "gpu_dump": "never"}) as d:
+    with ScratchDaemon(tmp / "eight", config={"pyspy_native": False, "gpu_dump": "never"}) as d:
         # The baseline: one process hanging alone, same daemon, same timeout.
         one = d.run(workload_argv(beats=20, interval=0.05), "--heartbeat-timeout", "3", stdout=subprocess.PIPE)
         try:
@@ -148,7 +148,7 @@ def stack_latency(tmp: Path) -> Figure:
     # The baseline: the same hang found by the other signal, a heartbeat, under the same 10 s.
     beats = ("import time, threading, hangwatchd\nfor i in range(40): time.sleep(0.05); hangwatchd.beat()\n"
              "print(time.time(), flush=True)\nlock = threading.Lock(); lock.acquire(); lock.acquire()\n")
-    with Daemon(tmp / "beat", config={"pyspy_native": False, "gpu_dump": "never"}) as d:
+    with ScratchDaemon(tmp / "beat", config={"pyspy_native": False, "gpu_dump": "never"}) as d:
         p = d.run([sys.executable, "-c", beats], "--heartbeat-timeout", "10", stdout=subprocess.PIPE)
         try:
             assert p.stdout is not None
@@ -158,7 +158,7 @@ def stack_latency(tmp: Path) -> Figure:
             p.kill()
             p.wait()
     by_beat = beat_inc["time"] - last_beat
-    with Daemon(tmp / "stack", config={"pyspy_native": False, "gpu_dump": "never"}) as d:
+    with ScratchDaemon(tmp / "stack", config={"pyspy_native": False, "gpu_dump": "never"}) as d:
         p = d.run([sys.executable, "-c", code], "--stack-timeout", "10", "--heartbeat-timeout", "3600", stdout=subprocess.PIPE)
         try:
             assert p.stdout is not None

@@ -1,6 +1,6 @@
 """Test helpers that ship with hangwatchd, so users can test their own setup against it.
 
-- ``Daemon``: a real ``hangwatchd daemon`` in temporary dirs, with its metrics on a free port.
+- ``ScratchDaemon``: a real ``hangwatchd daemon`` in temporary dirs, with its metrics on a free port.
 - ``python -m hangwatchd.testing workload``: a fake watched process that beats, then
   hangs (or exits, or spins) — a real process that really stops beating.
 """
@@ -66,7 +66,7 @@ def workload_argv(beats: int = 20, interval: float = 0.05, then: str = "hang") -
             "--interval", str(interval), "--then", then]
 
 
-class Daemon:
+class ScratchDaemon:
     """A real daemon process in ``base``; stop it with ``stop()`` or use it as a context manager."""
 
     def __init__(self, base: Path, *extra: str, env: dict[str, str] | None = None, config: dict[str, Any] | None = None) -> None:
@@ -141,7 +141,7 @@ class Daemon:
         self._log.close()
         return self.proc.returncode
 
-    def __enter__(self) -> Daemon:
+    def __enter__(self) -> ScratchDaemon:
         return self
 
     def __exit__(self, *_: object) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
+from hangwatchd.testing import ScratchDaemon, stop, wait_for, workload_argv
 
 from .conftest import needs_root
 from .s3server import S3Server
@@ -33,12 +33,12 @@ threading.Event().wait()
 """
 
 
-def events(d: Daemon, name: str) -> list[dict]:
+def events(d: ScratchDaemon, name: str) -> list[dict]:
     return [e for e in d.logs() if e.get("event") == name]
 
 
 def test_abort_ends_the_hung_job_after_its_incident_is_stored_and_says_which(tmp_path: Path) -> None:
-    with Daemon(tmp_path, config=FAST) as d:
+    with ScratchDaemon(tmp_path, config=FAST) as d:
         work = d.run(workload_argv(beats=5), "--job", "train", "--heartbeat-timeout", str(TIMEOUT), "--on-hang", "abort",
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
@@ -68,7 +68,7 @@ def test_abort_ends_the_hung_job_after_its_incident_is_stored_and_says_which(tmp
 
 
 def test_a_rank_that_ignores_sigabrt_is_killed_after_the_grace(tmp_path: Path) -> None:
-    with Daemon(tmp_path, config={**FAST, "on_hang": "abort", "abort_grace": 1.0}) as d:  # root's config, no flag
+    with ScratchDaemon(tmp_path, config={**FAST, "on_hang": "abort", "abort_grace": 1.0}) as d:  # root's config, no flag
         work = d.run([sys.executable, "-c", STUBBORN], "--heartbeat-timeout", str(TIMEOUT), stdout=subprocess.PIPE)
         try:
             assert work.stdout is not None and work.stdout.readline().strip() == b"stopped beating"
@@ -82,7 +82,7 @@ def test_a_rank_that_ignores_sigabrt_is_killed_after_the_grace(tmp_path: Path) -
 
 
 def test_report_leaves_the_hung_job_running(tmp_path: Path) -> None:
-    with Daemon(tmp_path, config={**FAST, "abort_grace": 1.0}) as d:  # on_hang defaults to report
+    with ScratchDaemon(tmp_path, config={**FAST, "abort_grace": 1.0}) as d:  # on_hang defaults to report
         work = d.run(workload_argv(beats=5), "--heartbeat-timeout", str(TIMEOUT), stdout=subprocess.PIPE)
         # The job's own choice wins over root's abort: this one asked for report.
         d2 = None
@@ -95,7 +95,7 @@ def test_report_leaves_the_hung_job_running(tmp_path: Path) -> None:
             assert events(d, "job_aborted") == [] and d.metric("hangwatchd_jobs_aborted_total") == 0.0
         finally:
             stop(work)
-        d2 = Daemon(tmp_path / "abort-config", config={**FAST, "on_hang": "abort", "abort_grace": 1.0})
+        d2 = ScratchDaemon(tmp_path / "abort-config", config={**FAST, "on_hang": "abort", "abort_grace": 1.0})
         try:
             mine = d2.run(workload_argv(beats=5), "--heartbeat-timeout", str(TIMEOUT), "--on-hang", "report", stdout=subprocess.PIPE)
             try:
@@ -129,7 +129,7 @@ def test_abort_never_ends_another_users_process_in_a_job_of_the_same_name() -> N
     base = Path(tempfile.mkdtemp(prefix="hw-act-"))
     os.chmod(base, 0o755)
     try:
-        with Daemon(base, config=FAST) as d:
+        with ScratchDaemon(base, config=FAST) as d:
             os.chmod(d.runtime_dir, 0o755)
             other = subprocess.Popen(["/usr/bin/python3", "-c", OTHER_USER, str(d.runtime_dir)], user="nobody", group="nogroup",
                                      extra_groups=[], cwd="/", stdout=subprocess.PIPE)
@@ -176,8 +176,8 @@ def s3() -> Iterator[S3Server]:
 
 def test_abort_ends_the_jobs_ranks_on_every_node_after_each_nodes_capture(tmp_path: Path, s3: S3Server) -> None:
     cfg = {**FAST, "store_poll_interval": 0.5}
-    with Daemon(tmp_path / "a", "--store", s3.url(), "--node-name", "node-a", env=s3.env, config=cfg) as a, \
-         Daemon(tmp_path / "b", "--store", s3.url(), "--node-name", "node-b", env=s3.env, config=cfg) as b:
+    with ScratchDaemon(tmp_path / "a", "--store", s3.url(), "--node-name", "node-a", env=s3.env, config=cfg) as a, \
+         ScratchDaemon(tmp_path / "b", "--store", s3.url(), "--node-name", "node-b", env=s3.env, config=cfg) as b:
         r0 = a.run([sys.executable, "-c", RANK, "stuck"], "--job", "j", "--rank", "0", "--heartbeat-timeout", "2",
                    "--on-hang", "abort", stdout=subprocess.PIPE)
         r1 = b.run([sys.executable, "-c", RANK, "beating"], "--job", "j", "--rank", "1", "--heartbeat-timeout", "2",
@@ -303,8 +303,8 @@ def test_the_verdict_says_when_a_gpu_fault_explains_the_hang(tmp_path: Path) -> 
     assert "XID" not in json.loads(hangwatchd("analyze", str(far), "--json").stdout)["summary"]
 
 
-def health(d: Daemon | Path, *extra: str) -> tuple[int, str]:
-    runtime_dir = d.runtime_dir if isinstance(d, Daemon) else d
+def health(d: ScratchDaemon | Path, *extra: str) -> tuple[int, str]:
+    runtime_dir = d.runtime_dir if isinstance(d, ScratchDaemon) else d
     res = subprocess.run([sys.executable, "-m", "hangwatchd", "health", "--runtime-dir", str(runtime_dir), *extra],
                          capture_output=True, text=True, timeout=60)
     lines = res.stdout.splitlines()
@@ -317,7 +317,7 @@ def test_health_speaks_of_the_node_never_of_a_jobs_hang(tmp_path: Path) -> None:
     code, line = health(tmp_path / "nothing-here")
     assert code == 1 and "not running" in line
     d = nvml_dir(tmp_path)
-    with Daemon(tmp_path / "hw", env=nvml_env(d), config=FAST) as daemon:
+    with ScratchDaemon(tmp_path / "hw", env=nvml_env(d), config=FAST) as daemon:
         wait_for(lambda: daemon.metric("hangwatchd_gpu_xid_errors_total", gpu="3", xid="79") == 0.0, 10,
                  "the GPUs found, their XID series at 0")
         code, line = health(daemon)
@@ -359,7 +359,7 @@ def test_health_speaks_of_the_node_never_of_a_jobs_hang(tmp_path: Path) -> None:
         (daemon.runtime_dir / "health.json").write_text("{not json")
         assert health(daemon)[0] == 3
     # py-spy unusable: hangs would go without stacks.
-    with Daemon(tmp_path / "no-pyspy", env={"HANGWATCHD_PYSPY": "none"}, config=FAST) as daemon:
+    with ScratchDaemon(tmp_path / "no-pyspy", env={"HANGWATCHD_PYSPY": "none"}, config=FAST) as daemon:
         code, line = health(daemon)
         assert code == 1 and "py-spy" in line, line
 
@@ -372,7 +372,7 @@ def test_an_xid_on_a_hung_ranks_gpu_is_in_its_incident_and_its_verdict(tmp_path:
         device.write_text("")  # a file named like GPU 3's device node: holding it open is how a CUDA process shows its GPU
     d = nvml_dir(tmp_path)
     try:
-        with Daemon(tmp_path / "hw", env=nvml_env(d), config=FAST) as daemon:
+        with ScratchDaemon(tmp_path / "hw", env=nvml_env(d), config=FAST) as daemon:
             wait_for(lambda: daemon.metric("hangwatchd_gpu_xid_errors_total", gpu="3", xid="79") == 0.0, 10, "GPUs found")
             code = ("import threading, time, hangwatchd\nf = open('/dev/nvidia3')\n"
                     "for _ in range(10): hangwatchd.beat(); time.sleep(0.05)\n"
@@ -407,7 +407,7 @@ def test_the_node_problem_detector_plugin_calls_hangwatchd_health(tmp_path: Path
     args = [a if a != "/run/hangwatchd" else str(tmp_path / "run") for a in rule["args"]]
     res = subprocess.run([sys.executable, "-m", "hangwatchd", *args], capture_output=True, text=True, timeout=10)
     assert res.returncode == 1 and len(res.stdout.splitlines()) == 1 and "not running" in res.stdout
-    with Daemon(tmp_path, config=FAST) as d:
+    with ScratchDaemon(tmp_path, config=FAST) as d:
         wait_for(lambda: (d.runtime_dir / "health.json").exists(), 10, "the health file")
         res = subprocess.run([sys.executable, "-m", "hangwatchd", *args], capture_output=True, text=True, timeout=10)
         assert res.returncode == 0 and len(res.stdout.splitlines()) == 1, res.stdout
@@ -415,7 +415,7 @@ def test_the_node_problem_detector_plugin_calls_hangwatchd_health(tmp_path: Path
 
 
 def test_a_daemon_stopped_during_the_grace_ends_the_job_now_not_never(tmp_path: Path) -> None:
-    d = Daemon(tmp_path, config={**FAST, "on_hang": "abort", "abort_grace": 3600.0})
+    d = ScratchDaemon(tmp_path, config={**FAST, "on_hang": "abort", "abort_grace": 3600.0})
     work = d.run([sys.executable, "-c", STUBBORN], "--heartbeat-timeout", str(TIMEOUT), stdout=subprocess.PIPE)
     try:
         wait_for(lambda: events(d, "job_aborted"), 30, "the SIGABRT, which it ignores")

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
+from hangwatchd.testing import ScratchDaemon, stop, wait_for, workload_argv
 
 from .conftest import FIXTURES
 
@@ -101,10 +101,10 @@ def test_every_alert_fires_on_the_first_event_of_its_kind_on_a_fresh_daemon(tmp_
     (nvml / "events").mkdir(parents=True)
     (nvml / "gpus").write_text("4")
     fake = str(Path(__file__).parent / "fake_nvml")
-    good = Daemon(tmp_path / "good", env={"NODE_NAME": "node-good", "HANGWATCHD_FAKE_NVML": str(nvml),
+    good = ScratchDaemon(tmp_path / "good", env={"NODE_NAME": "node-good", "HANGWATCHD_FAKE_NVML": str(nvml),
                                           "PYTHONPATH": os.pathsep.join(p for p in (fake, os.environ.get("PYTHONPATH", "")) if p)},
                   config=FAST)
-    broken = Daemon(tmp_path / "broken", env={"NODE_NAME": "node-broken", "HANGWATCHD_PYSPY": str(failing_pyspy)}, config=FAST)
+    broken = ScratchDaemon(tmp_path / "broken", env={"NODE_NAME": "node-broken", "HANGWATCHD_PYSPY": str(failing_pyspy)}, config=FAST)
     prom = Prometheus(tmp_path / "prom", [good.info["metrics_address"], broken.info["metrics_address"]])
     work: list[subprocess.Popen[bytes]] = []
     try:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from hangwatchd.analyze.verdict import analyze
 from hangwatchd.cudacore.symbolize import symbolize
-from hangwatchd.testing import Daemon, stop, wait_for
+from hangwatchd.testing import ScratchDaemon, stop, wait_for
 
 from .conftest import FIXTURES, extract, hangwatchd
 
@@ -47,7 +47,7 @@ def evaluate_on_rank_1():
 
 
 def test_a_diverged_two_rank_job_names_the_rank_that_never_entered_the_collective(tmp_path: Path) -> None:
-    with Daemon(tmp_path, config={"gpu_dump": "never", "pyspy_native": False}) as d:
+    with ScratchDaemon(tmp_path, config={"gpu_dump": "never", "pyspy_native": False}) as d:
         ranks = []
         for r in (0, 1):
             env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="10.0.0.1", MASTER_PORT="29500")
@@ -151,7 +151,7 @@ def test_analyze_refuses_what_is_not_a_directory(tmp_path: Path) -> None:
 
 
 def test_the_html_page_renders_in_a_real_headless_browser(tmp_path: Path) -> None:
-    with Daemon(tmp_path / "d") as d:
+    with ScratchDaemon(tmp_path / "d") as d:
         blob = __import__("lzma").decompress((FIXTURES / "cpp_ima" / "coredump.nvcudmp.xz").read_bytes())
         (d.dump_dir / f"core_{__import__('socket').gethostname()}.77.1.nvcudmp").write_bytes(blob)
         (inc,) = wait_for(d.settled, 20, "an incident")

@@ -18,7 +18,7 @@ import pytest
 
 from hangwatchd.analyze.verdict import analyze
 from hangwatchd.cudacore.symbolize import symbolize
-from hangwatchd.testing import Daemon, stop, wait_for
+from hangwatchd.testing import ScratchDaemon, stop, wait_for
 
 from .conftest import FIXTURES, hangwatchd
 
@@ -37,7 +37,7 @@ def started(proc: subprocess.Popen[str]) -> None:
     assert line.startswith("READY"), f"the workload did not start: {line!r}"
 
 
-def incident(d: Daemon) -> tuple[dict[str, Any], Path]:
+def incident(d: ScratchDaemon) -> tuple[dict[str, Any], Path]:
     """The one incident's incident.json (its verdict, its processes) and its directory."""
     (inc,) = wait_for(d.settled, 60, "an incident")
     return json.loads((Path(inc["dir"]) / "incident.json").read_text()), Path(inc["dir"])
@@ -58,7 +58,7 @@ def shards(tmp_path: Path) -> Any:
 
 
 def test_a_worker_stuck_reading_a_fifo_leads_the_verdict_and_is_in_the_incident(tmp_path: Path, shards: Path) -> None:
-    with Daemon(tmp_path / "d", config=CONFIG) as d:
+    with ScratchDaemon(tmp_path / "d", config=CONFIG) as d:
         work = d.run([sys.executable, str(WORKLOADS / "train.py"), str(shards)], "--heartbeat-timeout", "2",
                      stdout=subprocess.PIPE, text=True, env=env(), start_new_session=True)
         try:
@@ -116,7 +116,7 @@ def test_a_subprocess_that_is_no_python_program_is_named_by_what_it_is_blocked_o
 
 
 def test_a_lock_order_deadlock_names_both_threads_not_the_join(tmp_path: Path) -> None:
-    with Daemon(tmp_path / "d", config=CONFIG) as d:
+    with ScratchDaemon(tmp_path / "d", config=CONFIG) as d:
         work = d.run([sys.executable, str(WORKLOADS / "server.py")], "--stack-timeout", "2", "--heartbeat-timeout", "3600",
                      stdout=subprocess.PIPE, text=True, env=env())
         try:
@@ -132,7 +132,7 @@ def test_a_lock_order_deadlock_names_both_threads_not_the_join(tmp_path: Path) -
 
 
 def test_the_same_deadlock_from_python_frames_alone_reads_the_kernel_s_futex_waits(tmp_path: Path) -> None:
-    with Daemon(tmp_path / "d", config={**CONFIG, "pyspy_native": False}) as d:
+    with ScratchDaemon(tmp_path / "d", config={**CONFIG, "pyspy_native": False}) as d:
         work = d.run([sys.executable, str(WORKLOADS / "server.py")], "--stack-timeout", "2", "--heartbeat-timeout", "3600",
                      stdout=subprocess.PIPE, text=True, env=env())
         try:
@@ -156,7 +156,7 @@ def libspin(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_a_thread_spinning_in_c_with_the_gil_held_is_its_own_verdict(tmp_path: Path, libspin: Path) -> None:
-    with Daemon(tmp_path / "d", config=CONFIG) as d:
+    with ScratchDaemon(tmp_path / "d", config=CONFIG) as d:
         work = d.run([sys.executable, str(WORKLOADS / "gil.py"), str(libspin)], "--stack-timeout", "2", "--heartbeat-timeout", "3600",
                      stdout=subprocess.PIPE, text=True, env=env())
         try:
@@ -187,7 +187,7 @@ def test_workers_of_a_watched_process_are_not_discovered_as_processes_of_their_o
             "def worker():\n    time.sleep(600)\n"
             "if __name__ == '__main__':\n    mp.set_start_method('fork')\n    w = mp.Process(target=worker); w.start()\n"
             "    print('READY', w.pid, flush=True)\n    time.sleep(600)\n")
-    with Daemon(tmp_path / "d", config={**CONFIG, "discover": True, "rescan_interval": 0.3}) as d:
+    with ScratchDaemon(tmp_path / "d", config={**CONFIG, "discover": True, "rescan_interval": 0.3}) as d:
         work = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
         try:
             assert work.stdout is not None

@@ -6,7 +6,7 @@ import json
 import socket
 from pathlib import Path
 
-from hangwatchd.testing import Daemon
+from hangwatchd.testing import ScratchDaemon
 
 from .conftest import hangwatchd
 
@@ -38,7 +38,7 @@ def test_check_fails_on_a_taken_port_and_an_unwritable_dir(tmp_path: Path) -> No
 
 def test_check_beside_a_running_daemon_takes_its_port_as_the_daemons(tmp_path: Path) -> None:
     # After `systemctl enable --now`, as the README orders it: the port is the daemon's own.
-    with Daemon(tmp_path) as d:
+    with ScratchDaemon(tmp_path) as d:
         address = d.info["metrics_address"]
         res = hangwatchd("check", "--state-dir", str(d.state_dir), "--runtime-dir", str(d.runtime_dir),
                          "--metrics-address", address)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from hangwatchd.incidents.store import Store
-from hangwatchd.testing import Daemon, hangwatchd_argv, stop, wait_for, workload_argv
+from hangwatchd.testing import ScratchDaemon, hangwatchd_argv, stop, wait_for, workload_argv
 
 from .conftest import hangwatchd
 
@@ -25,13 +25,13 @@ TIMEOUT = 2.0
 
 @pytest.fixture
 def daemon(tmp_path: Path):  # type: ignore[no-untyped-def]
-    d = Daemon(tmp_path)
+    d = ScratchDaemon(tmp_path)
     yield d
     d.stop()
 
 
 
-def test_a_workload_that_stops_beating_becomes_one_incident_with_its_stack(daemon: Daemon) -> None:
+def test_a_workload_that_stops_beating_becomes_one_incident_with_its_stack(daemon: ScratchDaemon) -> None:
     work = daemon.run(workload_argv(beats=20, interval=0.05), "--job", "train", "--rank", "3",
                       "--heartbeat-timeout", str(TIMEOUT), stdout=subprocess.PIPE)
     try:
@@ -92,7 +92,7 @@ def test_a_workload_that_stops_beating_becomes_one_incident_with_its_stack(daemo
         stop(work)
 
 
-def test_a_healthy_workload_raises_nothing_and_an_exited_one_is_forgotten(daemon: Daemon) -> None:
+def test_a_healthy_workload_raises_nothing_and_an_exited_one_is_forgotten(daemon: ScratchDaemon) -> None:
     healthy = daemon.run(workload_argv(beats=10_000, interval=0.05), "--heartbeat-timeout", "1")
     quick = daemon.run(workload_argv(beats=2, interval=0.01, then="exit"), "--heartbeat-timeout", "1")
     try:
@@ -108,7 +108,7 @@ def test_a_healthy_workload_raises_nothing_and_an_exited_one_is_forgotten(daemon
         stop(healthy)
 
 
-def test_a_workload_that_registers_itself(daemon: Daemon) -> None:
+def test_a_workload_that_registers_itself(daemon: ScratchDaemon) -> None:
     env = dict(os.environ, HANGWATCHD_RUNTIME_DIR=str(daemon.runtime_dir))
     work = subprocess.Popen(workload_argv(beats=10, interval=0.05) + ["--register", "--job", "self", "--timeout", "1.5"], env=env)
     try:
@@ -132,7 +132,7 @@ def test_run_exit_status_env_and_warning_without_a_daemon(tmp_path: Path) -> Non
     assert fr_pipe.startswith(str(runtime_dir / "pipes" / "nccl_trace_"))
 
 
-def test_run_forwards_signals_and_reports_death_by_signal(daemon: Daemon) -> None:
+def test_run_forwards_signals_and_reports_death_by_signal(daemon: ScratchDaemon) -> None:
     work = daemon.run(["python3", "-c", "import signal,time; signal.signal(signal.SIGTERM, lambda *a: exit(42));"
                        " print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
     assert work.stdout is not None and work.stdout.readline() == b"ready\n"
@@ -156,7 +156,7 @@ def test_sd_notify_ready_status_watchdog_stopping(tmp_path: Path) -> None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(sock_path))
     sock.settimeout(10)
-    d = Daemon(tmp_path / "d", env={"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "400000"})
+    d = ScratchDaemon(tmp_path / "d", env={"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "400000"})
     try:
         got: list[str] = []
         while sum(m == "WATCHDOG=1" for m in got) < 3:
@@ -183,13 +183,13 @@ def test_sigkill_during_a_capture_leaves_an_incomplete_incident_found_at_restart
     (fake / "py-spy").write_text("#!/bin/sh\nexec sleep 3600\n")  # a py-spy that hangs
     (fake / "py-spy").chmod(0o755)
     env = {"PATH": f"{fake}:{os.environ['PATH']}"}
-    d = Daemon(tmp_path / "d", env=env, config={"pyspy_timeout": 30.0})
+    d = ScratchDaemon(tmp_path / "d", env=env, config={"pyspy_timeout": 30.0})
     work = d.run(workload_argv(beats=5, interval=0.02), "--heartbeat-timeout", "1")
     try:
         wait_for(lambda: list((d.state_dir / "incidents").glob(".partial-*/*/proc.json")), 15, "capture under way")
         assert d.store().list() == []  # nothing half-written is listed
         d.stop(signal.SIGKILL)
-        d2 = Daemon(tmp_path / "d", env=env)
+        d2 = ScratchDaemon(tmp_path / "d", env=env)
         try:
             (inc,) = d2.store().list()
             assert inc["complete"] is False
@@ -211,7 +211,7 @@ def test_a_hanging_py_spy_is_killed_at_its_deadline(tmp_path: Path) -> None:
     pids = tmp_path / "pyspy.pids"  # each fake py-spy's pid: checked by pid, never by name
     (fake / "py-spy").write_text(f"#!/bin/sh\necho $$ >> {pids}\nexec sleep 3601\n")
     (fake / "py-spy").chmod(0o755)
-    d = Daemon(tmp_path / "d", env={"PATH": f"{fake}:{os.environ['PATH']}"}, config={"pyspy_timeout": 1.0, "pyspy_native": False})
+    d = ScratchDaemon(tmp_path / "d", env={"PATH": f"{fake}:{os.environ['PATH']}"}, config={"pyspy_timeout": 1.0, "pyspy_native": False})
     work = d.run(workload_argv(beats=5, interval=0.02), "--heartbeat-timeout", "1")
     try:
         (inc,) = wait_for(d.settled, 15, "an incident")
@@ -231,7 +231,7 @@ def test_a_hanging_py_spy_is_killed_at_its_deadline(tmp_path: Path) -> None:
 
 # -- one daemon per runtime dir, signals, restarts ----------------------------
 
-def test_a_second_daemon_on_the_same_runtime_dir_exits_2_naming_the_first(daemon: Daemon) -> None:
+def test_a_second_daemon_on_the_same_runtime_dir_exits_2_naming_the_first(daemon: ScratchDaemon) -> None:
     res = hangwatchd("daemon", "--state-dir", str(daemon.base / "state2"), "--runtime-dir", str(daemon.runtime_dir),
                      "--metrics-address", "127.0.0.1:0", timeout=30)
     assert res.returncode == 2
@@ -247,7 +247,7 @@ def test_sighup_stops_the_daemon_cleanly(tmp_path: Path) -> None:
     sock.bind(str(sock_path))
     sock.settimeout(0.2)
     try:
-        d = Daemon(tmp_path / "d", env={"NOTIFY_SOCKET": str(sock_path)})
+        d = ScratchDaemon(tmp_path / "d", env={"NOTIFY_SOCKET": str(sock_path)})
         d.proc.send_signal(signal.SIGHUP)
         assert d.proc.wait(20) == 0
         assert not (d.runtime_dir / "daemon.json").exists() and not (d.runtime_dir / "status.json").exists()
@@ -260,7 +260,7 @@ def test_sighup_stops_the_daemon_cleanly(tmp_path: Path) -> None:
         assert "READY=1" in got and got[-1] == "STOPPING=1", got
         assert d.stop() == 0
         # The lock went with it: the next daemon starts on the same runtime dir.
-        Daemon(tmp_path / "d").stop()
+        ScratchDaemon(tmp_path / "d").stop()
     finally:
         sock.close()
 
@@ -278,16 +278,16 @@ def raw_dump(dump_dir: Path, pid: int) -> Path:
 
 
 def test_a_dump_written_while_the_daemon_was_down_is_ingested_at_start_and_only_once(tmp_path: Path) -> None:
-    Daemon(tmp_path).stop()
+    ScratchDaemon(tmp_path).stop()
     dump_dir = tmp_path / "state-dumps"
     dump = raw_dump(dump_dir, 4242)
-    with Daemon(tmp_path) as d:
+    with ScratchDaemon(tmp_path) as d:
         (inc,) = wait_for(d.settled, 30, "the dump made into an incident")
         assert inc["reason"] == "gpu-exception" and inc["processes"] == [4242]
         assert "WARP_ILLEGAL_ADDRESS" in inc["summary"]
     # The same dump again (restored from a backup, say): remembered across the restart, not ingested twice.
     raw_dump(dump_dir, 4242)
-    with Daemon(tmp_path) as d:
+    with ScratchDaemon(tmp_path) as d:
         time.sleep(3)
         assert len(d.store().list()) == 1
         assert dump.exists()
@@ -295,7 +295,7 @@ def test_a_dump_written_while_the_daemon_was_down_is_ingested_at_start_and_only_
 
 def test_an_inotify_overflow_rescans_registrations_and_dumps(tmp_path: Path) -> None:
     limit = int(Path("/proc/sys/fs/inotify/max_queued_events").read_text())
-    with Daemon(tmp_path, config={"rescan_interval": 3600.0}) as d:
+    with ScratchDaemon(tmp_path, config={"rescan_interval": 3600.0}) as d:
         noise = d.runtime_dir / "registrations"
         d.proc.send_signal(signal.SIGSTOP)
         try:
@@ -331,7 +331,7 @@ while True:
 
 
 def test_a_captured_hang_rearms_only_after_the_process_beats_again(tmp_path: Path) -> None:
-    with Daemon(tmp_path, config={"stack_interval": 0.5, "gpu_dump": "never"}) as d:
+    with ScratchDaemon(tmp_path, config={"stack_interval": 0.5, "gpu_dump": "never"}) as d:
         work = d.run([sys.executable, "-c", WOBBLE, "12"], "--heartbeat-timeout", "1", "--stack-timeout", "60",
                      stdout=subprocess.PIPE)
         try:
@@ -354,7 +354,7 @@ def test_a_captured_hang_rearms_only_after_the_process_beats_again(tmp_path: Pat
 # -- the loop never dies of one process's trouble ------------------------------
 
 def test_a_beat_file_swapped_for_a_directory_does_not_stop_the_loop(tmp_path: Path) -> None:
-    with Daemon(tmp_path) as d:
+    with ScratchDaemon(tmp_path) as d:
         victim = d.run(workload_argv(beats=100_000, interval=0.05), "--heartbeat-timeout", "5")
         try:
             beat = wait_for(lambda: list((d.runtime_dir / "beats").glob("run-*.beat")), 10, "the beat segment")[0]

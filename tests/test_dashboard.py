@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hangwatchd.testing import Daemon
+from hangwatchd.testing import ScratchDaemon
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "config" / "grafana-dashboard.json"
@@ -81,7 +81,7 @@ def test_a_broken_query_would_be_caught(tmp_path: Path) -> None:
 def exported(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
     """Every metric name a real daemon's /metrics has, scraped over HTTP (TYPE lines too: a labelled
     metric with no series yet still declares itself)."""
-    with Daemon(tmp_path_factory.mktemp("dash")) as d:
+    with ScratchDaemon(tmp_path_factory.mktemp("dash")) as d:
         text = d.scrape()
     names = set()
     for line in text.splitlines():

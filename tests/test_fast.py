@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from hangwatchd.testing import Daemon, stop, wait_for
+from hangwatchd.testing import ScratchDaemon, stop, wait_for
 
 from .conftest import FIXTURES, hangwatchd
 
@@ -68,7 +68,7 @@ def test_a_store_error_is_still_exit_1(tmp_path: Path) -> None:
 
 # -- an incident is stored before its slow evidence, which is added as it comes ------------------
 
-def _gpu_rank(d: Daemon, rank: int, cuda: str) -> subprocess.Popen[bytes]:
+def _gpu_rank(d: ScratchDaemon, rank: int, cuda: str) -> subprocess.Popen[bytes]:
     env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29556")
     argv = [sys.executable, "-m", "hangwatchd.testing", "gpu-workload", "--cuda", cuda,
             "--dump", str(FIXTURES / "cpp_hang" / "coredump.nvcudmp.xz")]
@@ -86,7 +86,7 @@ def _steps(data: dict[str, Any], pid: int) -> dict[str, dict[str, Any]]:
 
 def test_a_job_incident_is_stored_before_its_dumps_and_a_dump_that_never_comes_holds_nobody_back(tmp_path: Path) -> None:
     config = {"gpu_dump": "always", "pyspy_native": False, "gpu_dump_timeout": 8.0}
-    with Daemon(tmp_path, config=config) as d:
+    with ScratchDaemon(tmp_path, config=config) as d:
         ranks = [_gpu_rank(d, 0, "dump"), _gpu_rank(d, 1, "ignore")]  # rank 1's driver never writes its dump
         try:
             (inc,) = wait_for(d.store().list, 30, "the incident listed", every=0.02)
@@ -151,7 +151,7 @@ def test_a_process_that_opens_the_gpu_is_discovered_within_5_s(tmp_path: Path) -
     config = {"discover": True, "discover_devices": str(device), "rescan_interval": 60.0, "gpu_dump": "never"}
     code = (f"import sys, time\ntime.sleep(1.5)\nf = open({str(device)!r})\nprint(time.time(), flush=True)\n"
             "time.sleep(120)\n")
-    with Daemon(tmp_path, config=config) as d:
+    with ScratchDaemon(tmp_path, config=config) as d:
         ignored = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # holds no device
         work = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
         try:

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from hangwatchd.incidents.store import Store
-from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
+from hangwatchd.testing import ScratchDaemon, stop, wait_for, workload_argv
 
 from .conftest import hangwatchd
 
 
 def test_py_spy_missing_is_recorded_and_the_rest_is_captured(tmp_path: Path) -> None:
-    with Daemon(tmp_path, env={"HANGWATCHD_PYSPY": "none"}, config={"gpu_dump": "never"}) as d:
+    with ScratchDaemon(tmp_path, env={"HANGWATCHD_PYSPY": "none"}, config={"gpu_dump": "never"}) as d:
         work = d.run(workload_argv(beats=3, interval=0.02), "--heartbeat-timeout", "1")
         try:
             (inc,) = wait_for(d.settled, 20, "an incident")
@@ -50,7 +50,7 @@ def test_no_ptrace_permission_names_what_is_missing(tmp_path: Path) -> None:
 def test_a_workload_that_forks_and_exits_is_forgotten_not_hung(tmp_path: Path) -> None:
     code = ("import os, time\npid = os.fork()\nif pid == 0:\n    time.sleep(30)\n    os._exit(0)\n"
             "print(pid, flush=True)\nos._exit(0)\n")
-    with Daemon(tmp_path, config={"startup_grace": 2.0}) as d:
+    with ScratchDaemon(tmp_path, config={"startup_grace": 2.0}) as d:
         work = d.run([sys.executable, "-c", code], "--heartbeat-timeout", "1", stdout=subprocess.PIPE)
         assert work.stdout is not None
         orphan = int(work.stdout.readline())
@@ -66,7 +66,7 @@ def test_a_workload_that_forks_and_exits_is_forgotten_not_hung(tmp_path: Path) -
 
 def test_sixty_four_watched_and_eight_hanging_at_once(tmp_path: Path) -> None:
     env = dict(os.environ)
-    with Daemon(tmp_path, config={"gpu_dump": "never", "pyspy_native": False}) as d:
+    with ScratchDaemon(tmp_path, config={"gpu_dump": "never", "pyspy_native": False}) as d:
         env["HANGWATCHD_RUNTIME_DIR"] = str(d.runtime_dir)
         healthy = [subprocess.Popen(workload_argv(beats=100_000, interval=0.1) + ["--register", "--timeout", "3"], env=env)
                    for _ in range(56)]
@@ -102,7 +102,7 @@ def fill(path: Path) -> Path:
     return filler
 
 
-def events(d: Daemon, name: str) -> list[dict[str, object]]:
+def events(d: ScratchDaemon, name: str) -> list[dict[str, object]]:
     return [e for e in d.logs() if e.get("event") == name]
 
 
@@ -113,7 +113,7 @@ def test_a_full_state_dir_keeps_the_report_and_stores_it_when_space_returns(tmp_
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(state)], check=True)
     works: list[subprocess.Popen[bytes]] = []
     try:
-        d = Daemon(tmp_path / "d", "--state-dir", str(state))
+        d = ScratchDaemon(tmp_path / "d", "--state-dir", str(state))
         try:
             dirs = ["--state-dir", str(state), "--runtime-dir", str(d.runtime_dir)]
             filler = fill(state)
@@ -165,11 +165,11 @@ def test_the_daemon_starts_on_a_full_state_dir_and_every_command_answers_in_one_
     state.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(state)], check=True)
     try:
-        Daemon(tmp_path / "d", "--state-dir", str(state)).stop()  # an index exists, as on any node
+        ScratchDaemon(tmp_path / "d", "--state-dir", str(state)).stop()  # an index exists, as on any node
         Store(state).open()  # the last connection checkpoints the WAL away: opening it again needs room
         assert not (state / "index.sqlite-wal").exists()
         filler = fill(state)
-        with Daemon(tmp_path / "d", "--state-dir", str(state)) as d:  # a restart while full: up, not exit 2
+        with ScratchDaemon(tmp_path / "d", "--state-dir", str(state)) as d:  # a restart while full: up, not exit 2
             victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
             try:
                 for argv in (["incidents"], ["incidents", "--json"], ["show", "nosuchid"],

@@ -21,7 +21,7 @@ import pytest
 import zstandard
 
 from hangwatchd.incidents.store import Store
-from hangwatchd.testing import Daemon, stop, wait_for
+from hangwatchd.testing import ScratchDaemon, stop, wait_for
 
 from .conftest import FIXTURES, hangwatchd
 
@@ -37,7 +37,7 @@ def steps_of(inc: dict) -> dict[str, dict]:
 
 
 def test_a_hung_process_goes_through_every_step_and_its_gpu_dump_is_explained(tmp_path: Path) -> None:
-    d = Daemon(tmp_path, config={"gpu_dump": "always", "pyspy_native": False})
+    d = ScratchDaemon(tmp_path, config={"gpu_dump": "always", "pyspy_native": False})
     work = d.run(gpu_workload("--dump", str(FIXTURES / "cpp_hang" / "coredump.nvcudmp.xz")),
                  "--heartbeat-timeout", "1", "--rank", "0", stderr=subprocess.PIPE)
     try:
@@ -74,7 +74,7 @@ def test_a_hung_process_goes_through_every_step_and_its_gpu_dump_is_explained(tm
     ("half", "did not finish"),
 ])
 def test_a_driver_that_never_dumps_or_stops_half_way(tmp_path: Path, mode: str, expect: str) -> None:
-    d = Daemon(tmp_path, config={"gpu_dump": "always", "gpu_dump_timeout": 3.0, "flight_recorder_timeout": 1.0,
+    d = ScratchDaemon(tmp_path, config={"gpu_dump": "always", "gpu_dump_timeout": 3.0, "flight_recorder_timeout": 1.0,
                                  "capture_steps": ["proc", "flight_recorder", "cuda_dump"]})
     work = d.run(gpu_workload("--cuda", mode, "--fr", "silent", "--dump", str(FIXTURES / "cpp_hang" / "coredump.nvcudmp.xz")),
                  "--heartbeat-timeout", "1")
@@ -91,7 +91,7 @@ def test_a_driver_that_never_dumps_or_stops_half_way(tmp_path: Path, mode: str, 
 
 
 def test_a_process_without_pipes_and_a_fifo_of_another_user(tmp_path: Path) -> None:
-    d = Daemon(tmp_path, config={"gpu_dump": "always", "capture_steps": ["flight_recorder", "cuda_dump"]})
+    d = ScratchDaemon(tmp_path, config={"gpu_dump": "always", "capture_steps": ["flight_recorder", "cuda_dump"]})
     plain = d.run([sys.executable, "-m", "hangwatchd.testing", "workload", "--beats", "3"], "--heartbeat-timeout", "1")
     try:
         (inc,) = wait_for(d.settled, 20, "an incident")
@@ -133,7 +133,7 @@ def drop_in_pieces(path: Path, blob: bytes, pause: float) -> None:
 
 
 def test_an_exception_dump_becomes_exactly_one_symbolised_incident(tmp_path: Path) -> None:
-    with Daemon(tmp_path) as d:
+    with ScratchDaemon(tmp_path) as d:
         blob = lzma.decompress((FIXTURES / "cpp_ima" / "coredump.nvcudmp.xz").read_bytes())
         name = f"core_{socket.gethostname()}.4242.1795977360.nvcudmp"
         drop_in_pieces(d.dump_dir / name, blob, pause=1.5)
@@ -152,7 +152,7 @@ def test_an_exception_dump_becomes_exactly_one_symbolised_incident(tmp_path: Pat
 
 def test_a_driver_that_reports_an_exception_but_writes_no_dump(tmp_path: Path) -> None:
     lines = (FIXTURES / "graph_ima" / "stderr.log").read_text()
-    with Daemon(tmp_path) as d:
+    with ScratchDaemon(tmp_path) as d:
         script = f"import sys; sys.stderr.write({lines!r}); sys.exit(1)"
         work = d.run([sys.executable, "-c", script], stderr=subprocess.PIPE)
         _, err = work.communicate(timeout=20)
@@ -175,7 +175,7 @@ def test_a_full_disk_keeps_the_report_and_drops_the_dump(tmp_path: Path) -> None
         pytest.fail("mount -t tmpfs failed as root")
     try:
         dumps = tmp_path / "dumps"
-        d = Daemon(tmp_path, "--state-dir", str(state), "--dump-dir", str(dumps))
+        d = ScratchDaemon(tmp_path, "--state-dir", str(state), "--dump-dir", str(dumps))
         try:
             free = os.statvfs(state).f_bavail * os.statvfs(state).f_frsize
             (state / "filler").write_bytes(b"\0" * (free - 160 * 1024))

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
+from hangwatchd.testing import ScratchDaemon, stop, wait_for, workload_argv
 
 from .conftest import hangwatchd
 
@@ -49,7 +49,7 @@ threading.Event().wait()
 """
 
 
-def status(d: Daemon) -> list[dict[str, Any]]:
+def status(d: ScratchDaemon) -> list[dict[str, Any]]:
     res = hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir))
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)["processes"]
@@ -61,7 +61,7 @@ def analysis(inc: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_every_rank_below_a_launcher_is_watched_and_the_hung_one_is_captured_with_its_mate(tmp_path: Path) -> None:
-    with Daemon(tmp_path, config=FAST) as d:
+    with ScratchDaemon(tmp_path, config=FAST) as d:
         run = d.run([sys.executable, "-c", LAUNCHER, RANK], "--job", "J", "--heartbeat-timeout", "2",
                     start_new_session=True)
         try:
@@ -98,14 +98,14 @@ def test_every_rank_below_a_launcher_is_watched_and_the_hung_one_is_captured_wit
             stop(run, sig=signal.SIGKILL, group=True)
 
 
-def _job_rank(d: Daemon, rank: int, argv: list[str]) -> subprocess.Popen[bytes]:
+def _job_rank(d: ScratchDaemon, rank: int, argv: list[str]) -> subprocess.Popen[bytes]:
     env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
     return d.run(argv, "--job", "J", "--heartbeat-timeout", "2", env=env, start_new_session=True, stdout=subprocess.PIPE)
 
 
 @pytest.mark.parametrize("how", ["exit", "sigkill"])
 def test_a_rank_that_left_is_the_first_culprit_and_leads_the_summary(tmp_path: Path, how: str) -> None:
-    with Daemon(tmp_path, config=FAST) as d:
+    with ScratchDaemon(tmp_path, config=FAST) as d:
         r0 = _job_rank(d, 0, workload_argv(beats=100, interval=0.05))
         r1 = _job_rank(d, 1, workload_argv(beats=30 if how == "exit" else 10**9, interval=0.05, then="exit"))
         try:
@@ -153,7 +153,7 @@ def test_a_rank_that_left_is_the_first_culprit_and_leads_the_summary(tmp_path: P
 
 def test_a_workload_that_never_beats_is_not_hung_after_the_startup_grace(tmp_path: Path) -> None:
     code = "import time\ntime.sleep(60)\n"
-    with Daemon(tmp_path, config={**FAST, "stack_interval": 0.5, "stack_window": 2.0}) as d:
+    with ScratchDaemon(tmp_path, config={**FAST, "stack_interval": 0.5, "stack_window": 2.0}) as d:
         quiet = d.run([sys.executable, "-c", code], "--job", "server", start_new_session=True)
         declared = d.run([sys.executable, "-c", code], "--job", "batch", "--heartbeat-timeout", "1", start_new_session=True)
         try:
@@ -204,7 +204,7 @@ def test_a_launcher_known_by_name_is_never_hung_for_its_own_beats(tmp_path: Path
     torchrun = bindir / "torchrun"
     torchrun.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(60)\n")
     torchrun.chmod(0o755)
-    with Daemon(tmp_path / "d", config=FAST) as d:
+    with ScratchDaemon(tmp_path / "d", config=FAST) as d:
         run = d.run([str(torchrun), "--nproc-per-node", "2", "train.py"], "--job", "J", "--heartbeat-timeout", "1",
                     start_new_session=True)
         try:
@@ -289,7 +289,7 @@ def test_a_rank_that_ran_out_of_data_below_a_launcher_leads_the_verdict(tmp_path
     # torchrun waits for the others when a rank exits 0: the survivor hangs in its next collective.
     uneven = RANK.replace('n = 60 if os.environ["RANK"] == "0" else 10**9', 'n = 60 if os.environ["RANK"] == "0" else 20') \
                  .replace("threading.Event().wait()", "threading.Event().wait() if os.environ['RANK'] == '0' else None")
-    with Daemon(tmp_path, config=FAST) as d:
+    with ScratchDaemon(tmp_path, config=FAST) as d:
         run = d.run([sys.executable, "-c", LAUNCHER, uneven], "--job", "J", "--heartbeat-timeout", "2", start_new_session=True)
         try:
             procs = wait_for(lambda: (lambda p: p if {x["rank"] for x in p if x["role"] == "workload"} == {0, 1} else None)(status(d)),

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
+from hangwatchd.testing import ScratchDaemon, stop, wait_for, workload_argv
 
 from .conftest import hangwatchd
 
@@ -39,12 +39,12 @@ waiting_in_a_loop()
 """
 
 
-def _events(d: Daemon, name: str, pid: int | None = None) -> list[dict]:
+def _events(d: ScratchDaemon, name: str, pid: int | None = None) -> list[dict]:
     return [e for e in d.logs() if e.get("event") == name and (pid is None or e.get("pid") == pid
                                                                 or pid in (e.get("pids") or []))]
 
 
-def _samples_seen(d: Daemon) -> float:
+def _samples_seen(d: ScratchDaemon) -> float:
     return d.metric("hangwatchd_stack_samples_total") or 0.0
 
 
@@ -53,7 +53,7 @@ def test_three_hangs_held_for_a_minute_are_each_declared_exactly_once(tmp_path: 
     a loop under a declared stack timeout: each hang is held for a minute while the daemon keeps
     sampling (the native confirming look included), and each is declared hung once."""
     config = {"stack_interval": 1.0, "gpu_dump": "never", "capture_timeout": 20.0}
-    with Daemon(tmp_path, config=config) as d:
+    with ScratchDaemon(tmp_path, config=config) as d:
         procs = [
             d.run([sys.executable, "-c", DEADLOCK], "--stack-timeout", "3", start_new_session=True),
             d.run(workload_argv(beats=30, interval=0.05), "--heartbeat-timeout", "2", start_new_session=True),
@@ -93,7 +93,7 @@ def test_three_hangs_held_for_a_minute_are_each_declared_exactly_once(tmp_path: 
                 stop(p, sig=signal.SIGKILL, group=True)
 
 
-def _status_of(d: Daemon, n: int) -> list[dict] | None:
+def _status_of(d: ScratchDaemon, n: int) -> list[dict] | None:
     out = hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout
     procs = [p for p in json.loads(out)["processes"] if p["role"] != "launcher"] if out else []
     return procs if len(procs) >= n else None
@@ -186,7 +186,7 @@ def test_a_hang_is_captured_when_the_fleet_cannot_be_told_for_a_full_state_dir(t
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(state)], check=True)
     server = S3Server().start()
     try:
-        d = Daemon(tmp_path / "d", "--state-dir", str(state), "--store", server.url(), "--node-name", "n1",
+        d = ScratchDaemon(tmp_path / "d", "--state-dir", str(state), "--store", server.url(), "--node-name", "n1",
                    env=server.env, config={"gpu_dump": "never", "pyspy_native": False})
         work = None
         try:
@@ -233,7 +233,7 @@ def test_a_capture_running_when_the_daemon_stops_is_finished_logged_and_counted(
     """SIGTERM while a capture runs (a flight recorder that never answers holds it for its
     timeout): the daemon stops once the capture is done, and that capture is stored, logged as
     ``incident_stored`` and counted like any other."""
-    d = Daemon(tmp_path, config={"gpu_dump": "never", "flight_recorder_timeout": 4.0, "pyspy_native": False})
+    d = ScratchDaemon(tmp_path, config={"gpu_dump": "never", "flight_recorder_timeout": 4.0, "pyspy_native": False})
     work = d.run(gpu_workload("--cuda", "none", "--fr", "silent"), "--heartbeat-timeout", "1")
     try:
         wait_for(lambda: [e for e in d.logs() if e.get("event") == "capture_step" and e.get("step") == "pyspy"], 30,

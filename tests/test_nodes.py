@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hangwatchd.testing import Daemon, stop, wait_for
+from hangwatchd.testing import ScratchDaemon, stop, wait_for
 from tests.s3server import S3Server
 
 from .conftest import hangwatchd
@@ -54,11 +54,11 @@ def s3() -> Iterator[S3Server]:
         server.stop()
 
 
-def node(base: Path, name: str, s3: S3Server, **config: object) -> Daemon:
-    return Daemon(base / name, "--store", s3.url(), "--node-name", name, env=s3.env, config={**FAST, **config})
+def node(base: Path, name: str, s3: S3Server, **config: object) -> ScratchDaemon:
+    return ScratchDaemon(base / name, "--store", s3.url(), "--node-name", name, env=s3.env, config={**FAST, **config})
 
 
-def rank(d: Daemon, job: str, r: int, how: str, timeout: float) -> subprocess.Popen[bytes]:
+def rank(d: ScratchDaemon, job: str, r: int, how: str, timeout: float) -> subprocess.Popen[bytes]:
     return d.run([sys.executable, "-c", RANKS, how], "--job", job, "--rank", str(r), "--heartbeat-timeout", str(timeout),
                  stdout=subprocess.PIPE, env=dict(os.environ, WORLD_SIZE="2"))
 
@@ -219,7 +219,7 @@ def test_the_deploy_examples_show_the_store_settings() -> None:
 def test_the_ranks_of_a_node_are_captured_side_by_side(tmp_path: Path) -> None:
     """Four ranks whose flight recorders never answer: their waits overlap instead of adding up."""
     fr_timeout = 2.0
-    with Daemon(tmp_path, config={"pyspy_native": False, "gpu_dump": "never", "flight_recorder_timeout": fr_timeout}) as d:
+    with ScratchDaemon(tmp_path, config={"pyspy_native": False, "gpu_dump": "never", "flight_recorder_timeout": fr_timeout}) as d:
         argv = [sys.executable, "-m", "hangwatchd.testing", "gpu-workload", "--cuda", "none", "--fr", "silent", "--beats", "20"]
         procs = [d.run(argv, "--job", "side", "--rank", str(r), "--heartbeat-timeout", "2",
                        env=dict(os.environ, RANK=str(r), WORLD_SIZE="4"), stdout=subprocess.DEVNULL) for r in range(4)]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
+from hangwatchd.testing import ScratchDaemon, stop, wait_for, workload_argv
 
 from .conftest import FIXTURES, hangwatchd
 
@@ -21,7 +21,7 @@ LONG_ARG = "epoch-" + "x" * 70 + "-30"
 
 
 def test_a_hang_gets_a_page_an_id_in_the_metrics_and_honest_columns(tmp_path: Path) -> None:
-    with Daemon(tmp_path, config={"pyspy_native": False, "gpu_dump": "never"}) as d:
+    with ScratchDaemon(tmp_path, config={"pyspy_native": False, "gpu_dump": "never"}) as d:
         work = d.run([*workload_argv(beats=10, interval=0.05), "--job", LONG_ARG], "--heartbeat-timeout", "2",
                      "--job", "train-" + "j" * 40)
         try:
@@ -67,7 +67,7 @@ def test_a_templated_kernel_name_is_shortened_in_text_and_whole_in_json(tmp_path
     assert "Kernel void at::native::index_elementwise_kernel<…>(…)" in text
     assert max(len(ln) for ln in text.splitlines() if name not in ln) < 200
 
-    with Daemon(tmp_path) as d:
+    with ScratchDaemon(tmp_path) as d:
         raw = lzma.decompress(dump.read_bytes())
         (d.dump_dir / f"core_{socket.gethostname()}.4343.1.nvcudmp").write_bytes(raw)
         (inc,) = wait_for(d.settled, 60, "the exception incident")

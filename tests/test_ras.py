@@ -290,9 +290,9 @@ all_reduce_wait()
 
 
 def test_run_gives_each_workload_its_own_ras_address_and_the_flight_recorder_names(tmp_path: Path) -> None:
-    from hangwatchd.testing import Daemon
+    from hangwatchd.testing import ScratchDaemon
 
-    with Daemon(tmp_path / "d", config={"gpu_dump": "never", "capture_steps": ["proc"]}) as d:
+    with ScratchDaemon(tmp_path / "d", config={"gpu_dump": "never", "capture_steps": ["proc"]}) as d:
         mine = "127.0.0.1:45999"
         procs = [d.run([sys.executable, "-c", RUN_CODE], stdout=subprocess.PIPE, env=env)
                  for env in (dict(os.environ), dict(os.environ), dict(os.environ, NCCL_RAS_ADDR=mine, TORCH_NCCL_TRACE_BUFFER_SIZE="77"))]
@@ -310,13 +310,13 @@ def test_run_gives_each_workload_its_own_ras_address_and_the_flight_recorder_nam
 
 
 def test_the_daemon_asks_the_jobs_ras_and_blames_the_dead_peer(tmp_path: Path) -> None:
-    from hangwatchd.testing import Daemon, wait_for
+    from hangwatchd.testing import ScratchDaemon, wait_for
 
     server = RasServer((RAS / "dead-70s.txt").read_bytes(), (RAS / "dead-70s.json").read_bytes())
     server.start()
     try:
         config = {"gpu_dump": "never", "pyspy_native": False, "capture_steps": ["proc", "pyspy", "nccl_ras"]}
-        with Daemon(tmp_path / "d", config=config) as d:
+        with ScratchDaemon(tmp_path / "d", config=config) as d:
             env = dict(os.environ, NCCL_RAS_ADDR=server.addr, RANK="0", WORLD_SIZE="2", MASTER_ADDR="10.0.0.1", MASTER_PORT="29500")
             p = d.run([sys.executable, "-c", RUN_CODE], "--heartbeat-timeout", "1", stdout=subprocess.PIPE, env=env)
             try:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from hangwatchd.host import procfs
 from hangwatchd.model import ProcessId, Registration
-from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
+from hangwatchd.testing import ScratchDaemon, stop, wait_for, workload_argv
 from hangwatchd.workload import beat_segment, registration_file
 
 
@@ -32,7 +32,7 @@ def reg_dict(pid: int, start: int, **extra: object) -> dict[str, object]:
     return {"version": 1, "pid": pid, "start_time": start, **extra}
 
 
-def drop(d: Daemon, name: str, content: str | bytes) -> Path:
+def drop(d: ScratchDaemon, name: str, content: str | bytes) -> Path:
     path = d.runtime_dir / "registrations" / name
     tmp = path.with_name("." + name + ".tmp")
     tmp.write_bytes(content.encode() if isinstance(content, str) else content)
@@ -40,7 +40,7 @@ def drop(d: Daemon, name: str, content: str | bytes) -> Path:
     return path
 
 
-def refused(d: Daemon, reason: str) -> dict[str, object]:
+def refused(d: ScratchDaemon, reason: str) -> dict[str, object]:
     def found() -> dict[str, object] | None:
         for e in d.logs():
             if e.get("event") == "registration_refused" and e.get("reason") == reason:
@@ -55,7 +55,7 @@ def refused(d: Daemon, reason: str) -> dict[str, object]:
 def test_a_registration_file_owned_by_another_user_is_refused(tmp_path: Path, sleeper: subprocess.Popen[bytes]) -> None:
     me = procfs.identify(sleeper.pid)
     assert me is not None
-    with Daemon(tmp_path) as d:
+    with ScratchDaemon(tmp_path) as d:
         other = d.runtime_dir / "registrations" / f".{me.pid}-{me.start_time}.json.tmp"
         other.write_text(json.dumps(reg_dict(me.pid, me.start_time)))
         os.chown(other, 12345, 12345)
@@ -66,7 +66,7 @@ def test_a_registration_file_owned_by_another_user_is_refused(tmp_path: Path, sl
 def test_hostile_registrations_are_refused_and_the_daemon_goes_on(tmp_path: Path, sleeper: subprocess.Popen[bytes]) -> None:
     me = procfs.identify(sleeper.pid)
     assert me is not None
-    with Daemon(tmp_path) as d:
+    with ScratchDaemon(tmp_path) as d:
         drop(d, f"{me.pid}-{me.start_time}.json", "{not json")
         refused(d, "bad_json")
 

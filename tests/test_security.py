@@ -31,7 +31,7 @@ import zstandard
 
 from hangwatchd.host import untrusted
 from hangwatchd.host.user_limits import UserLimits
-from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
+from hangwatchd.testing import ScratchDaemon, stop, wait_for, workload_argv
 from hangwatchd.workload import beat_segment
 
 from .conftest import FIXTURES
@@ -185,7 +185,7 @@ def attacker() -> Iterator[Attacker]:
 class RootHang:
     """A root workload under ``hangwatchd run`` that beats, then hangs during the attack."""
 
-    def __init__(self, d: Daemon, job: str = "root-victim", beats: int = 20) -> None:
+    def __init__(self, d: ScratchDaemon, job: str = "root-victim", beats: int = 20) -> None:
         self.d, self.job = d, job
         self.proc = d.run(workload_argv(beats=beats, interval=0.05), "--heartbeat-timeout", str(TIMEOUT), "--job", job,
                           stdout=subprocess.PIPE, start_new_session=True)
@@ -248,12 +248,12 @@ def as_nobody_cli(*args: str) -> subprocess.CompletedProcess[str]:
                           cwd="/", capture_output=True, text=True, timeout=60, env={"PYTHONPATH": path, "PATH": "/usr/bin:/bin"})
 
 
-def refusals(d: Daemon, prefix: str) -> float:
+def refusals(d: ScratchDaemon, prefix: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in d.scrape().splitlines()
                if line.startswith("hangwatchd_registration_errors_total{") and f'reason="{prefix}' in line)
 
 
-def watched_pids(d: Daemon) -> set[int]:
+def watched_pids(d: ScratchDaemon) -> set[int]:
     try:
         status = json.loads((d.runtime_dir / "status.json").read_text())
     except (OSError, ValueError):
@@ -271,7 +271,7 @@ def test_a_symlink_to_a_root_only_file_renamed_into_the_dump_dir_is_never_copied
     secret = base / "secret"
     secret.write_bytes(secret_value * 100)
     os.chmod(secret, 0o600)
-    with Daemon(base / "d", config=QUICK) as d:
+    with ScratchDaemon(base / "d", config=QUICK) as d:
         dumps = d.dump_dir
         victim = RootHang(d)
         try:
@@ -296,7 +296,7 @@ for i, name in enumerate([{dump_name(4242)!r}, 'nodump_{socket.gethostname()}.42
 @needs_root
 def test_a_planted_driver_log_is_never_filed_against_another_users_job(base: Path, attacker: Attacker) -> None:
     driver_lines = (FIXTURES / "graph_ima" / "stderr.log").read_text()
-    with Daemon(base / "d", config=QUICK) as d:
+    with ScratchDaemon(base / "d", config=QUICK) as d:
         dumps = d.dump_dir
         victim = RootHang(d, beats=200)  # it beats on while the exception is filed, then hangs
         try:
@@ -349,7 +349,7 @@ def test_beat_and_status_files_swapped_after_acceptance_cost_only_that_registrat
     secret = base / "secret.beat"
     beat_segment.create(str(secret), 1, mode=0o600)
     swaps = [("beat", "dir"), ("beat", "fifo"), ("beat", "symlink"), ("status", "dir"), ("status", "fifo"), ("status", "symlink")]
-    with Daemon(base / "d", config=QUICK) as d:
+    with ScratchDaemon(base / "d", config=QUICK) as d:
         evil = [attacker.register(d.runtime_dir, "--status", "--timeout", "3") for _ in swaps]
         pids = {int(files[0]) for _, files in evil}
         wait_for(lambda: pids <= watched_pids(d), 15, "the attacker's registrations accepted")
@@ -379,7 +379,7 @@ def test_beat_and_status_files_swapped_after_acceptance_cost_only_that_registrat
 
 @needs_root
 def test_fifos_named_like_dumps_block_no_worker_and_sigterm_still_stops_the_daemon(base: Path, attacker: Attacker) -> None:
-    with Daemon(base / "d", config=QUICK) as d:
+    with ScratchDaemon(base / "d", config=QUICK) as d:
         dumps = d.dump_dir
         names = [dump_name(5000 + i, i) for i in range(8)] + [f"nodump_{socket.gethostname()}.6000.1.driver-log"]
         attacker.run(f"""
@@ -411,7 +411,7 @@ def test_a_setuid_process_or_another_users_process_is_never_registered(base: Pat
     setuid = attacker.spawn([sys.executable, "-c", f"import os, time\nos.setresuid({NOBODY}, 0, 0)\ntime.sleep(600)"])
     roots = attacker.spawn(["sleep", "600"])
     wait_for(lambda: Path(f"/proc/{setuid.pid}/status").read_text().count(f"{NOBODY}\t0\t0\t0") == 1, 10, "the setuid state")
-    with Daemon(base / "d", config=QUICK) as d:
+    with ScratchDaemon(base / "d", config=QUICK) as d:
         own, _ = attacker.register(d.runtime_dir)  # the attacker's own process: that much is allowed
         wait_for(lambda: own.pid in watched_pids(d), 10, "the attacker's own process watched")
         attacker.register(d.runtime_dir, "--pid", str(setuid.pid), "--timeout", "1", "--no-beat")
@@ -438,7 +438,7 @@ def test_a_registration_flood_stops_at_the_per_user_limit(base: Path, attacker: 
     wrapper.write_text(f"#!/bin/sh\necho \"$(date +%s.%N) $*\" >> {calls}\nexec {real} \"$@\"\n")
     wrapper.chmod(0o755)
     config = dict(QUICK, max_registrations_per_uid=3, pyspy_samples_per_uid=1.0, stack_interval=0.2)
-    with Daemon(base / "d", config=config, env={"HANGWATCHD_PYSPY": str(wrapper)}) as d:
+    with ScratchDaemon(base / "d", config=config, env={"HANGWATCHD_PYSPY": str(wrapper)}) as d:
         flood = [attacker.register(d.runtime_dir, "--no-beat-file", "--stack-timeout", "600")[0] for _ in range(8)]
         evil = {p.pid for p in flood}
         wait_for(lambda: refusals(d, "uid_limit") == 5, 15, "five refused at the limit")
@@ -466,7 +466,7 @@ def test_a_registration_flood_stops_at_the_per_user_limit(base: Path, attacker: 
 
 @needs_root
 def test_fifos_planted_under_the_name_of_a_dump_being_taken_do_not_stand_in_for_it(base: Path, attacker: Attacker) -> None:
-    with Daemon(base / "d", config={"gpu_dump": "always", "pyspy_native": False}) as d:
+    with ScratchDaemon(base / "d", config={"gpu_dump": "always", "pyspy_native": False}) as d:
         dumps = d.dump_dir
         work = d.run([sys.executable, "-m", "hangwatchd.testing", "gpu-workload", "--beats", "40",
                       "--dump", str(FIXTURES / "cpp_hang" / "coredump.nvcudmp.xz")],

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
+from hangwatchd.testing import ScratchDaemon, stop, wait_for, workload_argv
 
 from .conftest import FIXTURES
 from .s3server import S3Server
@@ -61,7 +61,7 @@ def stored_within(victim: RootHang, slack: float = SLACK) -> dict[str, object]:
 class RootHangWith(RootHang):
     """A root workload that beats, then hangs, started with ``env`` added to its environment."""
 
-    def __init__(self, d: Daemon, env: dict[str, str], job: str = "root-victim") -> None:
+    def __init__(self, d: ScratchDaemon, env: dict[str, str], job: str = "root-victim") -> None:
         self.d, self.job = d, job
         self.proc = d.run(workload_argv(beats=20, interval=0.05), "--heartbeat-timeout", str(TIMEOUT), "--job", job,
                           stdout=subprocess.PIPE, start_new_session=True, env=dict(os.environ, **env))
@@ -69,7 +69,7 @@ class RootHangWith(RootHang):
         threading.Thread(target=self._read, daemon=True).start()
 
 
-def events(d: Daemon, name: str) -> list[dict[str, object]]:
+def events(d: ScratchDaemon, name: str) -> list[dict[str, object]]:
     return [e for e in d.logs() if e.get("event") == name]
 
 
@@ -78,7 +78,7 @@ def events(d: Daemon, name: str) -> list[dict[str, object]]:
 @needs_root
 def test_a_sparse_60_gib_file_in_the_dump_dir_deletes_no_incident(base: Path, attacker: Attacker) -> None:
     config = dict(QUICK, max_state_bytes="1GiB")
-    with Daemon(base / "d", config=config) as d:
+    with ScratchDaemon(base / "d", config=config) as d:
         victim = RootHang(d)
         try:
             kept = stored_within(victim)
@@ -98,7 +98,7 @@ for where in ({str(dump_dir)!r}, {str(d.state_dir / 'dumps')!r}):
         pass
 """)
     assert (dump_dir / "core_x.1.1.nvcudmp.part").stat().st_size == 60 * GiB
-    with Daemon(base / "d", config=config) as d:
+    with ScratchDaemon(base / "d", config=config) as d:
         checked = wait_for(lambda: events(d, "retention_checked"), 20, "retention to run")
         assert int(checked[0]["store_bytes"]) < 64 << 20  # its own incidents, not the planted file
         assert events(d, "retention_removed") == []
@@ -119,7 +119,7 @@ def test_processes_named_like_hung_gpu_work_take_no_gpu_dump_and_delay_no_one(ba
     bait.mkdir()
     os.chown(bait, NOBODY, NOBODY)
     config = {"rescan_interval": 1.0, "capture_timeout": 30.0, "flight_recorder_timeout": 4.0, "gpu_dump": "confirmed"}
-    with Daemon(base / "d", config=config) as d:  # py-spy --native, as deployed: the gate sees native frames
+    with ScratchDaemon(base / "d", config=config) as d:  # py-spy --native, as deployed: the gate sees native frames
         evil = []
         for i in range(8):
             env = {"PATH": "/usr/bin:/bin", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(bait / f"fr{i}_"),
@@ -250,7 +250,7 @@ def post_request(c: Any, s3: S3Server, job: str, job_incident: str) -> None:
 def test_a_forged_store_request_takes_no_gpu_dump_and_pauses_a_healthy_process_once(base: Path, s3: S3Server) -> None:
     config = {"gpu_dump": "always", "pyspy_native": False, "store_poll_interval": 0.3, "job_incident_window": 2.0,
               "flight_recorder_timeout": 2.0, "capture_timeout": 20.0}
-    with Daemon(base / "d", "--store", s3.url(), "--node-name", "n1", env=s3.env, config=config) as d:
+    with ScratchDaemon(base / "d", "--store", s3.url(), "--node-name", "n1", env=s3.env, config=config) as d:
         work = d.run([sys.executable, "-m", "hangwatchd.testing", "gpu-workload", "--beats", "100000",
                       "--dump", str(FIXTURES / "cpp_hang" / "coredump.nvcudmp.xz")],
                      "--heartbeat-timeout", "5", "--job", "victim", "--rank", "0", stdout=subprocess.DEVNULL,
@@ -311,7 +311,7 @@ def test_another_users_listener_on_the_jobs_ras_port_is_not_believed(base: Path,
                               extra_groups=[], cwd="/", stdout=subprocess.PIPE)
     assert listener.stdout is not None and listener.stdout.readline().startswith("listening")
     config = dict(QUICK, capture_steps=["proc", "pyspy", "nccl_ras"])
-    with Daemon(base / "d", config=config) as d:
+    with ScratchDaemon(base / "d", config=config) as d:
         victim = RootHangWith(d, {"NCCL_RAS_ADDR": f"127.0.0.1:{port}"})  # hangwatchd run keeps the address given
         try:
             first = stored_within(victim)
@@ -331,14 +331,14 @@ def dump_file(pid: int, tag: int) -> str:
     return f"core_{socket.gethostname()}.{pid}.{1700000000 + tag}.nvcudmp"
 
 
-def counted(d: Daemon, *reasons: str) -> float:
+def counted(d: ScratchDaemon, *reasons: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in d.scrape().splitlines()
                if line.startswith("hangwatchd_registration_errors_total{") and any(f'reason="{r}"' in line for r in reasons))
 
 
 @needs_root
 def test_300_junk_dumps_make_no_incidents_and_no_new_metric_series(base: Path, attacker: Attacker) -> None:
-    with Daemon(base / "d", config=QUICK) as d:
+    with ScratchDaemon(base / "d", config=QUICK) as d:
         dumps = Path(d.info["dump_dir"])
         gone = 2**22 - 7  # a pid that names no process: a claim of the writer's own
         # A driver log naming an exception type of its own making: filed, counted as OTHER.
@@ -379,7 +379,7 @@ def test_a_huge_junk_dump_with_a_coredump_header_is_compressed_within_its_limits
 
     head = lzma.decompress((FIXTURES / "cpp_ima" / "coredump.nvcudmp.xz").read_bytes())[:64]
     config = dict(QUICK, symbolize_cpu_seconds=1.0, symbolize_timeout=5.0)
-    with Daemon(base / "d", config=config) as d:
+    with ScratchDaemon(base / "d", config=config) as d:
         dumps = Path(d.info["dump_dir"])
         victim = RootHang(d)
         try:
@@ -423,7 +423,7 @@ def test_a_users_control_characters_reach_no_terminal(base: Path, attacker: Atta
     bait = base / "bait"
     bait.mkdir()
     os.chown(bait, NOBODY, NOBODY)
-    with Daemon(base / "d", config=QUICK) as d:
+    with ScratchDaemon(base / "d", config=QUICK) as d:
         p = attacker.spawn([SYSTEM_PYTHON, str(Path(__file__).with_name("attacker.py")), "register", str(d.runtime_dir),
                             "--timeout", "1", "--bait", str(bait), "--job", HOSTILE],
                            user=NOBODY, group=NOBODY, extra_groups=[], cwd="/", stdout=subprocess.PIPE)
@@ -490,7 +490,7 @@ def test_symbol_names_from_a_dump_reach_no_terminal_raw(tmp_path: Path) -> None:
 @needs_root
 def test_a_flood_of_bad_registration_files_is_counted_not_logged_line_by_line(base: Path, attacker: Attacker) -> None:
     n = 3000
-    with Daemon(base / "d", config=QUICK) as d:
+    with ScratchDaemon(base / "d", config=QUICK) as d:
         victim = RootHang(d)
         start = time.monotonic()
         try:

@@ -29,7 +29,7 @@ import pytest
 import hangwatchd
 from hangwatchd.host import untrusted
 from hangwatchd.model import ProcessId
-from hangwatchd.testing import Daemon, stop, wait_for, workload_argv
+from hangwatchd.testing import ScratchDaemon, stop, wait_for, workload_argv
 from hangwatchd.workload import exits
 
 from .test_security import (  # noqa: F401  (base and attacker are fixtures)
@@ -59,13 +59,13 @@ class Hang(RootHang):
         return inc
 
 
-def outcome(d: Daemon, pid: int, reason: str) -> str:
+def outcome(d: ScratchDaemon, pid: int, reason: str) -> str:
     """Wait until the daemon has judged the attacker's registration: 'watched' or 'refused'."""
     return wait_for(lambda: "watched" if pid in watched_pids(d) else ("refused" if refusals(d, reason) else None),
                     15, "the attacker's registration judged")
 
 
-def forgotten(d: Daemon, pid: int) -> bool:
+def forgotten(d: ScratchDaemon, pid: int) -> bool:
     return any(e.get("event") == "process_forgotten" and e.get("pid") == pid for e in d.logs())
 
 
@@ -213,7 +213,7 @@ def test_a_status_file_named_through_a_directory_link_never_leaks_a_root_file(ba
     private.mkdir(mode=0o700)
     (private / "secret").write_bytes(secret_value)
     os.chmod(private / "secret", 0o600)
-    with Daemon(base / "d", config=QUICK) as d:
+    with ScratchDaemon(base / "d", config=QUICK) as d:
         beats = d.runtime_dir / "beats"
         # LINK -> "." passes any check of where the path leads; the file there is the attacker's own.
         attacker.run(f"import os\nos.symlink('.', {str(beats / 'LINK')!r})\nopen({str(beats / 'secret')!r}, 'w').write('mine')")
@@ -244,7 +244,7 @@ def test_a_beat_file_named_through_a_directory_later_linked_elsewhere_deletes_no
     (target / "sub").mkdir(parents=True)
     precious = target / "NAME"
     precious.write_bytes(b"root's own")
-    with Daemon(base / "d", config=QUICK) as d:
+    with ScratchDaemon(base / "d", config=QUICK) as d:
         beats = d.runtime_dir / "beats"
         attacker.run(f"import os\nos.mkdir({str(beats / 'DIR')!r})")
         evil, _ = attacker.register(d.runtime_dir, "--beat-path", f"{beats}/DIR/../NAME", "--timeout", "30")
@@ -266,7 +266,7 @@ def test_a_beat_file_named_through_a_directory_later_linked_elsewhere_deletes_no
 
 @needs_root
 def test_a_registration_naming_roots_beat_file_is_refused_and_roots_job_keeps_its_segment(base: Path, attacker: Attacker) -> None:
-    with Daemon(base / "d", config=QUICK) as d:
+    with ScratchDaemon(base / "d", config=QUICK) as d:
         victim = Hang(d, beats=200)  # beats for 10 s, then hangs
         try:
             root_beat = wait_for(lambda: [p for p in (d.runtime_dir / "beats").glob("run-*.beat") if p.stat().st_uid == 0],
@@ -312,7 +312,7 @@ def test_notify_datagrams_from_another_user_neither_keep_a_job_alive_nor_reach_s
     got: list[bytes] = []
     threading.Thread(target=lambda: [got.append(upstream.recv(4096)) for _ in iter(int, 1)], daemon=True).start()
     evil_status = "EVIL-" + os.urandom(4).hex()
-    with Daemon(base / "d", config=QUICK) as d:
+    with ScratchDaemon(base / "d", config=QUICK) as d:
         work = d.run([sys.executable, "-c", NOTIFY_WORKLOAD], "--heartbeat-timeout", str(TIMEOUT), "--job", "notified",
                      stdout=subprocess.PIPE, start_new_session=True, env=dict(os.environ, NOTIFY_SOCKET=str(base / "systemd.notify")))
         try:
@@ -356,7 +356,7 @@ while True:
 @needs_root
 def test_another_users_process_under_the_same_job_name_never_joins_the_job(base: Path, attacker: Attacker) -> None:
     job = "victims-job"
-    with Daemon(base / "d", config=QUICK) as d:
+    with ScratchDaemon(base / "d", config=QUICK) as d:
         victim = attacker.spawn([SYSTEM_PYTHON, "-m", "hangwatchd", "run", "--runtime-dir", str(d.runtime_dir), "--job", job,
                                  "--heartbeat-timeout", str(TIMEOUT), "--", SYSTEM_PYTHON, *workload_argv(beats=300)[1:]],
                                 user=VICTIM, group=VICTIM, extra_groups=[], cwd="/", env=user_env(), stdout=subprocess.PIPE)
@@ -407,7 +407,7 @@ def test_another_users_process_under_the_same_job_name_never_joins_the_job(base:
 
 @needs_root
 def test_a_user_holding_daemon_lock_files_cannot_keep_the_daemon_from_restarting(base: Path, attacker: Attacker) -> None:
-    d = Daemon(base / "d", config=QUICK)
+    d = ScratchDaemon(base / "d", config=QUICK)
     run = d.runtime_dir
     try:
         # Every daemon.lock the attacker can open, held and flocked the moment the daemon lets go.
@@ -431,7 +431,7 @@ while True:
         opened = int(holder.stdout.readline())  # type: ignore[union-attr]
     finally:
         assert d.stop() == 0
-    d = Daemon(base / "d", config=QUICK)  # raises, with the daemon's log, when it cannot start
+    d = ScratchDaemon(base / "d", config=QUICK)  # raises, with the daemon's log, when it cannot start
     try:
         assert opened == 0, "the attacker could open the daemon's lock"
         second = subprocess.run([sys.executable, "-m", "hangwatchd", "daemon", "--state-dir", str(d.state_dir),
@@ -472,7 +472,7 @@ os.execv({real!r}, [{real!r}] + sys.argv[1:])
 """)
     wrapper.chmod(0o755)
     config = dict(QUICK, stack_interval=0.2, pyspy_samples_per_uid=20.0)
-    with Daemon(base / "d", config=config, env={"HANGWATCHD_PYSPY": str(wrapper)}) as d:
+    with ScratchDaemon(base / "d", config=config, env={"HANGWATCHD_PYSPY": str(wrapper)}) as d:
         proc = attacker.spawn([SYSTEM_PYTHON, "-c", f"""
 import os, sys
 sys.stdin.readline()

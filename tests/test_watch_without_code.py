@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hangwatchd.testing import Daemon, stop, wait_for
+from hangwatchd.testing import ScratchDaemon, stop, wait_for
 
 from .conftest import hangwatchd
 
@@ -41,7 +41,7 @@ def test_discovery_finds_a_gpu_process_that_never_imports_hangwatchd_and_catches
             "for i in range(20): time.sleep(0.05)\n"
             "lock = threading.Lock(); lock.acquire()\n"
             "def stuck_on_lock():\n    lock.acquire()\nstuck_on_lock()\n")
-    with Daemon(tmp_path, config={**FAST, "discover": True, "rescan_interval": 0.5}) as d:
+    with ScratchDaemon(tmp_path, config={**FAST, "discover": True, "rescan_interval": 0.5}) as d:
         work = python(code)
         try:
             (inc,) = wait_for(d.settled, 30, "a stack incident")
@@ -65,7 +65,7 @@ def test_healthy_and_idle_processes_raise_nothing_under_sampling(tmp_path: Path,
     idle = (f"import selectors, socket\nf = open({str(fake_gpu)!r})\ns = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
             "sel = selectors.DefaultSelector(); sel.register(s, selectors.EVENT_READ)\n"
             "def serve_forever():\n    while True: sel.select()\nserve_forever()\n")
-    with Daemon(tmp_path, config={**FAST, "discover": True, "rescan_interval": 0.5}) as d:
+    with ScratchDaemon(tmp_path, config={**FAST, "discover": True, "rescan_interval": 0.5}) as d:
         procs = [python(busy), python(idle)]
         try:
             wait_for(lambda: len(json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)["processes"]) == 2,
@@ -79,7 +79,7 @@ def test_healthy_and_idle_processes_raise_nothing_under_sampling(tmp_path: Path,
 
 
 def test_a_declared_stack_timeout_catches_a_process_that_merely_stopped_moving(tmp_path: Path) -> None:
-    with Daemon(tmp_path, config=FAST) as d:
+    with ScratchDaemon(tmp_path, config=FAST) as d:
         work = d.run([sys.executable, "-c", "import time\ndef poll_forever():\n    while True: time.sleep(0.2)\npoll_forever()"],
                      "--stack-timeout", "2", "--heartbeat-timeout", "3600")
         try:
@@ -94,7 +94,7 @@ def test_a_learned_timeout_catches_a_fast_loop_within_seconds(tmp_path: Path) ->
             "for _ in range(80): hangwatchd.beat(); time.sleep(0.05)\n"
             "print('hanging', time.time(), flush=True)\n"
             "import threading; threading.Event().wait()\n")
-    with Daemon(tmp_path, config={**FAST, "heartbeat_timeout": 120.0}) as d:
+    with ScratchDaemon(tmp_path, config={**FAST, "heartbeat_timeout": 120.0}) as d:
         work = d.run([sys.executable, "-c", code], stdout=subprocess.PIPE)
         try:
             assert work.stdout is not None
@@ -117,7 +117,7 @@ def test_a_phase_without_beats_whose_stack_moves_is_not_a_hang(tmp_path: Path) -
             "def checkpoint(t):\n    end = time.time() + t\n    n = 0\n    while time.time() < end:\n        n += sum(range(n % 5000))\n"
             "checkpoint(9)\n"
             "while True: hangwatchd.beat(); time.sleep(0.05)\n")
-    with Daemon(tmp_path, config={**FAST, "heartbeat_timeout": 120.0}) as d:
+    with ScratchDaemon(tmp_path, config={**FAST, "heartbeat_timeout": 120.0}) as d:
         work = d.run([sys.executable, "-c", code])
         try:
             wait_for(lambda: any(e.get("event") == "suspicion_dropped" and e.get("why") in
@@ -140,7 +140,7 @@ def test_sd_notify_watchdog_counts_as_a_beat_and_status_is_kept(tmp_path: Path) 
             "for i in range(30): s.sendto(f'WATCHDOG=1\\nSTATUS=serving step {i}'.encode(), addr); time.sleep(0.05)\n"
             "print('stopped', flush=True)\n"
             "import threading; threading.Event().wait()\n")
-    with Daemon(tmp_path, config={**FAST, "learn_timeouts": False}) as d:
+    with ScratchDaemon(tmp_path, config={**FAST, "learn_timeouts": False}) as d:
         work = d.run([sys.executable, "-c", code], "--heartbeat-timeout", "2", stdout=subprocess.PIPE)
         try:
             assert work.stdout is not None and work.stdout.readline() == b"stopped\n"

@@ -15,7 +15,7 @@ import pytest
 from hangwatchd.cudacore import sandbox
 from hangwatchd.cudacore.errors import CoreDumpError
 from hangwatchd.cudacore.sandbox import Limits, SymbolizeStopped
-from hangwatchd.testing import Daemon, wait_for
+from hangwatchd.testing import ScratchDaemon, wait_for
 
 from . import hostile
 
@@ -149,7 +149,7 @@ def test_the_daemon_files_one_line_for_a_dump_over_the_cpu_limit_and_symbolises_
         raw_dumps: dict[str, Path], tmp_path: Path) -> None:
     host = socket.gethostname()
     slow = hostile.hostile_dump(raw_dumps["cpp_ima"].read_bytes(), hostile.many_rows(3 << 20))
-    with Daemon(tmp_path / "d", config={"symbolize_cpu_seconds": 1, "symbolize_timeout": 30}) as d:
+    with ScratchDaemon(tmp_path / "d", config={"symbolize_cpu_seconds": 1, "symbolize_timeout": 30}) as d:
         dumps = d.dump_dir
 
         def drop(name: str, data: bytes) -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd.testing import Daemon, hangwatchd_argv, stop, wait_for  # noqa: E402
+from hangwatchd.testing import ScratchDaemon, hangwatchd_argv, stop, wait_for  # noqa: E402
 
 GPU = ROOT / "tests" / "gpu"
 CAUSE = ROOT / "tests" / "cause"
@@ -48,7 +48,7 @@ def one(name: str, out: Path, command: list[str], options: list[str], config: di
                                 start_new_session=True)
         assert busy.stdout is not None
         assert busy.stdout.readline().startswith("BUSY"), "the busy neighbour did not start"
-    d = Daemon(base / "d", config={"pyspy_timeout": 20.0, **config})
+    d = ScratchDaemon(base / "d", config={"pyspy_timeout": 20.0, **config})
     work = None
     try:
         env = dict(os.environ, PYTHONPATH=f"{CAUSE}{os.pathsep}{ROOT}")

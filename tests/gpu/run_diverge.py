@@ -17,14 +17,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd.testing import Daemon, hangwatchd_argv, wait_for  # noqa: E402
+from hangwatchd.testing import ScratchDaemon, hangwatchd_argv, wait_for  # noqa: E402
 
 
 def main(out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     base = Path("/tmp/hangwatchd-diverge")
     shutil.rmtree(base, ignore_errors=True)
-    d = Daemon(base, config={"gpu_dump": "confirmed", "pyspy_timeout": 20.0, "flight_recorder_timeout": 30.0})
+    d = ScratchDaemon(base, config={"gpu_dump": "confirmed", "pyspy_timeout": 20.0, "flight_recorder_timeout": 30.0})
     job = None
     try:
         job = subprocess.Popen(["torchrun", "--nproc-per-node", "2", "--no-python", *hangwatchd_argv(

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from _figures import Figure, report  # noqa: E402
 
-from hangwatchd.testing import Daemon, hangwatchd_argv, stop, wait_for  # noqa: E402
+from hangwatchd.testing import ScratchDaemon, hangwatchd_argv, stop, wait_for  # noqa: E402
 
 TIMEOUT = 5  # seconds of heartbeat timeout
 STORED_S = 2.0  # issue 21: every rank's stacks stored within 2 s of the declaration
@@ -63,7 +63,7 @@ def rank_argv(fr: bool, fake: bool) -> list[str]:
 def scenario(name: str, ranks: int, fr: bool, out: Path, fake: bool) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     base = Path(tempfile.mkdtemp(prefix=f"hangwatchd-fast-{name}-"))
-    d = Daemon(base, config={"gpu_dump": "always", "pyspy_timeout": 20.0, "flight_recorder_timeout": 20.0,
+    d = ScratchDaemon(base, config={"gpu_dump": "always", "pyspy_timeout": 20.0, "flight_recorder_timeout": 20.0,
                              "gpu_dump_timeout": 60.0})
     procs: list[subprocess.Popen[bytes]] = []
     logs = []

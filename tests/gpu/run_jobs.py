@@ -37,7 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd.testing import Daemon, hangwatchd_argv, stop, wait_for  # noqa: E402
+from hangwatchd.testing import ScratchDaemon, hangwatchd_argv, stop, wait_for  # noqa: E402
 
 STEPS = 25
 HEARTBEAT_TIMEOUT = 10
@@ -54,7 +54,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def status(d: Daemon) -> list[dict[str, Any]]:
+def status(d: ScratchDaemon) -> list[dict[str, Any]]:
     res = subprocess.run(hangwatchd_argv("status", "--json", "--runtime-dir", str(d.runtime_dir)),
                          capture_output=True, text=True, timeout=30)
     return json.loads(res.stdout)["processes"] if res.returncode == 0 else []
@@ -67,7 +67,7 @@ def scenario(name: str, out: Path, fake: bool, hold: float = 0.0, on_hang: str |
     base = Path(tempfile.mkdtemp(prefix=f"hangwatchd-jobs-{name}-"))
     fake_dir = base / "barrier"
     fake_dir.mkdir()
-    d = Daemon(base, config={"gpu_dump": "confirmed", "pyspy_timeout": 20.0, "flight_recorder_timeout": 30.0})
+    d = ScratchDaemon(base, config={"gpu_dump": "confirmed", "pyspy_timeout": 20.0, "flight_recorder_timeout": 30.0})
     port = free_port()
     ranks: list[subprocess.Popen[bytes]] = []
     logs = []

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd.testing import Daemon, hangwatchd_argv, wait_for  # noqa: E402
+from hangwatchd.testing import ScratchDaemon, hangwatchd_argv, wait_for  # noqa: E402
 from tests.s3server import S3Server, free_port  # noqa: E402
 
 JOB = "gpu-nodes"
@@ -41,7 +41,7 @@ def main(out: Path, hold: float = 0.0) -> int:
     base = Path("/tmp/hangwatchd-nodes")
     shutil.rmtree(base, ignore_errors=True)
     s3 = S3Server().start()
-    daemons = {name: Daemon(base / name, "--store", s3.url(), "--node-name", name, env=s3.env, config=CONFIG)
+    daemons = {name: ScratchDaemon(base / name, "--store", s3.url(), "--node-name", name, env=s3.env, config=CONFIG)
                for name in ("node-a", "node-b")}
     port = free_port()
     ranks: list[subprocess.Popen[str]] = []

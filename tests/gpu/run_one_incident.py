@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd.testing import Daemon, stop, wait_for  # noqa: E402
+from hangwatchd.testing import ScratchDaemon, stop, wait_for  # noqa: E402
 
 
 def main() -> int:
@@ -39,7 +39,7 @@ def main() -> int:
     shutil.rmtree(base, ignore_errors=True)
     config = {"discover": True, "rescan_interval": 1.0, "stack_interval": 2.0, "stack_window": 10.0,
               "gpu_dump": "never", "capture_timeout": 60.0}
-    d = Daemon(base, config=config)
+    d = ScratchDaemon(base, config=config)
     work = subprocess.Popen([sys.executable, str(ROOT / "tests" / "gpu" / "spin_unwatched.py")],
                             stdout=subprocess.PIPE, start_new_session=True)
     result: dict[str, object] = {}

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd.testing import Daemon, hangwatchd_argv, stop, wait_for  # noqa: E402
+from hangwatchd.testing import ScratchDaemon, hangwatchd_argv, stop, wait_for  # noqa: E402
 
 FIX = ROOT / "tests" / "fixtures" / "gpu"
 
@@ -38,7 +38,7 @@ def ts(e: dict) -> float:
     return datetime.datetime.fromisoformat(str(e["timestamp"]).replace("Z", "+00:00")).timestamp()
 
 
-def show(d: Daemon, inc: dict, out: Path, name: str) -> str:
+def show(d: ScratchDaemon, inc: dict, out: Path, name: str) -> str:
     res = subprocess.run(hangwatchd_argv("show", inc["id"], "--state-dir", str(d.state_dir)), capture_output=True, text=True)
     (out / f"{name}-show.txt").write_text(res.stdout + res.stderr)
     return res.stdout
@@ -50,7 +50,7 @@ def symbolized(inc: dict) -> dict:
     return {}
 
 
-def new_incident(d: Daemon, seen: set[str], seconds: float) -> dict:
+def new_incident(d: ScratchDaemon, seen: set[str], seconds: float) -> dict:
     def fresh():
         return [i for i in d.settled() if i["id"] not in seen]
     inc = wait_for(fresh, seconds, "an incident", every=0.2)[0]
@@ -67,7 +67,7 @@ def main(out: Path) -> int:
     results = {}
     seen: set[str] = set()
     started: list[subprocess.Popen[bytes]] = []  # every workload, stopped at the end whatever happened
-    d = Daemon(base, config={"gpu_dump": "confirmed", "pyspy_timeout": 20.0})
+    d = ScratchDaemon(base, config={"gpu_dump": "confirmed", "pyspy_timeout": 20.0})
     try:
         # 1. triton_hang
         work = d.run([sys.executable, str(ROOT / "tests/gpu/triton_hang.py")], "--heartbeat-timeout", "5",

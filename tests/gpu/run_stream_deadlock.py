@@ -20,14 +20,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd.testing import Daemon, hangwatchd_argv, wait_for  # noqa: E402
+from hangwatchd.testing import ScratchDaemon, hangwatchd_argv, wait_for  # noqa: E402
 
 
 def main(out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     base = Path("/tmp/hangwatchd-stream")
     shutil.rmtree(base, ignore_errors=True)
-    d = Daemon(base, config={"gpu_dump": "confirmed", "pyspy_timeout": 20.0})
+    d = ScratchDaemon(base, config={"gpu_dump": "confirmed", "pyspy_timeout": 20.0})
     work = None
     try:
         work = d.run([sys.executable, str(ROOT / "tests/gpu/stream_deadlock.py")], "--heartbeat-timeout", "5",

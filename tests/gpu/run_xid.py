@@ -31,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd.testing import Daemon, hangwatchd_argv, stop, wait_for  # noqa: E402
+from hangwatchd.testing import ScratchDaemon, hangwatchd_argv, stop, wait_for  # noqa: E402
 
 RANK = """
 import threading, time, torch, hangwatchd
@@ -56,7 +56,7 @@ def main() -> int:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=a.gpu)
     result: dict[str, Any] = {}
     procs: list[subprocess.Popen[bytes]] = []
-    d = Daemon(base, config={"gpu_dump": "never", "capture_steps": ["proc", "pyspy", "nvml"], "pyspy_native": False})
+    d = ScratchDaemon(base, config={"gpu_dump": "never", "capture_steps": ["proc", "pyspy", "nvml"], "pyspy_native": False})
     try:
         gpu = int(a.gpu)
         wait_for(lambda: d.metric("hangwatchd_gpu_xid_errors_total", gpu=str(gpu), xid="31") == 0.0, 30,
