@@ -63,15 +63,15 @@ def test_version_and_check_in_the_image(image: str) -> None:
 def pod(image: str, tmp_path: Path) -> Iterator[tuple[podman.Container, Path]]:
     """The daemon as the image runs it by default, in a container whose process namespace and
     network a workload container joins (what Kubernetes' shareProcessNamespace gives a pod)."""
-    run, state = tmp_path / "run", tmp_path / "state"
-    run.mkdir()
-    state.mkdir()
+    run, state, dumps = tmp_path / "run", tmp_path / "state", tmp_path / "dumps"
+    for d in (run, state, dumps):
+        d.mkdir()
     config = tmp_path / "hangwatchd.toml"
     text = (ROOT / "config" / "hangwatchd.toml").read_text()
     config.write_text(re.sub(r'(?m)^gpu_dump = .*$', 'gpu_dump = "always"', text))
     daemon = podman.Container(image, options=[
         "--cap-add", "SYS_PTRACE", "--network", "none",
-        "-v", f"{run}:/run/hangwatchd", "-v", f"{state}:/var/lib/hangwatchd",
+        "-v", f"{run}:/run/hangwatchd", "-v", f"{state}:/var/lib/hangwatchd", "-v", f"{dumps}:/var/lib/hangwatchd-dumps",
         "-v", f"{config}:/etc/hangwatchd/hangwatchd.toml:ro",
         "-e", "POD_NAME=train-llama", "-e", "POD_NAMESPACE=ml", "-e", "CONTAINER_NAME=trainer"])
     try:
@@ -90,15 +90,17 @@ def test_the_sidecar_captures_a_hang_in_the_other_container(pod: tuple[podman.Co
     res = daemon.exec("hangwatchd", "check", check=False)
     assert res.returncode == 0 and "in use by the running daemon" in res.stdout, res.stdout
     # The workload: another container, another user, the same pid namespace, network and the
-    # two shared volumes; it runs through hangwatchd run, as deploy/kubernetes/pod.yaml says.
+    # runtime and dump dirs; it runs through hangwatchd run, as deploy/kubernetes/pod.yaml says.
     fixture = FIXTURES / "cpp_hang"
     with podman.Container(image, "run", "--heartbeat-timeout", "1", "--",
                           "python3", "-m", "hangwatchd.testing", "gpu-workload", "--dump", "/fixtures/coredump.nvcudmp.xz",
                           options=["--pid", f"container:{daemon.name}", "--network", f"container:{daemon.name}",
                                    "--user", "1000:1000", "-e", "HOME=/tmp",
-                                   "-v", f"{base / 'run'}:/run/hangwatchd", "-v", f"{state}:/var/lib/hangwatchd",
+                                   "-v", f"{base / 'run'}:/run/hangwatchd", "-v", f"{base / 'dumps'}:/var/lib/hangwatchd-dumps",
                                    "-v", f"{fixture}:/fixtures:ro"]) as work:
-        (inc,) = wait_for(lambda: Store(state).list(), 60, "an incident from the sidecar", every=0.5)
+        # Stored once its stacks are in; complete once the GPU dump has been added too.
+        (inc,) = wait_for(lambda: [i for i in Store(state).list() if not i["pending"]], 60, "a complete incident from the sidecar",
+                          every=0.5)
         data = json.loads((Path(inc["dir"]) / "incident.json").read_text())
         (proc,) = data["processes"]
         steps = {s["step"]: s for s in proc["steps"]}

@@ -142,7 +142,7 @@ def test_a_hang_of_another_user_in_another_mount_namespace_is_captured_under_eve
                       "the incident", every=0.5)
     steps = {e["step"]: e for e in machine.daemon_events() if e["event"] == "capture_step"}
     assert steps["pyspy"]["ok"] and not steps["pyspy"]["na"], steps["pyspy"]
-    assert steps["cuda_dump"]["ok"] and not steps["cuda_dump"]["na"], steps["cuda_dump"]
+    assert steps["cuda_dump"]["ok"] and not steps["cuda_dump"]["na"], json.dumps(steps["cuda_dump"])
     assert steps["flight_recorder"]["ok"] and not steps["flight_recorder"]["na"], steps["flight_recorder"]
     inc = stored[0]["incident"]
     shown = machine.exec("/opt/hangwatchd/bin/hangwatchd", "show", inc).stdout
