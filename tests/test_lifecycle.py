@@ -297,3 +297,25 @@ def test_the_ram_spool_keeps_at_most_its_limit_of_reports_the_oldest_dropped(tmp
     pending = [p.name for p in spool.pending()]
     assert len(pending) == spool_mod.MAX_REPORTS and pending == sorted(ids)[2:]
     assert [e["incident"] for e in logs if e["event"] == "spool_report_dropped"] == sorted(ids)[:2]
+
+
+def test_the_daemon_is_unhealthy_only_while_a_capture_runs_past_its_own_deadline() -> None:
+    """WATCHDOG=1 goes to systemd only while this holds: each capture is measured against its own
+    deadline (and a grace for its last step to be killed), never against a fixed timeout."""
+    import concurrent.futures
+
+    from hangwatchd.daemon.capture_workers import WEDGED_AFTER, CaptureWorkers, _Capture
+    from hangwatchd.model import Suspicion
+
+    workers = object.__new__(CaptureWorkers)  # only the captures in flight matter here
+    why = Suspicion("heartbeat", "no beat", time.time())
+    now = time.monotonic()
+    long_one = _Capture([], why, now - 500, now + 100, concurrent.futures.Future())  # running 500 s, within its deadline
+    workers.captures = [long_one]
+    assert workers.healthy(now)
+    late = _Capture([], why, now - 20, now - 1, concurrent.futures.Future())  # 1 s past its deadline: being cut
+    workers.captures = [long_one, late]
+    assert workers.healthy(now) and workers.healthy(now + WEDGED_AFTER - 2)
+    assert not workers.healthy(now + WEDGED_AFTER)  # wedged: the daemon stops telling systemd it is well
+    workers.captures = [long_one]  # collected
+    assert workers.healthy(now + WEDGED_AFTER)
