@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from .s3server import S3Server
+
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
 DUMPS = ["cpp_hang", "cpp_ima", "torch_ima", "triton_hang"]
 
@@ -125,3 +127,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if leaks:
         sys.stderr.write(f"\nthe test run left {len(leaks)} processes running (killed now):\n  " + "\n  ".join(leaks) + "\n")
         session.exitstatus = 1
+
+
+@pytest.fixture
+def s3() -> Iterator[S3Server]:
+    """A real S3 protocol server (moto) on loopback for the test, stopped by its pid after."""
+    server = S3Server().start()
+    try:
+        yield server
+    finally:
+        server.stop()

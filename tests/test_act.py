@@ -10,7 +10,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -163,15 +162,6 @@ if sys.argv[1] == "stuck":
 while True:
     hangwatchd.beat(); time.sleep(0.1)
 """
-
-
-@pytest.fixture
-def s3() -> Iterator[S3Server]:
-    server = S3Server().start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def test_abort_ends_the_jobs_ranks_on_every_node_after_each_nodes_capture(tmp_path: Path, s3: S3Server) -> None:

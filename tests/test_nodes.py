@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,15 +42,6 @@ else:
 """
 
 FAST = {"pyspy_native": False, "gpu_dump": "never", "store_poll_interval": 0.5, "capture_steps": ["proc", "progress", "pyspy"]}
-
-
-@pytest.fixture
-def s3() -> Iterator[S3Server]:
-    server = S3Server().start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def node(base: Path, name: str, s3: S3Server, **config: object) -> ScratchDaemon:

@@ -151,15 +151,6 @@ def test_processes_named_like_hung_gpu_work_take_no_gpu_dump_and_delay_no_one(ba
 
 # -- High 8: what is read from the shared store ---------------------------------
 
-@pytest.fixture
-def s3() -> Iterator[S3Server]:
-    server = S3Server().start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def s3_client(s3: S3Server) -> Any:
     import boto3
 
