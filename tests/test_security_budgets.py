@@ -419,8 +419,9 @@ def test_a_users_control_characters_reach_no_terminal(base: Path, attacker: Atta
                             "--timeout", "1", "--bait", str(bait), "--job", HOSTILE],
                            user=NOBODY, group=NOBODY, extra_groups=[], cwd="/", stdout=subprocess.PIPE)
         assert p.stdout is not None and p.stdout.readline().startswith("registered")
-        status = cli("status", "--runtime-dir", str(d.runtime_dir))
-        assert status.returncode == 0, status.stderr
+        # status.json is written off the loop, at most once a second: wait until the process shows.
+        status = wait_for(lambda: (r := cli("status", "--runtime-dir", str(d.runtime_dir))).returncode == 0
+                          and str(p.pid) in r.stdout and r, 10, "the attacker's process in hangwatchd status")
         shown_escaped(status.stdout, whole=False)  # the table cuts a job name at 32 characters
         (inc,) = wait_for(lambda: [i for i in d.store().list() if p.pid in i["processes"]], 30, "the attacker's hang stored")
         listed = cli("incidents", "--state-dir", str(d.state_dir))

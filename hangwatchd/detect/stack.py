@@ -64,6 +64,11 @@ def take_sample(pid: int, timeout: float, native: bool = False, uid: int | None 
     # way; a moving one may read torn, which only ever looks like movement.
     flags = ["--native"] if native else ["--nonblocking"]
     res = subproc.run([tool, "dump", "--json", "--pid", str(pid), *flags], timeout=timeout)
+    if uid is not None:
+        try:  # and right after: an exec of a setuid program can land between the check and the attach
+            untrusted.check_owner(pid, uid)
+        except untrusted.Refused as exc:
+            return Sample(now, (), (), cpu, ctx, f"not kept: {exc}", refused=True)  # what was read is dropped
     if not res.ok:
         why = "timed out and was killed" if res.timed_out else (res.stderr_line() or f"exit status {res.returncode}")
         return Sample(now, (), (), cpu, ctx, f"py-spy: {why}")
