@@ -216,3 +216,26 @@ def test_the_flight_recorder_dump_is_found_under_either_name(tmp_path: Path, nam
         assert (Path(inc["dir"]) / str(work.pid) / "flight-recorder.pkl").stat().st_size > 0
     finally:
         stop(work)
+
+
+def test_a_wait_for_a_file_ends_when_its_writer_is_gone(tmp_path: Path) -> None:
+    """A flight-recorder trace or a GPU dump is written by the process itself: once it is gone with
+    nothing written, the capture stops waiting (seen on an H200: a rank's GPU dump ended it, and its
+    trace was waited for until the step's whole deadline); what it wrote before it went still counts."""
+    from hangwatchd.capture.waitfile import Watch
+
+    for writes in (False, True):
+        out = tmp_path / ("wrote" if writes else "silent")
+        out.mkdir()
+        watch = Watch(out, "trace_*")
+        code = f"import time; time.sleep(0.5); open({str(out / 'trace_0')!r}, 'w').write('x')" if writes else "import time; time.sleep(0.5)"
+        writer = subprocess.Popen([sys.executable, "-c", code])
+        try:
+            start = time.monotonic()
+            found = watch.wait(120.0, lambda: writer.poll() is not None)
+            waited = time.monotonic() - start
+        finally:
+            writer.wait(30)
+            watch.close()
+        assert waited < 60.0, "it waited out its whole deadline for a writer that was gone"
+        assert found == (out / "trace_0" if writes else None)

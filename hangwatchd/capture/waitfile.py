@@ -83,7 +83,8 @@ class Watch:
             return False
 
     def wait(self, timeout: float, finished: Callable[[], bool] = lambda: False) -> Path | None:
-        """The first new complete file, or None at the deadline."""
+        """The first new complete file; None at the deadline, or as soon as ``finished()`` (the
+        process that was to write it is gone) with nothing new there: nothing more can come."""
         end = time.monotonic() + timeout
         while True:
             left = end - time.monotonic()
@@ -95,5 +96,4 @@ class Watch:
                     return self.directory / event.name
             if finished():
                 fresh = self.new_files()
-                if fresh:
-                    return fresh[0]
+                return fresh[0] if fresh else None
