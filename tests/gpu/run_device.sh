@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch of GPU scenarios on the GPU machine (never in CI), all output in one tarball:
-#   bash tests/gpu/run_device.sh WAVE OUTDIR        WAVE: jobs | node1 | node2
+#   bash tests/gpu/run_device.sh WAVE OUTDIR        WAVE: jobs | node1 | node2 | fast
 # The machine has PyTorch but not our dependencies: carry them as wheels in .whl/ (README,
 # "Running the GPU scenarios"). jobs needs 2 GPUs; node runs on one.
 set -u
@@ -36,6 +36,9 @@ case "$wave" in
     run fast python3 tests/gpu/run_fast.py "$work/fast"
     HANGWATCHD_BENCH_OUT=$work run symbolize python3 bench/symbolize.py --name symbolize_h200 tests/fixtures/gpu/*/coredump.nvcudmp.xz
     for n in cause fast symbolize; do echo "######## $n"; tail -c 3500 "$work/$n.log"; done ;;
+  fast)  # issue 21 alone: the capture timings on one GPU
+    run fast python3 tests/gpu/run_fast.py "$work/fast"
+    echo "######## fast"; tail -c 5000 "$work/fast.log" ;;
   *) echo "unknown wave $wave" >&2; exit 2 ;;
 esac
 find "$work" -name '*.zst' -delete
