@@ -52,6 +52,8 @@ class FlightRecorderStep:
             poke_held_fifo(pid, fifo, b"1", owner)
             found = watch.wait(timeout, lambda: not procfs.alive(target.process))
             if found is None:
+                if not procfs.alive(target.process):
+                    raise StepFailed(f"pid {pid} ended (its GPU dump, a crash) before its flight recorder wrote {dump}")
                 raise StepFailed(f"the flight recorder wrote nothing to {dump} within {timeout:g} s")
             try:
                 fd = watch.open(found, owner, MAX_TRACE)
