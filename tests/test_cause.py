@@ -115,15 +115,21 @@ def test_a_subprocess_that_is_no_python_program_is_named_by_what_it_is_blocked_o
                                      f"its parent (pid {work.pid}) waits for it in Popen.communicate (waits_on_cat.py:12)"), out["verdict"]
 
 
-def test_a_lock_order_deadlock_names_both_threads_not_the_join(tmp_path: Path) -> None:
-    with ScratchDaemon(tmp_path / "d", config=CONFIG) as d:
-        work = d.run([sys.executable, str(WORKLOADS / "server.py")], "--stack-timeout", "2", "--heartbeat-timeout", "3600",
-                     stdout=subprocess.PIPE, text=True, env=env())
+def stack_hang(base: Path, argv: list[str], config: dict[str, object] = CONFIG) -> tuple[dict[str, Any], Path, int]:
+    """A never-instrumented workload watched by its stack (2 s) under its own daemon: its incident,
+    that incident's directory and the workload's pid, the workload stopped."""
+    with ScratchDaemon(base / "d", config=config) as d:
+        work = d.run(argv, "--stack-timeout", "2", "--heartbeat-timeout", "3600", stdout=subprocess.PIPE, text=True, env=env())
         try:
             started(work)
             inc, path = incident(d)
         finally:
             stop(work, sig=signal.SIGKILL)
+    return inc, path, work.pid
+
+
+def test_a_lock_order_deadlock_names_both_threads_not_the_join(tmp_path: Path) -> None:
+    inc, path, _ = stack_hang(tmp_path, [sys.executable, str(WORKLOADS / "server.py")])
     pid = inc["processes"][0]["pid"]
     assert inc["verdict"] == (f"pid {pid}: deadlock between threads cache (update_cache, server.py:14) "
                                      "and stats (report_stats, server.py:21)."), inc["verdict"]
@@ -132,15 +138,8 @@ def test_a_lock_order_deadlock_names_both_threads_not_the_join(tmp_path: Path) -
 
 
 def test_the_same_deadlock_from_python_frames_alone_reads_the_kernel_s_futex_waits(tmp_path: Path) -> None:
-    with ScratchDaemon(tmp_path / "d", config={**CONFIG, "pyspy_native": False}) as d:
-        work = d.run([sys.executable, str(WORKLOADS / "server.py")], "--stack-timeout", "2", "--heartbeat-timeout", "3600",
-                     stdout=subprocess.PIPE, text=True, env=env())
-        try:
-            started(work)
-            inc, path = incident(d)
-        finally:
-            stop(work, sig=signal.SIGKILL)
-    assert not (path / str(work.pid) / "pyspy-native.json").exists()
+    inc, path, work_pid = stack_hang(tmp_path, [sys.executable, str(WORKLOADS / "server.py")], {**CONFIG, "pyspy_native": False})
+    assert not (path / str(work_pid) / "pyspy-native.json").exists()
     assert "deadlock between threads cache (update_cache, server.py:14) and stats (report_stats, server.py:21)" in inc["verdict"]
 
 
@@ -156,14 +155,7 @@ def libspin(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_a_thread_spinning_in_c_with_the_gil_held_is_its_own_verdict(tmp_path: Path, libspin: Path) -> None:
-    with ScratchDaemon(tmp_path / "d", config=CONFIG) as d:
-        work = d.run([sys.executable, str(WORKLOADS / "gil.py"), str(libspin)], "--stack-timeout", "2", "--heartbeat-timeout", "3600",
-                     stdout=subprocess.PIPE, text=True, env=env())
-        try:
-            started(work)
-            inc, path = incident(d)
-        finally:
-            stop(work, sig=signal.SIGKILL)
+    inc, path, _ = stack_hang(tmp_path, [sys.executable, str(WORKLOADS / "gil.py"), str(libspin)])
     pid = inc["processes"][0]["pid"]
     assert inc["verdict"] == (f"pid {pid}: thread MainThread holds the GIL while spinning in C in spin_forever (libspin.so), "
                               "called from checksum (gil.py:19); the other thread cannot run Python."), inc["verdict"]
