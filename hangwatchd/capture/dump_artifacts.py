@@ -89,10 +89,7 @@ def store_fd(fd: int, dump: Path, outdir: Path, remove_source: bool, keep_dump: 
     opened = untrusted.fd_path(fd)
     try:
         # In a limited child, through the fd we checked: the dump is untrusted.
-        limits = sandbox.current()
-        if deadline is not None:
-            limits = dataclasses.replace(limits, wall_seconds=max(0.0, min(limits.wall_seconds, deadline - time.monotonic())))
-        result = sandbox.symbolize(opened, limits)
+        result = sandbox.symbolize(opened, _cut_at(deadline))
         data = result.to_dict()
         if data.get("path") == opened:
             data["path"] = str(dump)  # the name it came by, not the fd it was read through
@@ -131,15 +128,20 @@ def _compress(fd: int, src: Path, target: Path, deadline: float | None = None) -
     try:
         if os.fstat(fd).st_size > MAX_DUMP:
             raise CoreDumpError(f"{src} grew past {MAX_DUMP >> 30} GiB")
-        limits = sandbox.current()
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise CoreDumpError(f"{src}: not compressed, the capture's deadline had passed")
-            limits = dataclasses.replace(limits, wall_seconds=min(limits.wall_seconds, left))
+        limits = _cut_at(deadline)
+        if limits.wall_seconds <= 0:
+            raise CoreDumpError(f"{src}: not compressed, the capture's deadline had passed")
         sandbox.compress(untrusted.fd_path(fd), untrusted.fd_path(out), limits=limits)
     finally:
         os.close(out)
+
+
+def _cut_at(deadline: float | None) -> sandbox.Limits:
+    """The sandbox's limits, its wall time cut at the capture's ``deadline`` (monotonic) where one runs."""
+    limits = sandbox.current()
+    if deadline is None:
+        return limits
+    return dataclasses.replace(limits, wall_seconds=max(0.0, min(limits.wall_seconds, deadline - time.monotonic())))
 
 
 def unlink_same(path: Path, st: os.stat_result) -> None:
