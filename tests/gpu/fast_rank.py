@@ -4,6 +4,8 @@ variables set before CUDA starts).
 
     RANK=r python3 tests/gpu/fast_rank.py [--fr]
 
+--many-kernels: load many modules first (a big GPU dump, as a real training process makes).
+--hang sleep: stop beating in time.sleep, the GPU idle, instead of the spinning kernel.
 --fr: a one-rank NCCL process group (its own FileStore) with a few all_reduces first, so that
       the flight recorder has entries and its pipe (named for rank 0) is there.
 """
@@ -52,9 +54,30 @@ def barrier() -> None:
         time.sleep(0.01)
 
 
+def many_kernels() -> None:
+    """cuBLAS, cuDNN, cuFFT and many of PyTorch's own kernels, in three dtypes: each loads its module."""
+    a = torch.randn(256, 256, device="cuda")
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        b = a.to(dt)
+        for op in (lambda t: t @ t, lambda t: t.softmax(-1), lambda t: torch.nn.functional.layer_norm(t, t.shape[-1:]),
+                   lambda t: torch.sort(t), lambda t: torch.topk(t, 5), lambda t: t.cumsum(0), lambda t: t.exp(),
+                   lambda t: torch.nn.functional.gelu(t), lambda t: t.sum(0), lambda t: t.max(1), lambda t: t[t > 0],
+                   lambda t: torch.nn.functional.dropout(t, 0.1), lambda t: t.argsort(1)):
+            op(b)
+    conv = torch.nn.Conv2d(3, 8, 3).cuda()
+    conv(torch.randn(2, 3, 32, 32, device="cuda"))
+    torch.fft.fft(a)
+    torch.linalg.qr(a[:64, :64])
+    torch.cuda.synchronize()
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--fr", action="store_true")
+    p.add_argument("--hang", choices=("spin", "sleep"), default="spin",
+                   help="sleep: the host sleeps and the GPU is idle (run_diag.py's flight-recorder baseline)")
+    p.add_argument("--many-kernels", action="store_true",
+                   help="run many kinds of kernel first, so the GPU dump holds many modules (a big dump)")
     a = p.parse_args()
     torch.cuda.set_device(0)  # every rank on the one GPU lent
     x = torch.ones(16, dtype=torch.float32, device="cuda")
@@ -68,6 +91,8 @@ def main() -> int:
 
         def reduce() -> None:
             dist.all_reduce(y)
+    if a.many_kernels:
+        many_kernels()
     spin_kernel[(1,)](x, flag=1, n_elements=x.numel(), BLOCK_SIZE=16)  # compiled before the barrier
     torch.cuda.synchronize()
     barrier()
@@ -79,6 +104,8 @@ def main() -> int:
         hangwatchd.beat()
         time.sleep(0.05)
     print(f"STALL {time.time()}", flush=True)
+    if a.hang == "sleep":
+        time.sleep(3600)
     spin_kernel[(1,)](x, flag=0, n_elements=x.numel(), BLOCK_SIZE=16)
     torch.cuda.synchronize()  # never returns: the host waits for the spinning kernel
     return 0
