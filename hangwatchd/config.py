@@ -236,7 +236,7 @@ KEYS: dict[str, Key] = {
     "stack_idle_pattern": Key("", _optional_regex, "frame pattern that means 'idle, waiting for work' (\"\" keeps the built-in one)"),
     "discover": Key(False, _bool, "also watch, by stack alone, every process that holds /dev/nvidia* open"),
     "discover_interval": Key(1.0, _seconds, "seconds between looks for new GPU processes (new pids' fds, and NVML's process lists)"),
-    "discover_devices": Key("/dev/nvidia", _path, "path prefix of the device files whose holders discovery watches"),
+    "discover_devices": Key("/dev/nvidia", _path, "path prefix of the GPU device files: discovery watches their holders; GPU dumps of one file's holders are triggered one at a time"),
     "nvml_timeout": Key(10.0, _seconds, "seconds the NVML probe may take before it is killed"),
     "nccl_ras_timeout": Key(3.0, _seconds, "seconds to wait for the answer of the job's NCCL RAS service (it answers in ms)"),
     "flight_recorder_timeout": Key(20.0, _seconds, "seconds to wait for PyTorch's flight recorder dump"),

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from hangwatchd.capture import late
 from hangwatchd.testing import ScratchDaemon, stop, wait_for
 
 from .conftest import FIXTURES, hangwatchd
@@ -139,6 +140,40 @@ def test_a_job_incident_is_stored_before_its_dumps_and_a_dump_that_never_comes_h
         finally:
             for r in ranks:
                 stop(r)
+
+
+def _moments(path: Path) -> dict[str, float]:
+    """What the fake workload wrote down: 'fr-asked', 'fr-written', 'cuda-asked', each when it happened."""
+    return {what: float(t) for what, t in (line.split() for line in path.read_text().splitlines())}
+
+
+@pytest.mark.parametrize("fr", ["answer", "silent"])
+def test_the_flight_recorder_is_asked_with_the_stacks_and_the_gpu_dump_waits_for_its_trace(tmp_path: Path, fr: str) -> None:
+    """PyTorch 2.11 writes its trace 3.4-4.4 s after reading its pipe, and the GPU dump ends the
+    process: the trace is asked for while the stacks are taken, and the dump waits for it (never
+    longer than late.HEAD_START from the request, for a PyTorch that does not answer)."""
+    moments = tmp_path / "moments"
+    with ScratchDaemon(tmp_path, config={"gpu_dump": "always", "pyspy_native": False}) as d:
+        work = d.run([sys.executable, "-m", "hangwatchd.testing", "gpu-workload", "--fr", fr, "--fr-delay", "2.5",
+                      "--moments", str(moments), "--dump", str(FIXTURES / "cpp_hang" / "coredump.nvcudmp.xz")],
+                     "--heartbeat-timeout", "1", "--rank", "0")
+        try:
+            (inc,) = wait_for(d.settled, 40, "the incident settled", every=0.1)
+            assert work.wait(10) == 134  # its GPU dump ended it
+            m = _moments(moments)
+            stored = _log_time(next(e for e in d.logs() if e.get("event") == "incident_stored_first"))
+            assert m["fr-asked"] < stored  # asked while the first stage ran, not after it
+            steps = _steps(_incident_json(inc), inc["processes"][0])
+            assert steps["cuda_dump"]["ok"], steps["cuda_dump"]
+            if fr == "answer":
+                assert m["fr-written"] <= m["cuda-asked"] < m["fr-written"] + 1.5  # the dump waited for the trace, no longer
+                assert steps["flight_recorder"]["ok"], steps["flight_recorder"]
+                assert (Path(inc["dir"]) / str(inc["processes"][0]) / "flight-recorder.pkl").stat().st_size > 0
+            else:
+                assert late.HEAD_START - 0.5 < m["cuda-asked"] - m["fr-asked"] < late.HEAD_START + 1.5
+                assert "ended (its GPU dump, a crash) before its flight recorder wrote" in steps["flight_recorder"]["error"]
+        finally:
+            stop(work)
 
 
 # -- discovery: a new GPU process found within seconds, not at the next rescan ----------------------

@@ -69,6 +69,39 @@ def test_a_hung_process_goes_through_every_step_and_its_gpu_dump_is_explained(tm
         d.stop()
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_gpu_dumps_on_one_gpu_are_triggered_one_at_a_time(tmp_path: Path, shared: bool) -> None:
+    """The driver loses a dump triggered while another is being taken on the same GPU (seen on an H200):
+    two ranks holding the same device file are dumped one after the other, the second triggered
+    once the first's file is begun; ranks on different GPUs are triggered together."""
+    devices = tmp_path / "dev"
+    devices.mkdir()
+    for n in (0, 1):
+        (devices / f"gpu{n}").touch()
+    config = {"gpu_dump": "always", "pyspy_native": False, "discover_devices": str(devices / "gpu"),
+              "capture_steps": ["proc", "cuda_dump"]}
+    with ScratchDaemon(tmp_path / "d", config=config) as d:
+        ranks = []
+        for r in (0, 1):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE="2")
+            argv = gpu_workload("--fr", "none", "--dump-delay", "1.0", "--moments", str(tmp_path / f"moments{r}"),
+                                "--hold-device", str(devices / f"gpu{0 if shared else r}"),
+                                "--dump", str(FIXTURES / "cpp_hang" / "coredump.nvcudmp.xz"))
+            ranks.append(d.run(argv, "--job", "J", "--rank", str(r), "--heartbeat-timeout", "1", env=env))
+        try:
+            (inc,) = wait_for(d.settled, 40, "the incident settled", every=0.1)
+            data = json.loads((Path(inc["dir"]) / "incident.json").read_text())
+            assert all(s["ok"] for p in data["processes"] for s in p["steps"] if s["step"] == "cuda_dump"), data
+            asked = sorted(float((tmp_path / f"moments{r}").read_text().split()[1]) for r in (0, 1))
+            if shared:
+                assert asked[1] - asked[0] >= 0.9  # the second waited for the first's dump to begin
+            else:
+                assert asked[1] - asked[0] < 0.5
+        finally:
+            for r in ranks:
+                stop(r)
+
+
 @pytest.mark.parametrize("mode, expect", [
     ("ignore", "no dump appeared"),
     ("half", "did not finish"),

@@ -27,7 +27,7 @@ def make_steps(config: Config) -> list[tuple[Step, float]]:
         "nvml": lambda: (NvmlStep(), config.nvml_timeout),
         "nccl_ras": lambda: (NcclRasStep(), config.nccl_ras_timeout),
         "flight_recorder": lambda: (FlightRecorderStep(), config.flight_recorder_timeout),
-        "cuda_dump": lambda: (CudaDumpStep(config.driver_logs), config.gpu_dump_timeout),
+        "cuda_dump": lambda: (CudaDumpStep(config.driver_logs, config.discover_devices), config.gpu_dump_timeout),
     }
     names = [n for n in config.capture_steps if n != "cuda_dump"]
     if "cuda_dump" in config.capture_steps:

@@ -8,9 +8,12 @@ runs after every other step, and only when the policy allows.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,10 +26,38 @@ from .waitfile import Watch
 
 KEYS = frozenset({"CUDA_COREDUMP_PIPE", "CUDA_COREDUMP_FILE", "CUDA_ENABLE_USER_TRIGGERED_COREDUMP"})
 
+# The driver loses a dump triggered while another process's dump is being taken on the same GPU:
+# 8 processes on one H200, all triggered at once, lost one dump in each of four runs (the trigger
+# read, the process alive, a second trigger 2 s later ignored as well). So one process at a time
+# per GPU is triggered: its turn lasts until the driver has begun writing the dump file (past
+# collecting the GPU's state), or TURN seconds.
+TURN = 2.0
+_turns: dict[str, threading.Lock] = {}  # one per GPU device file: bounded by the node's GPUs
+_turns_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def turn(gpus: list[str], until: float) -> Iterator[None]:
+    """Hold the turn of every GPU in ``gpus`` (in order, so two holders never wait on each other)
+    until the block ends; StepFailed when one is not free by ``until`` (monotonic)."""
+    held = []
+    try:
+        for gpu in gpus:
+            with _turns_guard:
+                lock = _turns.setdefault(gpu, threading.Lock())
+            if not lock.acquire(timeout=max(0.0, until - time.monotonic())):
+                raise StepFailed(f"other processes' GPU dumps on {gpu} took all the time this one had")
+            held.append(lock)
+        yield
+    finally:
+        for lock in reversed(held):
+            lock.release()
+
 
 @dataclass
 class CudaDumpStep:
     driver_logs: Path | None = None  # RUNTIME_DIR/driver-logs, where hangwatchd run keeps coredump: lines
+    devices: str = "/dev/nvidia"  # the GPU device files' prefix: a dump waits for its GPU's turn
     name: str = "cuda_dump"
     destructive: bool = True  # the dump ends the process
 
@@ -54,8 +85,11 @@ class CudaDumpStep:
         # The dump's directory is the workload's choice: held as a descriptor from here on.
         watch = Watch(target_glob.parent, target_glob.name, owner)
         try:
-            poke_held_fifo(pid, pipes[0], b"\0", owner)
-            found = watch.wait(max(0.0, end - time.monotonic()), lambda: not procfs.alive(proc))
+            gone = lambda: not procfs.alive(proc)  # noqa: E731
+            with turn(procfs.gpu_device_files(pid, self.devices), end):
+                poke_held_fifo(pid, pipes[0], b"\0", owner)
+                watch.begun(min(TURN, max(0.0, end - time.monotonic())), gone)
+            found = watch.wait(max(0.0, end - time.monotonic()), gone)
             if found is None:
                 partial = watch.new_files()
                 if partial:

@@ -9,6 +9,7 @@ very process holds open for reading, owned by its user.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,9 +51,10 @@ class FlightRecorderStep:
         watch = Watch(dump.parent, dump.name, owner)
         try:
             poke_held_fifo(pid, fifo, b"1", owner)
+            end = time.monotonic() + timeout
             found = watch.wait(timeout, lambda: not procfs.alive(target.process))
             if found is None:
-                if not procfs.alive(target.process):
+                if time.monotonic() < end:  # the wait ended early: the process was gone
                     raise StepFailed(f"pid {pid} ended (its GPU dump, a crash) before its flight recorder wrote {dump}")
                 raise StepFailed(f"the flight recorder wrote nothing to {dump} within {timeout:g} s")
             try:

@@ -7,15 +7,18 @@ incident is stored once every rank's stacks are in, and each rank's slow steps
 run on their own, each under its own deadline, handing over what they wrote as
 soon as that rank is done: no rank waits for another's dump.
 
-Within a rank the flight recorder is asked first and the GPU dump (which ends
-the process) follows once the trace is in or after ``HEAD_START`` seconds,
-whichever is first: PyTorch reads its pipe and writes the trace while the
-driver writes the dump.
+The gentle slow steps (the flight recorder) start with the first stage, not after it:
+PyTorch 2.11 takes 3.4 to 4.4 s between reading its pipe and writing its trace (measured
+on an H200, with the GPU idle too), and that time passes while the stacks are taken. What
+they wrote is handed over once the incident is stored (``Stored``). The GPU dump, which
+ends the process, waits for the incident to be stored and for the trace, or at most
+``HEAD_START`` seconds from the trace's request.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +34,24 @@ from .pipeline import run_steps
 log = structlog.get_logger("hangwatchd.capture")
 
 LATE = frozenset({"flight_recorder", "cuda_dump"})  # slow, and nothing in the verdict's first line waits on them
-HEAD_START = 1.0  # seconds the flight recorder has before the GPU dump ends its process
+HEAD_START = 6.0  # seconds from the flight recorder's request to the GPU dump that ends its process
+
+
+class Stored:
+    """Whether the incident the slow steps add to has been stored: set once, with the incident
+    (anything but None) or None when it was not stored, or not where evidence can be added."""
+
+    def __init__(self) -> None:
+        self._set = threading.Event()
+        self._what: object | None = None
+
+    def set(self, what: object | None) -> None:
+        self._what = what
+        self._set.set()
+
+    def wait(self) -> object | None:
+        self._set.wait()
+        return self._what
 
 
 def is_late(step: Step) -> bool:
@@ -74,12 +94,17 @@ def run_late(
     head_start: float = HEAD_START,
     early: Early | None = None,
     deadline: float | None = None,
+    stored: Stored | None = None,
 ) -> None:
     """Run the late ``steps`` on every target at once, each step into its own ``outdir_of(target,
     step)``; call ``done(target, outdir, result)`` on that step's thread as soon as it is over,
     so each piece of evidence is handed over as it comes, and ``early(target, outdir)`` where a
     step has finished some of its files before it is over (``publish``). Returns when every
-    rank is done. ``deadline`` (monotonic): the capture's; no step runs past it."""
+    rank is done. ``deadline`` (monotonic): the capture's; no step runs past it.
+
+    ``stored``: the incident is being stored meanwhile. The gentle steps run at once and hand
+    over once it is stored; the destructive ones start only then. Not stored: what was
+    written is removed, and nothing destructive runs."""
     if not steps or not targets:
         return
     gentle = [x for x in steps if not getattr(x[0], "destructive", False)]
@@ -101,6 +126,9 @@ def run_late(
                 _early.pop(str(outdir), None)
             if ran is not None:
                 ran.set()  # the next lane need not wait for the hand-over (which re-reads the incident)
+        if stored is not None and stored.wait() is None:
+            shutil.rmtree(outdir, ignore_errors=True)  # no incident to add it to
+            return
         for result in results:
             try:
                 done(target, outdir, result)
@@ -110,6 +138,7 @@ def run_late(
 
     def rank(target: Registration) -> None:
         gentle_done = threading.Event()
+        asked = time.monotonic()
 
         def first() -> None:
             try:
@@ -120,8 +149,8 @@ def run_late(
 
         lane = threading.Thread(target=first, name=f"late-{target.process.pid}", daemon=True)
         lane.start()
-        if last:
-            gentle_done.wait(head_start)
+        if last and (stored is None or stored.wait() is not None):
+            gentle_done.wait(max(0.0, asked + head_start - time.monotonic()))
             for step, timeout in last:
                 one(target, step, timeout, gate)
         lane.join()

@@ -37,7 +37,8 @@ class Watch:
         try:
             self.before = set(self._matching())
             self.inotify = INotify()
-            self.inotify.add_watch(untrusted.fd_path(self.dir_fd), inflags.CLOSE_WRITE | inflags.MOVED_TO)
+            self.inotify.add_watch(untrusted.fd_path(self.dir_fd), inflags.CREATE | inflags.CLOSE_WRITE | inflags.MOVED_TO)
+            self.closed: list[str] = []  # complete files seen while waiting for a start (``begun``)
         except BaseException:
             os.close(self.dir_fd)
             raise
@@ -82,18 +83,43 @@ class Watch:
         except OSError:
             return False
 
+    def _events(self, timeout: float) -> list[tuple[str, bool]]:
+        """(name, complete) of each matching file of the owner created, closed after writing or
+        moved in within ``timeout``: complete is False for a file only created."""
+        out = []
+        for event in self.inotify.read(timeout=int(timeout * 1000)):
+            if event.name and fnmatch.fnmatch(event.name, self.pattern) and self._ours(event.name):
+                out.append((event.name, bool(event.mask & (inflags.CLOSE_WRITE | inflags.MOVED_TO))))
+        return out
+
+    def begun(self, timeout: float, finished: Callable[[], bool] = lambda: False) -> bool:
+        """Whether a new file was started (created, or already complete) within ``timeout``; False
+        at once when ``finished()``. What completes meanwhile is kept for ``wait``."""
+        end = time.monotonic() + timeout
+        while not self.closed:
+            left = end - time.monotonic()
+            if left <= 0 or finished():
+                return False
+            events = self._events(min(left, 0.1))
+            self.closed += [name for name, complete in events if complete]
+            if events:
+                return True
+        return True
+
     def wait(self, timeout: float, finished: Callable[[], bool] = lambda: False) -> Path | None:
         """The first new complete file; None at the deadline, or as soon as ``finished()`` (the
         process that was to write it is gone) with nothing new there: nothing more can come."""
+        if self.closed:
+            return self.directory / self.closed[0]
         end = time.monotonic() + timeout
         while True:
             left = end - time.monotonic()
             if left <= 0:
                 return None
-            for event in self.inotify.read(timeout=int(min(left, 0.5) * 1000)):
-                # Any close after the watch began is a new write, even to a name seen before.
-                if event.name and fnmatch.fnmatch(event.name, self.pattern) and self._ours(event.name):
-                    return self.directory / event.name
+            # Any close after the watch began is a new write, even to a name seen before.
+            complete = [name for name, done in self._events(min(left, 0.5)) if done]
+            if complete:
+                return self.directory / complete[0]
             if finished():
                 fresh = self.new_files()
                 return fresh[0] if fresh else None

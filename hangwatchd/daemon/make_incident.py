@@ -65,14 +65,21 @@ def make_incident(
     job = targets[0].job if targets else None
     pids = [t.process.pid for t in targets]
     draft = begin_draft(store, spool, suspicion.reason, job, pids, metrics)
-    committed = False
+    if draft.spooled:
+        why = "the state dir has no room: the report is kept, a GPU dump would be lost (it ends the process)"
+        gate = lambda _outdir: why  # noqa: E731
+    first, later = late.split(steps)
+    if draft.spooled:  # a spooled report is sealed once: everything goes in before
+        first, later = list(steps), []
+    # The slow steps start now, beside the first stage, and add to the incident once it is stored.
+    stored = late.Stored()
+    lane = None
+    if later:
+        lane = threading.Thread(target=_add_late, name=f"late-{draft.id}", daemon=True,
+                                args=(store, later, targets, draft.id, stored, suspicion, gate, metrics, declared,
+                                      declared + budget))
+        lane.start()
     try:
-        if draft.spooled:
-            why = "the state dir has no room: the report is kept, a GPU dump would be lost (it ends the process)"
-            gate = lambda _outdir: why  # noqa: E731
-        first, later = late.split(steps)
-        if draft.spooled:  # a spooled report is sealed once: everything goes in before
-            first, later = list(steps), []
         captures = capture_all(first, targets, draft.path, budget, metrics, gate)
         exits.write_into(draft.path, list(gone), targets[0] if targets else None, suspicion.since)
         gpu_events.attach(draft.path, pids, suspicion.since)  # the GPU faults (XIDs) of the GPUs these ran on
@@ -86,21 +93,25 @@ def make_incident(
                             job_incident=job_incident, pending=pending)
         incident, analysis_dict = _analysed(draft.path, incident)
         finish_draft(store, spool, draft, incident, _summary(incident, suspicion), analysis_dict, metrics)
-        committed = True
-    finally:
-        if not committed:  # whatever stopped it before the incident was stored: no half-written draft stays behind
-            if draft.spooled:
-                shutil.rmtree(draft.path, ignore_errors=True)
-            else:
-                store.abandon(draft)
+    except BaseException:
+        # Whatever stopped it before the incident was stored: no half-written draft stays behind.
+        if draft.spooled:
+            shutil.rmtree(draft.path, ignore_errors=True)
+        else:
+            store.abandon(draft)
+        stored.set(None)
+        raise
     log.info("incident_stored_first", incident=draft.id, pids=pids, pending=len(pending),
              seconds=round(time.monotonic() - declared, 3))
     if later and not (store.dir / draft.id).is_dir():
         # The state dir refused the commit and the report went to the spool (sealed once): the
         # slow evidence cannot be added there; the GPU dump would be lost anyway (it ends the process).
         log.error("late_evidence_not_taken", incident=draft.id, why="the report went to the spool")
-    elif later:
-        _add_late(store, later, targets, incident, suspicion, gate, metrics, declared, declared + budget)
+        stored.set(None)
+    else:
+        stored.set(incident)
+    if lane is not None:
+        lane.join()
     return draft.id
 
 
@@ -132,17 +143,18 @@ def coming(incident: Incident) -> str:
     return ", ".join(f"{step} of {n} rank{'s' if n > 1 else ''}" for step, n in by_step.items())
 
 
-def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequence[Registration], incident: Incident,
-              suspicion: Suspicion, gate: Callable[[Path], str | None] | None, metrics: Metrics | None,
-              declared: float, deadline: float | None = None) -> None:
-    """Run the slow steps on every rank and add each piece of evidence to the stored incident as it comes.
+def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequence[Registration], incident_id: str,
+              stored: late.Stored, suspicion: Suspicion, gate: Callable[[Path], str | None] | None,
+              metrics: Metrics | None, declared: float, deadline: float | None = None) -> None:
+    """Run the slow steps on every rank and add each piece of evidence to the incident as it comes,
+    once it is stored (``stored`` says when, and with what).
 
     Files move in at once, under a lock; the verdict is then made again and incident.json,
     the pages and the index row rewritten by one thread at a time, which goes on while more
     came meanwhile: eight ranks' dumps arriving together cost a few analyses, not sixteen."""
     lock = threading.Lock()
-    state: dict[str, Any] = {"incident": incident, "dirty": False, "analysing": False}
-    final = store.dir / incident.id
+    state: dict[str, Any] = {"incident": None, "dirty": False, "analysing": False}
+    final = store.dir / incident_id
     uids = [t.uid for t in targets]
 
     def late_gate(outdir: Path) -> str | None:  # the policy sees the rank's stored evidence, not the late dir
@@ -165,9 +177,9 @@ def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequen
                     snapshot = state["incident"]
                 cur, analysis = _analysed(final, snapshot)
                 try:
-                    store.amend(incident.id, cur, _summary(cur, suspicion), analysis)
+                    store.amend(incident_id, cur, _summary(cur, suspicion), analysis)
                 except StoreWriteError as exc:
-                    log.error("late_evidence_not_kept", incident=incident.id, error=str(exc))
+                    log.error("late_evidence_not_kept", incident=incident_id, error=str(exc))
                 with lock:
                     state["incident"] = dataclasses.replace(state["incident"], verdict=cur.verdict)
         except BaseException:
@@ -175,23 +187,29 @@ def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequen
                 state["analysing"] = False
             raise
 
+    def current() -> Incident:
+        """The incident as amended so far (under the lock); the stored one at first."""
+        if state["incident"] is None:
+            state["incident"] = stored.wait()
+        return state["incident"]
+
     def step_done(target: Registration, outdir: Path, result: StepResult) -> None:
         pid = target.process.pid
         with lock:
             try:
-                store.add_files(incident.id, pid, outdir, uids)
+                store.add_files(incident_id, pid, outdir, uids)
             except StoreWriteError as exc:
-                log.error("late_evidence_not_kept", incident=incident.id, pid=pid, error=str(exc))
+                log.error("late_evidence_not_kept", incident=incident_id, pid=pid, error=str(exc))
                 if result.files:
                     result = dataclasses.replace(result, ok=False, files=(), error=f"not kept: {exc}")
-            cur = state["incident"]
+            cur = current()
             procs = tuple(ProcessCapture(pc.registration, pc.steps + (result,))
                           if pc.registration.process.pid == pid else pc for pc in cur.processes)
             still = tuple(p for p in cur.pending if (p.pid, p.step) != (pid, result.step))
             state["incident"] = dataclasses.replace(cur, processes=procs, pending=still)
             state["dirty"] = True
         settle()
-        log.info("incident_amended", incident=incident.id, pid=pid, step=result.step,
+        log.info("incident_amended", incident=incident_id, pid=pid, step=result.step,
                  seconds=round(time.monotonic() - declared, 3), still_coming=len(still),
                  outcome="n/a" if result.not_applicable else "ok" if result.ok else result.error)
 
@@ -199,18 +217,20 @@ def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequen
         pid = target.process.pid
         with lock:
             try:
-                moved = store.add_files(incident.id, pid, outdir, uids, more=True)
+                moved = store.add_files(incident_id, pid, outdir, uids, more=True)
             except StoreWriteError as exc:
-                log.error("late_evidence_not_kept", incident=incident.id, pid=pid, error=str(exc))
+                log.error("late_evidence_not_kept", incident=incident_id, pid=pid, error=str(exc))
                 return
+            current()
             state["dirty"] = True
         settle()
-        log.info("incident_amended", incident=incident.id, pid=pid, step=outdir.name.rsplit("-", 1)[-1], files=moved,
+        log.info("incident_amended", incident=incident_id, pid=pid, step=outdir.name.rsplit("-", 1)[-1], files=moved,
                  seconds=round(time.monotonic() - declared, 3), outcome="partial")
 
-    late.run_late(steps, targets, lambda t, step: store.late_dir(incident.id, t.process.pid, step), late_gate, metrics,
-                  step_done, early=early, deadline=deadline)
-    settle()  # whatever a thread that returned early left for the last one
+    late.run_late(steps, targets, lambda t, step: store.late_dir(incident_id, t.process.pid, step), late_gate, metrics,
+                  step_done, early=early, deadline=deadline, stored=stored)
+    if stored.wait() is not None:
+        settle()  # whatever a thread that returned early left for the last one
 
 
 def write_pages(draft_dir: Path, incident: Incident, analysis: dict[str, Any]) -> None:

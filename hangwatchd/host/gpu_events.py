@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import re
 import threading
 import time
@@ -30,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
+from . import procfs
 
 log = structlog.get_logger("hangwatchd.gpu")
 
@@ -239,15 +240,8 @@ def gpus_of(pid: int, recorder: Recorder, pdir: Path | None = None) -> set[int]:
             found |= {g for g in nvml.get("process_gpus") or [] if isinstance(g, int) and not isinstance(g, bool)}
         except (OSError, ValueError, AttributeError):
             pass
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return found
-    for fd in fds:
-        try:
-            m = DEVICE.match(os.readlink(f"/proc/{pid}/fd/{fd}"))
-        except OSError:
-            continue
+    for path in procfs.gpu_device_files(pid):
+        m = DEVICE.match(path)
         if m:
             index = recorder.index_of_minor(int(m.group(1)))
             if index is not None:

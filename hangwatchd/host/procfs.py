@@ -179,6 +179,12 @@ def poke_fifo(pid: int, fd: int, data: bytes = b"\0") -> None:
         os.close(w)
 
 
+def gpu_device_files(pid: int, prefix: str = "/dev/nvidia") -> list[str]:
+    """The GPU device files (PREFIX followed by a number: /dev/nvidia0) the process holds open, sorted:
+    CUDA keeps them open for the life of the context."""
+    return sorted({t for t in fd_targets(pid).values() if t.startswith(prefix) and t[len(prefix):].isdigit()})
+
+
 def gpu_processes() -> list[int]:
     """Pids of the processes that hold a /dev/nvidia* device open (they use a GPU)."""
     out = []
