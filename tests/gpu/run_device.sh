@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch of GPU scenarios on the GPU machine (never in CI), all output in one tarball:
-#   bash tests/gpu/run_device.sh WAVE OUTDIR        WAVE: jobs | node1 | node2 | fast | diag
+#   bash tests/gpu/run_device.sh WAVE OUTDIR        WAVE: jobs | node1 | node2 | fast | diag | fr
 # The machine has PyTorch but not our dependencies: carry them as wheels in .whl/ (README,
 # "Running the GPU scenarios"). jobs needs 2 GPUs; node runs on one.
 set -u
@@ -44,6 +44,9 @@ case "$wave" in
     big=$(find /tmp/bigdumps -name '*.nvcudmp' -size -400M)
     HANGWATCHD_BENCH_OUT=$work run symbolize python3 bench/symbolize.py --name symbolize_h200 tests/fixtures/gpu/*/coredump.nvcudmp.xz $big
     for n in diag symbolize; do echo "######## $n"; tail -c 5000 "$work/$n.log"; done ;;
+  fr)  # where PyTorch's flight recorder spends its seconds
+    run diag python3 tests/gpu/run_diag.py "$work/diag" --only-fr
+    echo "######## diag"; tail -c 9000 "$work/diag.log" ;;
   *) echo "unknown wave $wave" >&2; exit 2 ;;
 esac
 find "$work" -name '*.zst' -delete

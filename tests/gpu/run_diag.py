@@ -1,6 +1,6 @@
 """Why issue 21's two device misses happen, measured without the daemon in the way.
 
-    PYTHONPATH=/tmp/site:. python3 tests/gpu/run_diag.py OUTDIR
+    PYTHONPATH=/tmp/site:. python3 tests/gpu/run_diag.py OUTDIR [DUMPDIR] [--only-fr]
 
 1. flight recorder: one rank with a one-rank NCCL group stops beating; its flight-recorder
    pipe is written 1.5 s later and the trace file is timed (appeared, complete), with the
@@ -14,6 +14,10 @@
    is still unread in the FIFO; those are written again and followed 8 s more. Twice.
 3. big dumps: ranks that ran many kinds of kernel first (many modules, a big dump), dumped
    through the pipe and kept under OUTDIR's scratch for bench/symbolize.py.
+
+--only-fr: the flight recorder alone, with the GPU idle: py-spy of every thread 1, 2 and 3 s
+after the request (where PyTorch spends its seconds), then again plain and with each of
+TORCH_SYMBOLIZE_MODE=fast and dladdr.
 
 Writes OUTDIR/diag.json and every rank's log. The environment is the one `hangwatchd run`
 gives a workload (launcher.workload_env). Every process started is killed by process group.
@@ -112,7 +116,7 @@ def pyspy_threads(pid: int, out: Path) -> list[dict[str, Any]]:
         return [{"error": r.stderr[-500:]}]
 
 
-def flight_recorder(base: Path, out: Path, name: str, hang: str, extra: dict[str, str]) -> dict[str, Any]:
+def flight_recorder(base: Path, out: Path, name: str, hang: str, extra: dict[str, str], sample: bool = False) -> dict[str, Any]:
     rank = Rank(base, name, ["--fr", "--hang", hang], dict(extra, TORCH_CPP_LOG_LEVEL="INFO"), out)
     res: dict[str, Any] = {"hang": hang, "extra": extra}
     try:
@@ -123,7 +127,12 @@ def flight_recorder(base: Path, out: Path, name: str, hang: str, extra: dict[str
         res["poke"] = rank.poke("nccl_trace_", b"1")
         appeared = complete = None
         last = (-1, 0.0)
+        samples = [1.0, 2.0, 3.0] if sample else []
         while time.monotonic() - t0 < 15:
+            if samples and time.monotonic() - t0 >= samples[0] and appeared is None:
+                at = samples.pop(0)
+                res.setdefault("samples", {})[at] = [t for t in pyspy_threads(rank.proc.pid, out / f"{name}-at{at:g}.json")
+                                                     if t.get("thread") != "MainThread"]
             if trace.exists():
                 appeared = appeared or time.monotonic() - t0
                 size = trace.stat().st_size
@@ -204,12 +213,25 @@ def big(base: Path, out: Path, name: str, extra: dict[str, str], keep: Path) -> 
 
 
 def main() -> int:
-    out = Path(sys.argv[1])
-    keep = Path(sys.argv[2]) if len(sys.argv) > 2 else out / "dumps"
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    out = Path(args[0])
+    keep = Path(args[1]) if len(args) > 1 else out / "dumps"
     out.mkdir(parents=True, exist_ok=True)
     keep.mkdir(parents=True, exist_ok=True)
     base = Path(tempfile.mkdtemp(prefix="hangwatchd-diag-"))
     report: dict[str, Any] = {}
+    if "--only-fr" in sys.argv:  # where PyTorch's flight recorder spends its seconds
+        runs = {"fr_sampled": ("sleep", {}, True), "fr_again": ("sleep", {}, False),
+                "fr_fast_symbols": ("sleep", {"TORCH_SYMBOLIZE_MODE": "fast"}, False),
+                "fr_dladdr": ("sleep", {"TORCH_SYMBOLIZE_MODE": "dladdr"}, False)}
+        for k, (hang, extra, sample) in runs.items():
+            report[k] = r = flight_recorder(base, out, k, hang, extra, sample)
+            print(f"== {k}: appeared {r.get('appeared_s')} complete {r.get('complete_s')} {r.get('error', '')}", flush=True)
+            for at, threads in r.get("samples", {}).items():
+                for t in threads:
+                    print(f"   at {at} s: {t.get('thread')} gil={t.get('gil')} {' < '.join(map(str, t.get('top', [])[:10]))}")
+        (out / "diag.json").write_text(json.dumps(report, indent=1, default=str))
+        return 0
     report["fr_spin"] = flight_recorder(base, out, "fr_spin", "spin", {})
     report["fr_sleep"] = flight_recorder(base, out, "fr_sleep", "sleep", {})
     report["fr_spin_100ms"] = flight_recorder(base, out, "fr_spin_100ms", "spin", {"TORCH_NCCL_COORD_CHECK_MILSEC": "100"})
