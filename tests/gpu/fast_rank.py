@@ -4,6 +4,7 @@ variables set before CUDA starts).
 
     RANK=r python3 tests/gpu/fast_rank.py [--fr]
 
+--inductor: import torch._inductor first, as a torch.compile user has it.
 --many-kernels: load many modules first (a big GPU dump, as a real training process makes).
 --hang sleep: stop beating in time.sleep, the GPU idle, instead of the spinning kernel.
 --fr: a one-rank NCCL process group (its own FileStore) with a few all_reduces first, so that
@@ -76,9 +77,14 @@ def main() -> int:
     p.add_argument("--fr", action="store_true")
     p.add_argument("--hang", choices=("spin", "sleep"), default="spin",
                    help="sleep: the host sleeps and the GPU is idle (run_diag.py's flight-recorder baseline)")
+    p.add_argument("--inductor", action="store_true",
+                   help="import torch._inductor first, as a torch.compile user has it (PyTorch's flight recorder "
+                        "imports it the first time it dumps)")
     p.add_argument("--many-kernels", action="store_true",
                    help="run many kinds of kernel first, so the GPU dump holds many modules (a big dump)")
     a = p.parse_args()
+    if a.inductor:
+        import torch._inductor  # noqa: F401
     torch.cuda.set_device(0)  # every rank on the one GPU lent
     x = torch.ones(16, dtype=torch.float32, device="cuda")
     reduce = None

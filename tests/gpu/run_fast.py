@@ -5,9 +5,9 @@
 1. one_rank: one rank with a flight recorder (a one-rank NCCL process group) hung in a
    spinning Triton kernel; `gpu_dump = always`. Declared -> stored with its stacks (target
    2 s), -> flight recorder added, -> GPU dump added and symbolised (target 5 s).
-   Twice: with PyTorch's bytecode compiled beforehand (as `pip install` leaves a node), and as
-   this machine's PyTorch came, without it (one_rank_cold): the flight recorder's first dump
-   imports torch._inductor, which then compiles from source for seconds.
+   Twice: eager PyTorch, whose flight recorder imports torch._inductor (and sympy) the first
+   time it dumps, for seconds; and one_rank_inductor, with torch._inductor loaded before, as
+   any torch.compile user (vLLM, SGLang) has it.
 2. eight_ranks: 8 processes of one job on the one GPU, each under its own `hangwatchd run`,
    all hung in a spinning kernel (heartbeat timeout 5 s). Declared -> every rank's stacks
    stored (target 2 s), -> every rank's GPU dump added (target 5 s); a rank whose dump
@@ -35,7 +35,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -64,14 +63,14 @@ def rank_argv(fr: bool, fake: bool) -> list[str]:
     return [sys.executable, str(ROOT / "tests/gpu/fast_rank.py")] + (["--fr"] if fr else [])
 
 
-def scenario(name: str, ranks: int, fr: bool, out: Path, fake: bool, pycache: Path | None = None) -> dict[str, Any]:
+def scenario(name: str, ranks: int, fr: bool, out: Path, fake: bool, inductor: bool = False) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     base = Path(tempfile.mkdtemp(prefix=f"hangwatchd-fast-{name}-"))
     d = ScratchDaemon(base, config={"gpu_dump": "always", "pyspy_timeout": 20.0, "flight_recorder_timeout": 20.0,
                              "gpu_dump_timeout": 60.0})
     procs: list[subprocess.Popen[bytes]] = []
     logs = []
-    result: dict[str, Any] = {"scenario": name, "ranks": ranks, "fake": fake, "bytecode": "cached" if pycache else "as installed"}
+    result: dict[str, Any] = {"scenario": name, "ranks": ranks, "fake": fake, "inductor": inductor}
     try:
         barrier = base / "barrier"
         barrier.mkdir()
@@ -79,11 +78,9 @@ def scenario(name: str, ranks: int, fr: bool, out: Path, fake: bool, pycache: Pa
             env = dict(os.environ, RANK=str(r) if not fr else "0", LOCAL_RANK="0", WORLD_SIZE=str(ranks),
                        FAST_BARRIER_DIR=str(barrier), FAST_RANKS=str(ranks),
                        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-            if pycache:
-                env["PYTHONPYCACHEPREFIX"] = str(pycache)
             log = open(out / f"rank{r}.log", "wb")
             logs.append(log)
-            procs.append(d.run(rank_argv(fr, fake), "--job", f"fast-{name}", "--rank", str(r), "--heartbeat-timeout",
+            procs.append(d.run(rank_argv(fr, fake) + (["--inductor"] if inductor and not fake else []), "--job", f"fast-{name}", "--rank", str(r), "--heartbeat-timeout",
                                str(TIMEOUT), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         inc = wait_for(lambda: d.store().list(), 240, "the incident listed", every=0.05)[0]
         result["incident"] = inc["id"]
@@ -137,23 +134,12 @@ def scenario(name: str, ranks: int, fr: bool, out: Path, fake: bool, pycache: Pa
     return result
 
 
-def warm_bytecode(pycache: Path, fake: bool) -> float:
-    """Compile PyTorch's bytecode into ``pycache`` once, as `pip install` leaves it on a node: the
-    device's PyTorch has none, and its flight recorder imports torch._inductor (and sympy) the first
-    time it symbolises, compiling them from source. Returns the seconds that took."""
-    start = time.monotonic()
-    if not fake:
-        subprocess.run([sys.executable, "-c", "import torch, torch._inductor"], env=dict(os.environ, PYTHONPYCACHEPREFIX=str(pycache)),
-                       check=True, timeout=300, capture_output=True)
-    return round(time.monotonic() - start, 1)
-
-
 def figures(results: list[dict[str, Any]]) -> list[Figure]:
     out = []
     for r in results:
         who = f"{r['ranks']} rank{'s' if r['ranks'] > 1 else ''} of one job on one GPU" + (" (fake)" if r["fake"] else "")
         if r["ranks"] == 1:
-            who += f", PyTorch's bytecode {r['bytecode']}"
+            who += ", torch._inductor loaded (a torch.compile user)" if r["inductor"] else ", eager PyTorch"
         if "error" in r:
             out.append(Figure(who, f"no figure: {r['error']}", "-", f"within {COMPLETE_S:g} s", False))
             continue
@@ -187,14 +173,11 @@ def main() -> int:
 
     signal.signal(signal.SIGALRM, too_long)
     signal.alarm(WHOLE_RUN)
-    pycache = Path(tempfile.mkdtemp(prefix="hangwatchd-pycache-"))
-    compiled = warm_bytecode(pycache, a.fake)
-    cold = scenario("one_rank_cold", 1, True, a.outdir / "one_rank_cold", a.fake)
-    one = scenario("one_rank", 1, True, a.outdir / "one_rank", a.fake, pycache)
-    eight = scenario("eight_ranks", 8, False, a.outdir / "eight_ranks", a.fake, pycache)
+    one = scenario("one_rank", 1, True, a.outdir / "one_rank", a.fake)
+    compiled = scenario("one_rank_inductor", 1, True, a.outdir / "one_rank_inductor", a.fake, inductor=True)
+    eight = scenario("eight_ranks", 8, False, a.outdir / "eight_ranks", a.fake)
     signal.alarm(0)
-    shutil.rmtree(pycache, ignore_errors=True)
-    results = [one, cold, eight]
+    results = [one, compiled, eight]
     for r in results:
         print(f"== {r['scenario']}{' (fake)' if r['fake'] else ''}")
         if "error" in r:
@@ -210,9 +193,8 @@ def main() -> int:
     (a.outdir / "fast.json").write_text(json.dumps(results, indent=1, default=str))
     os.environ["HANGWATCHD_BENCH_OUT"] = str(a.outdir)
     ok = report("gpu_capture", figures(results), note="real daemon, `hangwatchd run` per rank, heartbeat timeout "
-                f"{TIMEOUT} s, gpu_dump = always; PyTorch's flight recorder imports torch._inductor the first time "
-                "it dumps: \"cached\" is with its bytecode compiled once beforehand (PYTHONPYCACHEPREFIX, "
-                f"{compiled:g} s), as `pip install` leaves a node; this machine's PyTorch came without it"
+                f"{TIMEOUT} s, gpu_dump = always; PyTorch 2.11's flight recorder imports torch._inductor (and sympy) the "
+                "first time it dumps, unless the process has it already, as a torch.compile user does"
                 + ("; FAKE: CPU stand-ins, not a GPU figure" if a.fake else ""),
                 command="python3 tests/gpu/run_fast.py OUT" + (" --fake" if a.fake else ""))
     print("ok" if ok else "MISSED")
