@@ -14,6 +14,7 @@ variables set before CUDA starts).
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import tempfile
@@ -84,7 +85,7 @@ def main() -> int:
                    help="run many kinds of kernel first, so the GPU dump holds many modules (a big dump)")
     a = p.parse_args()
     if a.inductor:
-        import torch._inductor  # noqa: F401
+        importlib.import_module("torch._inductor")
     torch.cuda.set_device(0)  # every rank on the one GPU lent
     x = torch.ones(16, dtype=torch.float32, device="cuda")
     reduce = None

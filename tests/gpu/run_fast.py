@@ -82,7 +82,11 @@ def scenario(name: str, ranks: int, fr: bool, out: Path, fake: bool, inductor: b
             logs.append(log)
             procs.append(d.run(rank_argv(fr, fake) + (["--inductor"] if inductor and not fake else []), "--job", f"fast-{name}", "--rank", str(r), "--heartbeat-timeout",
                                str(TIMEOUT), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        inc = wait_for(lambda: d.store().list(), 240, "the incident listed", every=0.05)[0]
+        def listed() -> list[dict[str, Any]]:
+            if all(p.poll() is not None for p in procs):  # every rank ended before its hang: say so now
+                raise RuntimeError(f"every rank exited (status {[p.returncode for p in procs]}); see rank*.log")
+            return d.store().list()
+        inc = wait_for(listed, 240, "the incident listed", every=0.05)[0]
         result["incident"] = inc["id"]
         show_early = subprocess.run(hangwatchd_argv("show", inc["id"], "--state-dir", str(d.state_dir)),
                                     capture_output=True, text=True, timeout=60)
