@@ -34,7 +34,7 @@ from .pipeline import run_steps
 log = structlog.get_logger("hangwatchd.capture")
 
 LATE = frozenset({"flight_recorder", "cuda_dump"})  # slow, and nothing in the verdict's first line waits on them
-HEAD_START = 6.0  # seconds from the flight recorder's request to the GPU dump that ends its process
+HEAD_START = 10.0  # seconds from the flight recorder's request to the GPU dump that ends its process
 
 
 class Stored:

@@ -7,6 +7,7 @@ set -u
 cd "$(dirname "$0")/../.."
 wave=$1 out=$2
 work=/tmp/devout/$wave
+rm -rf "$work"  # a warm machine keeps the last call's files
 mkdir -p "$work" "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
