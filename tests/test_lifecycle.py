@@ -16,6 +16,7 @@ import pytest
 import structlog
 
 from hangwatchd.testing import ScratchDaemon, stop, wait_for, workload_argv
+from tests.s3server import S3Server
 
 from .conftest import hangwatchd
 
@@ -319,3 +320,30 @@ def test_the_daemon_is_unhealthy_only_while_a_capture_runs_past_its_own_deadline
     assert not workers.healthy(now + WEDGED_AFTER)  # wedged: the daemon stops telling systemd it is well
     workers.captures = [long_one]  # collected
     assert workers.healthy(now + WEDGED_AFTER)
+
+
+def test_capture_requests_waiting_for_the_loop_are_the_latest_per_job(s3: S3Server, tmp_path: Path) -> None:
+    """Other nodes' capture requests the poller sees while the loop is busy do not pile up: one a
+    job, the latest (an older one is a past hang of that job)."""
+    from hangwatchd.fleet.agent import Agent
+
+    client = s3.client()
+    if s3.bucket not in [b["Name"] for b in client.list_buckets()["Buckets"]]:
+        client.create_bucket(Bucket=s3.bucket)
+    env = dict(os.environ)
+    os.environ.update(s3.env)
+    agent = Agent(s3.url(), "n1", tmp_path, 0.05, 300.0, 10)
+    try:
+        agent.jobs = frozenset({"j", "k"})
+        agent.start()
+        for job, n in [("j", 1), ("j", 2), ("k", 1), ("j", 3)]:
+            before = agent.polls
+            body = {"job": job, "job_incident": f"{job}-{n}", "node": "n2", "time": time.time(), "reason": "heartbeat"}
+            client.put_object(Bucket=s3.bucket, Key=f"hw/requests/{job}/latest.json", Body=json.dumps(body).encode())
+            wait_for(lambda before=before: agent.polls >= before + 4, 20, "the poller read it")  # noqa: B023
+        assert sorted(r.job_incident for r in agent.pending()) == ["j-3", "k-1"]
+        assert agent.pending() == []
+    finally:
+        agent.stop()
+        os.environ.clear()
+        os.environ.update(env)

@@ -11,7 +11,6 @@ again, and a node already capturing that job does not capture it twice.
 from __future__ import annotations
 
 import json
-import queue
 import secrets
 import threading
 import time
@@ -68,7 +67,9 @@ class Agent:
         self.current: dict[str, tuple[str, float]] = {}  # job -> (job incident, monotonic time) in hand here
         self.alias: dict[str, str] = {}  # our job incident id -> the one another node asked first
         self.etags: dict[str, str] = {}
-        self.requests: queue.SimpleQueue[CaptureRequest] = queue.SimpleQueue()
+        # Other nodes' capture requests not yet taken by the loop: the latest one per job, so bounded by
+        # the jobs watched here however long the loop takes (an older one is a past hang of that job).
+        self.requests: dict[str, CaptureRequest] = {}
         self.polls = 0
         self._stop = threading.Event()
         self.uploader = Uploader(self.url, node, self.spool, self.client, self._resolve, self._post, counted)
@@ -131,12 +132,9 @@ class Agent:
         self.uploader.kick()
 
     def pending(self) -> list[CaptureRequest]:
-        out = []
-        while True:
-            try:
-                out.append(self.requests.get_nowait())
-            except queue.Empty:
-                return out
+        with self._lock:
+            out, self.requests = list(self.requests.values()), {}
+        return out
 
     # -- on the uploader's thread ------------------------------------------
 
@@ -177,7 +175,8 @@ class Agent:
                     log.debug("store_poll_failed", job=job, error=f"{type(exc).__name__}: {exc}")
                     continue
                 if req and req.node != self.node and time.time() - req.time < self.window:
-                    self.requests.put(req)
+                    with self._lock:
+                        self.requests[job] = req
                     self.wake()
 
     def _get_latest(self, job: str, conditional: bool) -> CaptureRequest | None:
