@@ -31,6 +31,7 @@ from hangwatchd.host import untrusted
 from hangwatchd.model import ProcessId
 from hangwatchd.testing import ScratchDaemon, stop, wait_for, workload_argv
 from hangwatchd.workload import exits
+from tests.s3server import S3Server
 
 from .test_security import (  # noqa: F401  (base and attacker are fixtures)
     NOBODY, QUICK, SYSTEM_PYTHON, TIMEOUT, Attacker, RootHang, all_bytes, attacker, base, needs_root, refusals,
@@ -515,3 +516,37 @@ def test_a_lock_dir_planted_by_a_user_stops_the_daemon_with_one_clear_line(base:
     assert res.stderr.strip().splitlines()[-1].endswith(
         f"{run / 'private'} belongs to uid {NOBODY}, not to the daemon's uid 0; remove it, or pass another --runtime-dir")
     assert not (run / "private" / "daemon.lock").exists()
+
+
+@needs_root
+def test_another_users_hang_on_another_node_never_captures_a_job_of_the_same_name(base: Path, attacker: Attacker,
+                                                                                    s3: S3Server) -> None:
+    """A job is (owner, name) across nodes too: the attacker's rank of job J hangs on node A; node B
+    captures the attacker's own rank of J there, never root's rank of the same name beside it."""
+    import psutil
+
+    job = "shared-name"
+    fleet = {**QUICK, "store_poll_interval": 0.5, "gpu_dump": "never", "capture_steps": ["proc", "pyspy"]}
+
+    def run_as_nobody(d: ScratchDaemon, timeout: float, beats: int) -> subprocess.Popen[str]:
+        return attacker.spawn([SYSTEM_PYTHON, "-m", "hangwatchd", "run", "--runtime-dir", str(d.runtime_dir), "--job", job,
+                               "--heartbeat-timeout", str(timeout), "--", SYSTEM_PYTHON, *workload_argv(beats=beats)[1:]],
+                              user=NOBODY, group=NOBODY, extra_groups=[], cwd="/", env=user_env(), stdout=subprocess.DEVNULL)
+
+    with ScratchDaemon(base / "a", "--store", s3.url(), "--node-name", "node-a", env=s3.env, config=fleet) as a, \
+            ScratchDaemon(base / "b", "--store", s3.url(), "--node-name", "node-b", env=s3.env, config=fleet) as b:
+        root_rank = b.run(workload_argv(beats=100_000), "--job", job, "--heartbeat-timeout", "60", start_new_session=True)
+        try:
+            own = run_as_nobody(b, 60, 100_000)  # the attacker's own rank of the job on node B, beating
+            wait_for(lambda: len(watched_pids(b)) == 2, 30, "both ranks watched on node B")
+            root_pid = wait_for(lambda: [c.pid for c in psutil.Process(root_rank.pid).children()], 10, "root's rank")[0]
+            own_pid = next(p for p in watched_pids(b) if p != root_pid)
+            run_as_nobody(a, 2, 20)  # hangs on node A
+            (inc,) = wait_for(lambda: [i for i in b.store().list() if i["reason"] == "job-request"], 60,
+                              "node B's capture for node A's request")
+            assert inc["processes"] == [own_pid]  # the attacker's own rank, not root's of the same name
+            time.sleep(2)
+            assert all(root_pid not in i["processes"] for i in b.store().list())
+            assert own.poll() is None
+        finally:
+            stop(root_rank, group=True)

@@ -8,8 +8,9 @@ run on their own, each under its own deadline, handing over what they wrote as
 soon as that rank is done: no rank waits for another's dump.
 
 The gentle slow steps (the flight recorder) start with the first stage, not after it:
-PyTorch 2.11 takes 3.4 to 4.4 s between reading its pipe and writing its trace (measured
-on an H200, with the GPU idle too), and that time passes while the stacks are taken. What
+PyTorch 2.11 took 3.4 to 6.5 s between reading its pipe and writing its trace on an H200
+(its first dump imports torch._inductor, unless a torch.compile user has it already; then
+it is in at once), and that time passes while the stacks are taken. What
 they wrote is handed over once the incident is stored (``Stored``). The GPU dump, which
 ends the process, waits for the incident to be stored and for the trace, or at most
 ``HEAD_START`` seconds from the trace's request.

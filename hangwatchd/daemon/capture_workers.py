@@ -214,7 +214,9 @@ class CaptureWorkers:
             # (give or take the skew between two nodes' clocks).
             now = time.monotonic()
             self.requested = {p: t for p, t in self.requested.items() if now - t < REQUEST_PAUSE_EVERY}
+            # A job is (owner, name): another user's job of the same name elsewhere is not this one.
             ranks = [w for w in self.watched.values() if w.registration.job == req.job and w.role != "launcher"
+                     and (req.uid is None or w.registration.uid == req.uid)
                      and w.state in (State.STARTING, State.HEALTHY, State.SUSPECT)
                      and w.registration.registered_at <= req.time + CLOCK_SKEW]
             group = [w for w in ranks if w.process not in self.requested]  # paused for a request once per REQUEST_PAUSE_EVERY
@@ -239,7 +241,7 @@ class CaptureWorkers:
         job = targets[0].job
         if declare and self.fleet is not None and job is not None:
             try:  # every other node watching a rank of this job captures it too, under one job incident id
-                c.job_incident = self.fleet.declare(job, suspicion.reason, suspicion.detail, on_hang)
+                c.job_incident = self.fleet.declare(job, suspicion.reason, suspicion.detail, on_hang, targets[0].uid)
             except Exception as exc:  # noqa: BLE001 - the fleet's trouble costs the request, never this node's capture
                 log.exception("job_declare_failed", job=job, error=f"{type(exc).__name__}: {exc}")
         first = str(targets[0].process.pid)

@@ -45,6 +45,7 @@ class CaptureRequest:
     reason: str
     detail: str
     on_hang: str = "report"  # what the job's owner asked for where it was declared: every node acts after its own capture
+    uid: int | None = None  # the job's owner where it was declared: a job is (owner, name), here too (None: an older daemon)
 
 
 def new_job_incident(now: float) -> str:
@@ -99,7 +100,7 @@ class Agent:
 
     # -- on the daemon's thread: never touches the network ----------------
 
-    def declare(self, job: str, reason: str, detail: str, on_hang: str = "report") -> str:
+    def declare(self, job: str, reason: str, detail: str, on_hang: str = "report", uid: int | None = None) -> str:
         """This node declares ``job`` hung: the job incident id to tag the capture with, and a request queued."""
         now = time.monotonic()
         with self._lock:
@@ -110,7 +111,7 @@ class Agent:
             self.current[job] = (job_incident, now)
         self.spool.put(Task("request", job, job_incident, detail={
             "job": job, "job_incident": job_incident, "node": self.node, "time": time.time(),
-            "reason": reason, "detail": detail, "on_hang": on_hang}))
+            "reason": reason, "detail": detail, "on_hang": on_hang, "uid": uid}))
         self.requester.kick()
         return job_incident
 
@@ -199,7 +200,8 @@ class Agent:
             d = json.loads(read_capped(resp["Body"], MAX_REQUEST, key))
             req = CaptureRequest(str(d["job"]), str(d["job_incident"]), str(d["node"]), float(d["time"]),
                                  str(d.get("reason", ""))[:200], str(d.get("detail", ""))[:MAX_DETAIL],
-                                 "abort" if d.get("on_hang") == "abort" else "report")
+                                 "abort" if d.get("on_hang") == "abort" else "report",
+                                 d["uid"] if type(d.get("uid")) is int and d["uid"] >= 0 else None)
             if req.job != job:
                 raise ValueError(f"it names job {req.job[:80]!r}, not {job[:80]!r}")
             layout.check_segment(layout.seg(req.job_incident), "job incident id")
