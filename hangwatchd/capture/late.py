@@ -22,7 +22,7 @@ import concurrent.futures
 import shutil
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import structlog
@@ -96,6 +96,7 @@ def run_late(
     early: Early | None = None,
     deadline: float | None = None,
     stored: Stored | None = None,
+    refused: Collection[tuple[int, str]] = (),
 ) -> None:
     """Run the late ``steps`` on every target at once, each step into its own ``outdir_of(target,
     step)``; call ``done(target, outdir, result)`` on that step's thread as soon as it is over,
@@ -105,7 +106,8 @@ def run_late(
 
     ``stored``: the incident is being stored meanwhile. The gentle steps run at once and hand
     over once it is stored; the destructive ones start only then. Not stored: what was
-    written is removed, and nothing destructive runs."""
+    written is removed, and nothing destructive runs. ``refused`` (pid, step name): destructive
+    steps the policy refused, said in the stored incident already: not run."""
     if not steps or not targets:
         return
     gentle = [x for x in steps if not getattr(x[0], "destructive", False)]
@@ -153,7 +155,8 @@ def run_late(
         if last and (stored is None or stored.wait() is not None):
             gentle_done.wait(max(0.0, asked + head_start - time.monotonic()))
             for step, timeout in last:
-                one(target, step, timeout, gate)
+                if (target.process.pid, step.name) not in refused:
+                    one(target, step, timeout, gate)
         # Its steps are cut at the capture's deadline; a lane past it (a bug) is left behind, not waited for.
         lane.join(None if deadline is None else max(0.0, deadline - time.monotonic()) + 5.0)
 

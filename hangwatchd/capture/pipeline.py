@@ -41,6 +41,18 @@ def run_steps(
     return run_steps_by(steps, target, outdir, end, metrics, gate)
 
 
+def vetoed(step: Step, target: Registration, outdir: Path, gate: Callable[[Path], str | None] | None) -> StepResult | None:
+    """The skipped result of a destructive step the policy refuses (``gate(outdir)`` gave a reason,
+    or there is no gate), logged; None where the step may run."""
+    if not getattr(step, "destructive", False):
+        return None
+    veto = gate(outdir) if gate else "no policy allows destructive steps here"
+    if not veto:
+        return None
+    log.info("capture_step_skipped", pid=target.process.pid, step=step.name, why=veto)
+    return StepResult(step.name, True, 0.0, f"skipped: {veto}", skipped=True)
+
+
 def run_steps_by(
     steps: Sequence[tuple[Step, float]],
     target: Registration,
@@ -53,12 +65,10 @@ def run_steps_by(
     outdir.mkdir(parents=True, exist_ok=True)
     results: list[StepResult] = []
     for step, timeout in steps:
-        if getattr(step, "destructive", False):
-            veto = gate(outdir) if gate else "no policy allows destructive steps here"
-            if veto:
-                results.append(StepResult(step.name, True, 0.0, f"skipped: {veto}", skipped=True))
-                log.info("capture_step_skipped", pid=target.process.pid, step=step.name, why=veto)
-                continue
+        refused = vetoed(step, target, outdir, gate)
+        if refused:
+            results.append(refused)
+            continue
         left = end - time.monotonic()
         if left <= 0:
             results.append(StepResult(step.name, False, 0.0, "skipped: the capture's time budget was spent", skipped=True))

@@ -215,15 +215,18 @@ class CaptureWorkers:
             now = time.monotonic()
             self.requested = {p: t for p, t in self.requested.items() if now - t < REQUEST_PAUSE_EVERY}
             # A job is (owner, name): another user's job of the same name elsewhere is not this one.
-            ranks = [w for w in self.watched.values() if w.registration.job == req.job and w.role != "launcher"
-                     and (req.uid is None or w.registration.uid == req.uid)
-                     and w.state in (State.STARTING, State.HEALTHY, State.SUSPECT)
-                     and w.registration.registered_at <= req.time + CLOCK_SKEW]
-            group = [w for w in ranks if w.process not in self.requested]  # paused for a request once per REQUEST_PAUSE_EVERY
-            if ranks and not group:
+            of_job = [w for w in self.watched.values() if w.registration.job == req.job and w.role != "launcher"
+                      and (req.uid is None or w.registration.uid == req.uid)
+                      and w.registration.registered_at <= req.time + CLOCK_SKEW]
+            # Paused for a request once per REQUEST_PAUSE_EVERY; one hung or captured here is in hand already.
+            group = [w for w in of_job if w.state in (State.STARTING, State.HEALTHY, State.SUSPECT)
+                     and w.process not in self.requested]
+            if of_job and not group:
                 log.warning("job_capture_request_ignored", job=req.job, job_incident=req.job_incident, by=req.node,
                             why=f"its processes here were captured on a store request less than "
-                                f"{REQUEST_PAUSE_EVERY:g} s ago; they are not paused again for one")
+                                f"{REQUEST_PAUSE_EVERY:g} s ago; they are not paused again for one"
+                            if any(w.process in self.requested for w in of_job)
+                            else "its processes here are hung, or captured for a hang of their own, already")
             if not group or not self.fleet.accept(req):
                 continue
             for x in group:

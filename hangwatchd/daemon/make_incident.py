@@ -23,7 +23,7 @@ import structlog
 from ..analyze.verdict import analyze
 from ..capture import late
 from ..capture.base import Step
-from ..capture.pipeline import capture_all
+from ..capture.pipeline import capture_all, vetoed
 from ..host import gpu_events
 from ..incidents.spool import Spool, begin_draft, finish_draft
 from ..incidents.store import COMING, LATE_DIR, Store, StoreWriteError, incident_to_json
@@ -73,20 +73,25 @@ def make_incident(
         first, later = list(steps), []
     # The slow steps start now, beside the first stage, and add to the incident once it is stored.
     stored = late.Stored()
+    refused: set[tuple[int, str]] = set()  # (pid, step): destructive steps the policy refused, said at once
     lane = None
     if later:
         lane = threading.Thread(target=_add_late, name=f"late-{draft.id}", daemon=True,
-                                args=(store, later, targets, draft.id, stored, suspicion, gate, metrics, declared,
-                                      declared + budget))
+                                args=(store, later, targets, draft.id, stored, refused, suspicion, gate, metrics,
+                                      declared, declared + budget))
         lane.start()
     try:
         captures = capture_all(first, targets, draft.path, budget, metrics, gate)
         exits.write_into(draft.path, list(gone), targets[0] if targets else None, suspicion.since)
         gpu_events.attach(draft.path, pids, suspicion.since)  # the GPU faults (XIDs) of the GPUs these ran on
+        # A GPU dump the policy refuses is not coming: said at once, in the incident as first stored.
+        for i, (t, pc) in enumerate(zip(targets, captures)):
+            said = [r for r in (vetoed(s, t, draft.path / str(t.process.pid), gate) for s, _ in later) if r]
+            refused.update((t.process.pid, r.step) for r in said)
+            captures[i] = ProcessCapture(pc.registration, pc.steps + tuple(said))
         until = time.time() + max((t for _, t in later), default=0.0) + late.HEAD_START
-        # A GPU dump the policy refuses is not coming: said at once, never listed as pending.
         pending = tuple(PendingEvidence(t.process.pid, s.name, until) for t in targets for s, _ in later
-                        if not getattr(s, "destructive", False) or (gate is not None and gate(draft.path / str(t.process.pid)) is None))
+                        if (t.process.pid, s.name) not in refused)
         incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason=suspicion.reason,
                             detail=suspicion.detail, job=job, processes=tuple(captures), signals=suspicion.signals,
                             notify_status=notify_status, since=suspicion.since, node=node,
@@ -144,10 +149,12 @@ def coming(incident: Incident) -> str:
 
 
 def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequence[Registration], incident_id: str,
-              stored: late.Stored, suspicion: Suspicion, gate: Callable[[Path], str | None] | None,
-              metrics: Metrics | None, declared: float, deadline: float | None = None) -> None:
+              stored: late.Stored, refused: set[tuple[int, str]], suspicion: Suspicion,
+              gate: Callable[[Path], str | None] | None, metrics: Metrics | None, declared: float,
+              deadline: float | None = None) -> None:
     """Run the slow steps on every rank and add each piece of evidence to the incident as it comes,
-    once it is stored (``stored`` says when, and with what).
+    once it is stored (``stored`` says when, and with what); ``refused`` (pid, step): not run, the
+    stored incident says so already (filled in before ``stored`` is set).
 
     Files move in at once, under a lock; the verdict is then made again and incident.json,
     the pages and the index row rewritten by one thread at a time, which goes on while more
@@ -228,7 +235,7 @@ def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequen
                  seconds=round(time.monotonic() - declared, 3), outcome="partial")
 
     late.run_late(steps, targets, lambda t, step: store.late_dir(incident_id, t.process.pid, step), late_gate, metrics,
-                  step_done, early=early, deadline=deadline, stored=stored)
+                  step_done, early=early, deadline=deadline, stored=stored, refused=refused)
     if stored.wait() is not None:
         settle()  # whatever a thread that returned early left for the last one
 
