@@ -142,32 +142,29 @@ def eight_at_once(tmp: Path) -> Figure:
                   "within 10 s", took <= 10)
 
 
+def seconds_to_incident(base: Path, code: str, *options: str) -> float:
+    """Seconds from the time ``code`` prints (its last beat, or its stack's last change) to its incident,
+    under a daemon of its own."""
+    with ScratchDaemon(base, config={"pyspy_native": False, "gpu_dump": "never"}) as d:
+        p = d.run([sys.executable, "-c", code], *options, stdout=subprocess.PIPE)
+        try:
+            assert p.stdout is not None
+            printed = float(p.stdout.readline())
+            (inc,) = wait_for(d.settled, 60, "an incident", every=0.2)
+        finally:
+            p.kill()
+            p.wait()
+    return float(inc["time"]) - printed
+
+
 def stack_latency(tmp: Path) -> Figure:
     code = ("import time, threading\nfor i in range(40): time.sleep(0.05 + i * 0.0001)\n"
             "print(time.time(), flush=True)\nlock = threading.Lock(); lock.acquire(); lock.acquire()\n")
     # The baseline: the same hang found by the other signal, a heartbeat, under the same 10 s.
     beats = ("import time, threading, hangwatchd\nfor i in range(40): time.sleep(0.05); hangwatchd.beat()\n"
              "print(time.time(), flush=True)\nlock = threading.Lock(); lock.acquire(); lock.acquire()\n")
-    with ScratchDaemon(tmp / "beat", config={"pyspy_native": False, "gpu_dump": "never"}) as d:
-        p = d.run([sys.executable, "-c", beats], "--heartbeat-timeout", "10", stdout=subprocess.PIPE)
-        try:
-            assert p.stdout is not None
-            last_beat = float(p.stdout.readline())
-            (beat_inc,) = wait_for(d.settled, 60, "a heartbeat incident", every=0.2)
-        finally:
-            p.kill()
-            p.wait()
-    by_beat = beat_inc["time"] - last_beat
-    with ScratchDaemon(tmp / "stack", config={"pyspy_native": False, "gpu_dump": "never"}) as d:
-        p = d.run([sys.executable, "-c", code], "--stack-timeout", "10", "--heartbeat-timeout", "3600", stdout=subprocess.PIPE)
-        try:
-            assert p.stdout is not None
-            changed = float(p.stdout.readline())
-            (inc,) = wait_for(d.settled, 60, "a stack incident", every=0.2)
-        finally:
-            p.kill()
-            p.wait()
-    took = inc["time"] - changed
+    by_beat = seconds_to_incident(tmp / "beat", beats, "--heartbeat-timeout", "10")
+    took = seconds_to_incident(tmp / "stack", code, "--stack-timeout", "10", "--heartbeat-timeout", "3600")
     return Figure("last change of stack to `stack` incident (--stack-timeout 10)", f"{took:.1f} s",
                   f"the same hang by its heartbeat (timeout 10 s): {by_beat:.1f} s", "within 16 s", took <= 16)
 

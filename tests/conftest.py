@@ -137,3 +137,14 @@ def s3() -> Iterator[S3Server]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def fake_gpu() -> Iterator[Path]:
+    """A file named like an NVIDIA device node: holding it open is what discovery looks for."""
+    if not os.access("/dev", os.W_OK):
+        pytest.skip("writes into /dev (a file named like an NVIDIA device node): needs root")
+    path = Path(f"/dev/nvidia-hangwatchd-test-{uuid.uuid4().hex[:6]}")
+    path.write_text("")
+    yield path
+    path.unlink()

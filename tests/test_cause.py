@@ -163,17 +163,6 @@ def test_a_thread_spinning_in_c_with_the_gil_held_is_its_own_verdict(tmp_path: P
     assert v.verdict == "gil-held-in-c" and v.location == f"checksum ({WORKLOADS / 'gil.py'}:19)"
 
 
-@pytest.fixture
-def fake_gpu() -> Any:
-    """A file named like an NVIDIA device node: holding it open is what discovery looks for."""
-    if not os.access("/dev", os.W_OK):
-        pytest.skip("writes into /dev (a file named like an NVIDIA device node): needs root")
-    path = Path(f"/dev/nvidia-hangwatchd-cause-{os.getpid()}")
-    path.write_text("")
-    yield path
-    path.unlink()
-
-
 def test_workers_of_a_watched_process_are_not_discovered_as_processes_of_their_own(tmp_path: Path, fake_gpu: Path) -> None:
     code = (f"import multiprocessing as mp, time\nf = open({str(fake_gpu)!r})\n"
             "def worker():\n    time.sleep(600)\n"

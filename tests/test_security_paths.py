@@ -77,6 +77,14 @@ def user_env() -> dict[str, str]:
     return {"PYTHONPATH": path, "PATH": "/usr/bin:/bin", "HOME": "/"}
 
 
+def run_as(attacker: Attacker, uid: int, d: ScratchDaemon, job: str, timeout: float, beats: int,
+           **kw: object) -> subprocess.Popen[str]:
+    """``hangwatchd run --job JOB`` of a beating workload, as ``uid``, with the system's Python."""
+    return attacker.spawn([SYSTEM_PYTHON, "-m", "hangwatchd", "run", "--runtime-dir", str(d.runtime_dir), "--job", job,
+                           "--heartbeat-timeout", str(timeout), "--", SYSTEM_PYTHON, *workload_argv(beats=beats)[1:]],
+                          user=uid, group=uid, extra_groups=[], cwd="/", env=user_env(), **kw)
+
+
 # -- the boundary itself (any user) ------------------------------------------
 
 def test_a_user_named_path_resolves_once_to_a_plain_name_in_the_trusted_dir(tmp_path: Path) -> None:
@@ -358,9 +366,7 @@ while True:
 def test_another_users_process_under_the_same_job_name_never_joins_the_job(base: Path, attacker: Attacker) -> None:
     job = "victims-job"
     with ScratchDaemon(base / "d", config=QUICK) as d:
-        victim = attacker.spawn([SYSTEM_PYTHON, "-m", "hangwatchd", "run", "--runtime-dir", str(d.runtime_dir), "--job", job,
-                                 "--heartbeat-timeout", str(TIMEOUT), "--", SYSTEM_PYTHON, *workload_argv(beats=300)[1:]],
-                                user=VICTIM, group=VICTIM, extra_groups=[], cwd="/", env=user_env(), stdout=subprocess.PIPE)
+        victim = run_as(attacker, VICTIM, d, job, TIMEOUT, 300, stdout=subprocess.PIPE)
         stopped: list[float] = []
 
         def read() -> None:
@@ -528,20 +534,15 @@ def test_another_users_hang_on_another_node_never_captures_a_job_of_the_same_nam
     job = "shared-name"
     fleet = {**QUICK, "store_poll_interval": 0.5, "gpu_dump": "never", "capture_steps": ["proc", "pyspy"]}
 
-    def run_as_nobody(d: ScratchDaemon, timeout: float, beats: int) -> subprocess.Popen[str]:
-        return attacker.spawn([SYSTEM_PYTHON, "-m", "hangwatchd", "run", "--runtime-dir", str(d.runtime_dir), "--job", job,
-                               "--heartbeat-timeout", str(timeout), "--", SYSTEM_PYTHON, *workload_argv(beats=beats)[1:]],
-                              user=NOBODY, group=NOBODY, extra_groups=[], cwd="/", env=user_env(), stdout=subprocess.DEVNULL)
-
     with ScratchDaemon(base / "a", "--store", s3.url(), "--node-name", "node-a", env=s3.env, config=fleet) as a, \
             ScratchDaemon(base / "b", "--store", s3.url(), "--node-name", "node-b", env=s3.env, config=fleet) as b:
         root_rank = b.run(workload_argv(beats=100_000), "--job", job, "--heartbeat-timeout", "60", start_new_session=True)
         try:
-            own = run_as_nobody(b, 60, 100_000)  # the attacker's own rank of the job on node B, beating
+            own = run_as(attacker, NOBODY, b, job, 60, 100_000, stdout=subprocess.DEVNULL)  # the attacker's own rank of the job on node B, beating
             wait_for(lambda: len(watched_pids(b)) == 2, 30, "both ranks watched on node B")
             root_pid = wait_for(lambda: [c.pid for c in psutil.Process(root_rank.pid).children()], 10, "root's rank")[0]
             own_pid = next(p for p in watched_pids(b) if p != root_pid)
-            run_as_nobody(a, 2, 20)  # hangs on node A
+            run_as(attacker, NOBODY, a, job, 2, 20, stdout=subprocess.DEVNULL)  # hangs on node A
             (inc,) = wait_for(lambda: [i for i in b.store().list() if i["reason"] == "job-request"], 60,
                               "node B's capture for node A's request")
             assert inc["processes"] == [own_pid]  # the attacker's own rank, not root's of the same name

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -23,17 +22,6 @@ FAST = {"stack_interval": 0.5, "stack_window": 3.0, "pyspy_native": False, "gpu_
 
 def python(code: str, **kw: object) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", code], **kw)  # type: ignore[call-overload]
-
-
-@pytest.fixture
-def fake_gpu():  # type: ignore[no-untyped-def]
-    """A file named like an NVIDIA device node: holding it open is what discovery looks for."""
-    if not os.access("/dev", os.W_OK):
-        pytest.skip("writes into /dev (a file named like an NVIDIA device node): needs root")
-    path = Path(f"/dev/nvidia-hangwatchd-test-{secrets.token_hex(3)}")
-    path.write_text("")
-    yield path
-    path.unlink()
 
 
 def test_discovery_finds_a_gpu_process_that_never_imports_hangwatchd_and_catches_its_deadlock(tmp_path: Path, fake_gpu: Path) -> None:

@@ -51,6 +51,9 @@ class Stored:
         self._set.set()
 
     def wait(self) -> object | None:
+        # No deadline of its own: whoever stores the incident sets this on every path, failure
+        # included (make_incident), and storing is cut at the capture's deadline. A timeout here
+        # would only drop evidence that the stored incident still lists as coming.
         self._set.wait()
         return self._what
 

@@ -269,22 +269,13 @@ class Watchlist(dict[ProcessId, Watched]):
                 attempts = 0 if attempts is None else attempts
             if old is State.HUNG and retry_at is KEEP:
                 retry_at = None
-        if suspicion is not KEEP:
-            put(w, "suspicion", suspicion)
-        if mark is not KEEP:
-            put(w, "mark", mark)
-        if retry_at is not KEEP:
-            put(w, "retry_at", retry_at)
-        if attempts is not None:
-            put(w, "attempts", attempts)
-        if incident is not KEEP:
-            put(w, "incident", incident)
-        if confirm_by is not None:
-            put(w, "confirm_by", confirm_by)
-        if check_at is not None:
-            put(w, "next_check", check_at)
-        if sample_at is not None:
-            put(w, "next_sample", sample_at)
+        # (field, value, what leaves it as it is): KEEP where None is a value to set
+        for field, value, leave in (("suspicion", suspicion, KEEP), ("mark", mark, KEEP), ("retry_at", retry_at, KEEP),
+                                    ("incident", incident, KEEP), ("attempts", attempts, None),
+                                    ("confirm_by", confirm_by, None), ("next_check", check_at, None),
+                                    ("next_sample", sample_at, None)):
+            if value is not leave:
+                put(w, field, value)
         if (check_at is not None or sample_at is not None) and w.process in self:
             self._schedule(w)
         if reset_history:

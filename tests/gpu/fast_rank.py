@@ -23,25 +23,11 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 import hangwatchd  # noqa: E402
 
-
-@triton.jit
-def spin_kernel(x_ptr, flag, n_elements, BLOCK_SIZE: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = offs < n_elements
-    x = tl.load(x_ptr + offs, mask=mask, other=0)
-    if flag == 1:
-        x = x + 1
-        tl.store(x_ptr + offs, x, mask=mask)
-    else:
-        while flag == 0:
-            x = x + 1
-            tl.store(x_ptr + offs, x, mask=mask)  # SPINS HERE
+# The triton_hang scenario's kernel, spinning while flag == 0 (this script's directory is on sys.path).
+from triton_hang import conditional_hang_kernel as spin_kernel  # noqa: E402
 
 
 def barrier() -> None:
