@@ -200,7 +200,13 @@ def _gpu_workload(args: argparse.Namespace) -> int:
             with open(args.moments, "a") as f:
                 f.write(f"{what} {time.time()}\n")
 
-    def write_trace() -> None:
+    imported = threading.Lock()  # held through PyTorch's first dump, which imports torch._inductor once
+
+    def write_trace(first_delay: list[float]) -> None:
+        with imported:
+            if first_delay:
+                time.sleep(first_delay.pop())
+                moment("fr-imported")
         time.sleep(args.fr_delay)
         # as PyTorch 2.11 does: the new name first, the old one before it
         out = (os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]) + rank
@@ -208,47 +214,56 @@ def _gpu_workload(args: argparse.Namespace) -> int:
             pickle.dump({"version": "2.4", "pg_status": {}, "entries": [{"record_id": 0, "profiling_name": "nccl:all_gather"}]}, f)
         moment("fr-written")
 
+    def serve_flight_recorder(fd: int) -> None:
+        """PyTorch's dump thread: every request is answered on a thread of its own, from the start."""
+        first_delay = [args.fr_first_delay]
+        while True:
+            select.select([fd], [], [], 3600)
+            if not os.read(fd, 4096):
+                time.sleep(0.05)  # no writer: wait for the next
+                continue
+            moment("fr-asked")
+            if args.fr == "answer":
+                threading.Thread(target=write_trace, args=(first_delay,), daemon=True).start()
+
     _device = open(args.hold_device, "rb") if args.hold_device else None  # noqa: SIM115 - held for life
     cuda_fd = fr_fd = None
     if args.cuda != "none":
         cuda_fd = _fifo(os.environ["CUDA_COREDUMP_PIPE"].replace("%p", str(pid)).replace("%h", host))
     if args.fr != "none":
         fr_fd = _fifo(os.environ["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] + rank + ".pipe")
+        threading.Thread(target=serve_flight_recorder, args=(fr_fd,), daemon=True).start()
     for _ in range(args.beats):
         hangwatchd.beat()
         time.sleep(args.interval)
     print("stopped beating", flush=True)
-    fds = [fd for fd in (cuda_fd, fr_fd) if fd is not None]
+    moment("stopped-beating")
     while True:
-        ready, _, _ = select.select(fds, [], [], 3600) if fds else ([], [], time.sleep(3600))
-        for fd in ready:
-            data = os.read(fd, 4096)
-            if not data:
-                time.sleep(0.05)  # the writer closed; wait for the next
-                continue
-            if fd == fr_fd:
-                moment("fr-asked")
-            if fd == fr_fd and args.fr == "answer":
-                threading.Thread(target=write_trace, daemon=True).start()
-            if fd == cuda_fd:
-                moment("cuda-asked")
-            if fd == cuda_fd and args.cuda in ("dump", "half"):
-                time.sleep(args.dump_delay)
-                blob = lzma.decompress(Path(args.dump).read_bytes())
-                out = os.environ["CUDA_COREDUMP_FILE"].replace("%h", host).replace("%p", str(pid)).replace("%t", str(int(time.time())))
-                print(f"[00:00:00.000000] coredump: Writing ELF file to {out}", file=sys.stderr, flush=True)
-                f = open(out, "wb")
-                third = len(blob) // 3
-                for i in range(3):
-                    if args.cuda == "half" and i == 1:
-                        f.flush()
-                        time.sleep(3600)  # a driver that stops half way, file still open
-                    f.write(blob[i * third : (i + 1) * third if i < 2 else len(blob)])
+        if cuda_fd is None:
+            time.sleep(3600)
+            continue
+        select.select([cuda_fd], [], [], 3600)
+        if not os.read(cuda_fd, 4096):
+            time.sleep(0.05)  # the writer closed; wait for the next
+            continue
+        moment("cuda-asked")
+        if args.cuda in ("dump", "half"):
+            time.sleep(args.dump_delay)
+            blob = lzma.decompress(Path(args.dump).read_bytes())
+            out = os.environ["CUDA_COREDUMP_FILE"].replace("%h", host).replace("%p", str(pid)).replace("%t", str(int(time.time())))
+            print(f"[00:00:00.000000] coredump: Writing ELF file to {out}", file=sys.stderr, flush=True)
+            f = open(out, "wb")
+            third = len(blob) // 3
+            for i in range(3):
+                if args.cuda == "half" and i == 1:
                     f.flush()
-                    time.sleep(0.2)
-                f.close()
-                print("[00:00:00.000000] coredump: All done (took 00s)", file=sys.stderr, flush=True)
-                os._exit(134)  # a user-triggered dump ends the process (SIGABRT)
+                    time.sleep(3600)  # a driver that stops half way, file still open
+                f.write(blob[i * third : (i + 1) * third if i < 2 else len(blob)])
+                f.flush()
+                time.sleep(0.2)
+            f.close()
+            print("[00:00:00.000000] coredump: All done (took 00s)", file=sys.stderr, flush=True)
+            os._exit(134)  # a user-triggered dump ends the process (SIGABRT)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -270,7 +285,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     g.add_argument("--fr-delay", type=float, default=0.0,
                    help="seconds between reading the flight-recorder pipe and writing the trace, on a thread of its "
                         "own (PyTorch 2.11 took 3.4 to 4.4 s on an H200)")
-    g.add_argument("--moments", help="append 'WHAT TIME' lines here: fr-asked, fr-written, cuda-asked")
+    g.add_argument("--fr-first-delay", type=float, default=0.0,
+                   help="seconds more for the first trace only (PyTorch 2.11 imports torch._inductor on its first dump: "
+                        "3.4 to 6.5 s on an H200 in eager mode); a request meanwhile waits for it too")
+    g.add_argument("--moments", help="append 'WHAT TIME' lines here: fr-asked, fr-imported, fr-written, stopped-beating, cuda-asked")
     g.add_argument("--dump-delay", type=float, default=0.0,
                    help="seconds between reading the coredump pipe and creating the dump file (the driver collecting "
                         "the GPU's state)")

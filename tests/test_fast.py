@@ -142,9 +142,12 @@ def test_a_job_incident_is_stored_before_its_dumps_and_a_dump_that_never_comes_h
                 stop(r)
 
 
-def _moments(path: Path) -> dict[str, float]:
-    """What the fake workload wrote down: 'fr-asked', 'fr-written', 'cuda-asked', each when it happened."""
-    return {what: float(t) for what, t in (line.split() for line in path.read_text().splitlines())}
+def _moments(path: Path) -> dict[str, list[float]]:
+    """What the fake workload wrote down ('fr-asked', 'fr-written', 'cuda-asked', ...): when, each time."""
+    out: dict[str, list[float]] = {}
+    for what, t in (line.split() for line in path.read_text().splitlines()):
+        out.setdefault(what, []).append(float(t))
+    return out
 
 
 @pytest.mark.parametrize("fr", ["answer", "silent"])
@@ -160,7 +163,7 @@ def test_the_flight_recorder_is_asked_with_the_stacks_and_the_gpu_dump_waits_for
         try:
             (inc,) = wait_for(d.settled, 40, "the incident settled", every=0.1)
             assert work.wait(10) == 134  # its GPU dump ended it
-            m = _moments(moments)
+            m = {what: times[-1] for what, times in _moments(moments).items()}  # the hang's, after the warm-up's
             stored = _log_time(next(e for e in d.logs() if e.get("event") == "incident_stored_first"))
             assert m["fr-asked"] < stored  # asked while the first stage ran, not after it
             steps = _steps(_incident_json(inc), inc["processes"][0])
@@ -172,6 +175,40 @@ def test_the_flight_recorder_is_asked_with_the_stacks_and_the_gpu_dump_waits_for
             else:
                 assert late.HEAD_START - 0.5 < m["cuda-asked"] - m["fr-asked"] < late.HEAD_START + 1.5
                 assert "ended (its GPU dump, a crash) before its flight recorder wrote" in steps["flight_recorder"]["error"]
+        finally:
+            stop(work)
+
+
+@pytest.mark.parametrize("warmup", [True, False])
+def test_the_flight_recorder_asked_as_the_rank_starts_answers_at_the_hang_without_its_first_dump_import(
+        tmp_path: Path, warmup: bool) -> None:
+    """PyTorch 2.11's first dump imports torch._inductor (3.4-6.5 s on an H200, eager mode): with
+    flight_recorder_warmup the daemon asks once while the rank runs, and the hang's trace comes at
+    once; without it, the hang's capture waits for that import."""
+    first_dump = 3.0
+    moments = tmp_path / "moments"
+    config = {"gpu_dump": "never", "pyspy_native": False, "flight_recorder_warmup": warmup}
+    with ScratchDaemon(tmp_path, config=config) as d:
+        work = d.run([sys.executable, "-m", "hangwatchd.testing", "gpu-workload", "--cuda", "none", "--beats", "140",
+                      "--fr-first-delay", str(first_dump), "--moments", str(moments)],
+                     "--heartbeat-timeout", "1", "--rank", "0", start_new_session=True)
+        try:
+            (inc,) = wait_for(d.settled, 40, "the incident settled", every=0.1)
+            steps = _steps(_incident_json(inc), inc["processes"][0])
+            assert steps["flight_recorder"]["ok"], steps["flight_recorder"]
+            m = _moments(moments)
+            (stopped,) = m["stopped-beating"]
+            (imported,) = m["fr-imported"]
+            hang_asked, hang_written = m["fr-asked"][-1], m["fr-written"][-1]
+            assert stopped < hang_asked
+            warmed = [e for e in d.logs() if e.get("event") == "flight_recorder_warmed"]
+            if warmup:
+                assert len(m["fr-asked"]) == 2 and m["fr-asked"][0] < stopped  # asked once while it ran
+                assert [e["pid"] for e in warmed] == inc["processes"]
+                assert imported < hang_asked and hang_written - hang_asked < first_dump / 2
+            else:
+                assert len(m["fr-asked"]) == 1 and not warmed
+                assert hang_written - hang_asked >= first_dump  # the hang's capture paid the import
         finally:
             stop(work)
 

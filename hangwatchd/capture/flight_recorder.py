@@ -22,35 +22,56 @@ MAX_TRACE = 256 << 20  # bytes: a flight recorder trace is a few MB
 KEYS = frozenset({"TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE", "RANK"})
 
 
+@dataclass(frozen=True)
+class Pipe:
+    """A process's flight-recorder pipe, as it holds it, and where its trace will be written."""
+
+    fifo: tuple[int, str, os.stat_result]  # (fd in the process, path, stat), as procfs.held_fifos gives
+    owner: int  # the process's one uid: the only user whose trace we read
+    trace: Path
+
+
+class NoPipe(StepNotApplicable):
+    """The process holds no flight-recorder pipe (yet): no NCCL process group, or PyTorch < 2.3."""
+
+
+def find_pipe(target: Registration) -> Pipe:
+    """The pipe the process holds. Raises NoPipe while it holds none, StepNotApplicable for a
+    process not started by ``hangwatchd run``, StepFailed for one with no single uid."""
+    pid = target.process.pid
+    env = procfs.environ(pid, KEYS)
+    # PyTorch 2.11 writes to TORCH_FR_DUMP_TEMP_FILE; older ones to TORCH_NCCL_DEBUG_INFO_TEMP_FILE.
+    prefix = env.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE")
+    temp = env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    if not prefix or not temp:
+        raise StepNotApplicable("the process has no TORCH_NCCL_DEBUG_INFO_PIPE_FILE and TORCH_FR_DUMP_TEMP_FILE "
+                                "(or TORCH_NCCL_DEBUG_INFO_TEMP_FILE): not started by hangwatchd run")
+    rank = env.get("RANK", str(target.rank) if target.rank is not None else "0")
+    pipe_name = os.path.basename(prefix) + rank + ".pipe"
+    owner = procfs.uid(pid)
+    if owner is None:
+        raise StepFailed(f"pid {pid} has no single uid (setuid, or gone): refusing to act on it for its user, or to read its trace")
+    fifo = next(((fd, path, st) for fd, path, st in procfs.held_fifos(pid) if os.path.basename(path) == pipe_name), None)
+    if fifo is None:
+        raise NoPipe(f"pid {pid} holds no flight-recorder pipe {pipe_name}: no NCCL process group (or PyTorch < 2.3)")
+    trace = Path(temp + rank)
+    if not trace.is_absolute():
+        trace = Path(os.readlink(f"/proc/{pid}/cwd")) / trace
+    return Pipe(fifo, owner, trace)
+
+
 @dataclass
 class FlightRecorderStep:
     name: str = "flight_recorder"
 
     def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
         pid = target.process.pid
-        env = procfs.environ(pid, KEYS)
-        # PyTorch 2.11 writes to TORCH_FR_DUMP_TEMP_FILE; older ones to TORCH_NCCL_DEBUG_INFO_TEMP_FILE.
-        prefix = env.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE")
-        temp = env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
-        if not prefix or not temp:
-            raise StepNotApplicable("the process has no TORCH_NCCL_DEBUG_INFO_PIPE_FILE and TORCH_FR_DUMP_TEMP_FILE "
-                                    "(or TORCH_NCCL_DEBUG_INFO_TEMP_FILE): not started by hangwatchd run")
-        rank = env.get("RANK", str(target.rank) if target.rank is not None else "0")
-        pipe_name = os.path.basename(prefix) + rank + ".pipe"
-        owner = procfs.uid(pid)
-        if owner is None:
-            raise StepFailed(f"pid {pid} has no single uid (setuid, or gone): refusing to act on it for its user, or to read its trace")
-        fifo = next(((fd, path, st) for fd, path, st in procfs.held_fifos(pid) if os.path.basename(path) == pipe_name), None)
-        if fifo is None:
-            raise StepNotApplicable(f"pid {pid} holds no flight-recorder pipe {pipe_name}: no NCCL process group "
-                                    "(or PyTorch < 2.3)")
-        dump = Path(temp + rank)
-        if not dump.is_absolute():
-            dump = Path(os.readlink(f"/proc/{pid}/cwd")) / dump
+        pipe = find_pipe(target)
+        dump, owner = pipe.trace, pipe.owner
         # The trace's directory is the workload's choice: held as a descriptor from here on.
         watch = Watch(dump.parent, dump.name, owner)
         try:
-            poke_held_fifo(pid, fifo, b"1", owner)
+            poke_held_fifo(pid, pipe.fifo, b"1", owner)
             end = time.monotonic() + timeout
             found = watch.wait(timeout, lambda: not procfs.alive(target.process))
             if found is None:

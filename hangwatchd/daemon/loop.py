@@ -31,6 +31,7 @@ from inotify_simple import flags as inflags
 
 from .. import __version__
 from ..capture import capture_budget, make_steps
+from ..capture.warmup import Warmup
 from ..config import Config
 from ..cudacore import sandbox
 from ..detect import HeartbeatDetector
@@ -106,6 +107,8 @@ class Daemon:
         self.node_health = NodeHealth(Path(cfg.runtime_dir), self.metrics)  # GPU faults (XIDs), health.json
         # New GPU processes within seconds, found on a thread of its own (watch/discovery.py).
         self.discovery = Discovery(cfg.discover_devices, cfg.discover_interval, self._wake) if cfg.discover else None
+        # Each rank's flight recorder asked once as it starts, on a thread of its own (capture/warmup.py).
+        self.warmup = Warmup() if cfg.flight_recorder_warmup and "flight_recorder" in cfg.capture_steps else None
         self.rescan_due = False  # the inotify queue overflowed: events were lost
         self.next_dump_scan = float("inf")  # a scan found dumps still being written: look again then
         self.stopping = False
@@ -198,6 +201,8 @@ class Daemon:
             self._scan_dumps()
             if self.discovery is not None:
                 self.discovery.start()  # after the first full scan: what runs now is known
+            if self.warmup is not None:
+                self.warmup.start()
             notify("READY=1")
             self.status.say(f"watching {len(self.watched)} processes")
             log.info("daemon_ready", state_dir=self.config.state_dir, runtime_dir=self.config.runtime_dir,
@@ -214,6 +219,8 @@ class Daemon:
                 self.workers.act.stop()
             if self.discovery is not None:
                 self.discovery.stop()
+            if self.warmup is not None:
+                self.warmup.stop()
             if self.fleet:
                 self.fleet.stop()
             for s, h in old.items():
@@ -326,6 +333,8 @@ class Daemon:
 
     def _first_look(self, w: Watched, now: float) -> None:
         self.machine.observe(w, now)
+        if self.warmup is not None:
+            self.warmup.add(w.registration)
 
     def _status_changed(self) -> None:
         self.status_dirty = True

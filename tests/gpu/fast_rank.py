@@ -7,6 +7,9 @@ variables set before CUDA starts).
 --inductor: import torch._inductor first, as a torch.compile user has it.
 --many-kernels: load many modules first (a big GPU dump, as a real training process makes).
 --hang sleep: stop beating in time.sleep, the GPU idle, instead of the spinning kernel.
+--run-seconds S: take steps for S seconds before the hang (default 1), then print
+      "STEPS {json}": the steps' median and slowest time and the rank's RSS, what the daemon's
+      flight-recorder warm-up costs a rank in its first seconds.
 --fr: a one-rank NCCL process group (its own FileStore) with a few all_reduces first, so that
       the flight recorder has entries and its pipe (named for rank 0) is there.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 import tempfile
@@ -69,6 +73,7 @@ def main() -> int:
                         "imports it the first time it dumps)")
     p.add_argument("--many-kernels", action="store_true",
                    help="run many kinds of kernel first, so the GPU dump holds many modules (a big dump)")
+    p.add_argument("--run-seconds", type=float, default=1.0, help="seconds of steps before the hang")
     a = p.parse_args()
     if a.inductor:
         importlib.import_module("torch._inductor")
@@ -89,13 +94,23 @@ def main() -> int:
     spin_kernel[(1,)](x, flag=1, n_elements=x.numel(), BLOCK_SIZE=16)  # compiled before the barrier
     torch.cuda.synchronize()
     barrier()
-    for _ in range(20):
+    took = []
+    end = time.monotonic() + a.run_seconds
+    while time.monotonic() < end:
+        started = time.perf_counter()
+        sum(i * i for i in range(20_000))  # a step's Python work, which needs the GIL
         spin_kernel[(1,)](x, flag=1, n_elements=x.numel(), BLOCK_SIZE=16)
         if reduce:
             reduce()
         torch.cuda.synchronize()
+        took.append(time.perf_counter() - started)
         hangwatchd.beat()
         time.sleep(0.05)
+    with open("/proc/self/status") as f:
+        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    took.sort()
+    print("STEPS " + json.dumps({"steps": len(took), "median_ms": round(took[len(took) // 2] * 1e3, 2),
+                                 "slowest_ms": round(took[-1] * 1e3, 2), "rss_mb": rss // 1024}), flush=True)
     print(f"STALL {time.time()}", flush=True)
     if a.hang == "sleep":
         time.sleep(3600)

@@ -3,11 +3,17 @@
     PYTHONPATH=/tmp/site:. HANGWATCHD_COMMIT=<sha> python3 tests/gpu/run_fast.py OUTDIR [--fake]
 
 1. one_rank: one rank with a flight recorder (a one-rank NCCL process group) hung in a
-   spinning Triton kernel; `gpu_dump = always`. Declared -> stored with its stacks (target
-   2 s), -> flight recorder added, -> GPU dump added and symbolised (target 5 s).
-   Twice: eager PyTorch, whose flight recorder imports torch._inductor (and sympy) the first
-   time it dumps, for seconds; and one_rank_inductor, with torch._inductor loaded before, as
-   any torch.compile user (vLLM, SGLang) has it.
+   spinning Triton kernel after 10 s of steps; `gpu_dump = always`. Declared -> stored with
+   its stacks (target 2 s), -> flight recorder added, -> GPU dump added and symbolised
+   (target 5 s). In eager PyTorch, whose flight recorder imports torch._inductor (and sympy)
+   the first time it dumps, for seconds: the daemon's warm-up (flight_recorder_warmup) asks
+   it once as the rank starts. Beside it, in the same run:
+   - one_rank_without_warmup: the same with the warm-up off (the baseline: what a hang's
+     capture pays without it), and what the warm-up costs the rank (its steps, its RSS);
+   - one_rank_at_start: the hang 1 s after the process group starts, the warm-up's import
+     still running (the worst case);
+   - one_rank_inductor: torch._inductor loaded before, as any torch.compile user (vLLM,
+     SGLang) has it.
 2. eight_ranks: 8 processes of one job on the one GPU, each under its own `hangwatchd run`,
    all hung in a spinning kernel (heartbeat timeout 5 s). Declared -> every rank's stacks
    stored (target 2 s), -> every rank's GPU dump added (target 5 s); a rank whose dump
@@ -49,6 +55,7 @@ from hangwatchd.testing import ScratchDaemon, hangwatchd_argv, stop, wait_for  #
 TIMEOUT = 5  # seconds of heartbeat timeout
 STORED_S = 2.0  # issue 21: every rank's stacks stored within 2 s of the declaration
 COMPLETE_S = 5.0  # issue 21: flight recorder and GPU dump in within 5 s of the declaration
+RUN_S = 10.0  # seconds of steps before the hang: a job that has run a while
 WHOLE_RUN = 540  # seconds: under the device tool's 600 s a command
 
 
@@ -56,21 +63,30 @@ def ts(e: dict[str, Any]) -> float:
     return datetime.datetime.fromisoformat(str(e["timestamp"]).replace("Z", "+00:00")).timestamp()
 
 
-def rank_argv(fr: bool, fake: bool) -> list[str]:
+def rank_argv(fr: bool, fake: bool, run_seconds: float, inductor: bool) -> list[str]:
     if fake:
-        return [sys.executable, "-m", "hangwatchd.testing", "gpu-workload", "--beats", "20", "--fr", "answer" if fr else "none",
-                "--dump", str(ROOT / "tests/fixtures/gpu/cpp_hang/coredump.nvcudmp.xz")]
-    return [sys.executable, str(ROOT / "tests/gpu/fast_rank.py")] + (["--fr"] if fr else [])
+        return [sys.executable, "-m", "hangwatchd.testing", "gpu-workload", "--beats", str(int(run_seconds / 0.05)),
+                "--fr", "answer" if fr else "none", "--dump", str(ROOT / "tests/fixtures/gpu/cpp_hang/coredump.nvcudmp.xz")]
+    return ([sys.executable, str(ROOT / "tests/gpu/fast_rank.py"), "--run-seconds", f"{run_seconds:g}"]
+            + (["--fr"] if fr else []) + (["--inductor"] if inductor else []))
 
 
-def scenario(name: str, ranks: int, fr: bool, out: Path, fake: bool, inductor: bool = False) -> dict[str, Any]:
+def rank_steps(log: Path) -> dict[str, Any] | None:
+    """fast_rank.py's STEPS line: its steps' median and slowest time, and its RSS."""
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("STEPS ")]
+    return json.loads(lines[-1][6:]) if lines else None
+
+
+def scenario(name: str, ranks: int, fr: bool, out: Path, fake: bool, inductor: bool = False, warmup: bool = True,
+             run_seconds: float = 1.0) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     base = Path(tempfile.mkdtemp(prefix=f"hangwatchd-fast-{name}-"))
     d = ScratchDaemon(base, config={"gpu_dump": "always", "pyspy_timeout": 20.0, "flight_recorder_timeout": 20.0,
-                             "gpu_dump_timeout": 60.0})
+                             "gpu_dump_timeout": 60.0, "flight_recorder_warmup": warmup})
     procs: list[subprocess.Popen[bytes]] = []
     logs = []
-    result: dict[str, Any] = {"scenario": name, "ranks": ranks, "fake": fake, "inductor": inductor}
+    result: dict[str, Any] = {"scenario": name, "ranks": ranks, "fake": fake, "inductor": inductor, "warmup": warmup,
+                              "run_seconds": run_seconds}
     try:
         barrier = base / "barrier"
         barrier.mkdir()
@@ -80,8 +96,9 @@ def scenario(name: str, ranks: int, fr: bool, out: Path, fake: bool, inductor: b
                        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
             log = open(out / f"rank{r}.log", "wb")
             logs.append(log)
-            procs.append(d.run(rank_argv(fr, fake) + (["--inductor"] if inductor and not fake else []), "--job", f"fast-{name}", "--rank", str(r), "--heartbeat-timeout",
-                               str(TIMEOUT), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(d.run(rank_argv(fr, fake, run_seconds, inductor), "--job", f"fast-{name}", "--rank", str(r),
+                               "--heartbeat-timeout", str(TIMEOUT), env=env, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True))
         def listed() -> list[dict[str, Any]]:
             if all(p.poll() is not None for p in procs):  # every rank ended before its hang: say so now
                 raise RuntimeError(f"every rank exited (status {[p.returncode for p in procs]}); see rank*.log")
@@ -121,6 +138,8 @@ def scenario(name: str, ranks: int, fr: bool, out: Path, fake: bool, inductor: b
             "step_seconds": {pid: {k: round(v["seconds"], 3) for k, v in s.items()} for pid, s in steps.items()},
             "declared_spread_s": round(max(hung) - declared, 3),
             "shown_pending_when_stored": "still coming" in show_early.stdout,
+            "warmed_s_after_watched": [e["seconds_after_watched"] for e in events if e.get("event") == "flight_recorder_warmed"],
+            "steps": rank_steps(out / "rank0.log"),
         })
         with_incident = Path(done["dir"])
         shutil.copytree(with_incident, out / "incident", ignore=shutil.ignore_patterns("*.zst"))
@@ -138,16 +157,35 @@ def scenario(name: str, ranks: int, fr: bool, out: Path, fake: bool, inductor: b
     return result
 
 
+def who(r: dict[str, Any]) -> str:
+    text = f"{r['ranks']} rank{'s' if r['ranks'] > 1 else ''} of one job on one GPU" + (" (fake)" if r["fake"] else "")
+    if r["ranks"] == 1:
+        text += ", torch._inductor loaded (a torch.compile user)" if r["inductor"] else ", eager PyTorch"
+        text += f", hung after {r['run_seconds']:g} s of steps" + ("" if r["warmup"] else ", warm-up off")
+    return text
+
+
+def warmup_cost(results: list[dict[str, Any]]) -> list[Figure]:
+    """What the warm-up costs an eager rank in its first seconds, against the same rank without it."""
+    by = {r["scenario"]: r for r in results}
+    warm, cold = by.get("one_rank", {}).get("steps"), by.get("one_rank_without_warmup", {}).get("steps")
+    if not warm or not cold:
+        return []
+    return [Figure("what the warm-up costs an eager rank (its steps while PyTorch imports torch._inductor, its memory)",
+                   f"steps: median {warm['median_ms']:.1f} ms, slowest {warm['slowest_ms']:.1f} ms of {warm['steps']}; "
+                   f"RSS {warm['rss_mb']} MB",
+                   f"warm-up off: median {cold['median_ms']:.1f} ms, slowest {cold['slowest_ms']:.1f} ms of "
+                   f"{cold['steps']}; RSS {cold['rss_mb']} MB", "", None)]
+
+
 def figures(results: list[dict[str, Any]]) -> list[Figure]:
     out = []
     for r in results:
-        who = f"{r['ranks']} rank{'s' if r['ranks'] > 1 else ''} of one job on one GPU" + (" (fake)" if r["fake"] else "")
-        if r["ranks"] == 1:
-            who += ", torch._inductor loaded (a torch.compile user)" if r["inductor"] else ", eager PyTorch"
+        who_ = who(r)
         if "error" in r:
-            out.append(Figure(who, f"no figure: {r['error']}", "-", f"within {COMPLETE_S:g} s", False))
+            out.append(Figure(who_, f"no figure: {r['error']}", "-", f"within {COMPLETE_S:g} s", False))
             continue
-        out.append(Figure(f"{who}: declared -> every rank's stacks stored", f"{r['declared_to_stored_s']:.2f} s",
+        out.append(Figure(f"{who_}: declared -> every rank's stacks stored", f"{r['declared_to_stored_s']:.2f} s",
                           f"the sum of every step's duration in this incident, as one after another would spend them (progress window aside; durations measured side by side, so under contention): {r['sequential_s']:.2f} s",
                           f"within {STORED_S:g} s", r["declared_to_stored_s"] <= STORED_S))
         fr = r["declared_to_step_s"].get("flight_recorder", {})
@@ -160,10 +198,10 @@ def figures(results: list[dict[str, Any]]) -> list[Figure]:
                 f"{max(dumps.values(), default=float('nan')):.2f} s" + (f", last flight recorder at {max(fr.values()):.2f} s" if r["came"]["flight_recorder"] else "")
                 + f"{never})")
         complete = len(r["came"]["cuda_dump"]) == r["ranks"] and (r["ranks"] > 1 or bool(r["came"]["flight_recorder"]))
-        out.append(Figure(f"{who}: declared -> {'flight recorder and ' if r['ranks'] == 1 else ''}GPU dumps added, symbolised",
+        out.append(Figure(f"{who_}: declared -> {'flight recorder and ' if r['ranks'] == 1 else ''}GPU dumps added, symbolised",
                           text, f"the same sum: {r['sequential_s']:.2f} s",
                           f"within {COMPLETE_S:g} s, all in", complete and r["declared_to_complete_s"] <= COMPLETE_S))
-    return out
+    return out + warmup_cost(results)
 
 
 def main() -> int:
@@ -177,11 +215,13 @@ def main() -> int:
 
     signal.signal(signal.SIGALRM, too_long)
     signal.alarm(WHOLE_RUN)
-    one = scenario("one_rank", 1, True, a.outdir / "one_rank", a.fake)
-    compiled = scenario("one_rank_inductor", 1, True, a.outdir / "one_rank_inductor", a.fake, inductor=True)
-    eight = scenario("eight_ranks", 8, False, a.outdir / "eight_ranks", a.fake)
+    results = [scenario("one_rank", 1, True, a.outdir / "one_rank", a.fake, run_seconds=RUN_S),
+               scenario("one_rank_without_warmup", 1, True, a.outdir / "one_rank_without_warmup", a.fake,
+                        warmup=False, run_seconds=RUN_S),
+               scenario("one_rank_at_start", 1, True, a.outdir / "one_rank_at_start", a.fake),
+               scenario("one_rank_inductor", 1, True, a.outdir / "one_rank_inductor", a.fake, inductor=True),
+               scenario("eight_ranks", 8, False, a.outdir / "eight_ranks", a.fake)]
     signal.alarm(0)
-    results = [one, compiled, eight]
     for r in results:
         print(f"== {r['scenario']}{' (fake)' if r['fake'] else ''}")
         if "error" in r:
@@ -198,7 +238,8 @@ def main() -> int:
     os.environ["HANGWATCHD_BENCH_OUT"] = str(a.outdir)
     ok = report("gpu_capture", figures(results), note="real daemon, `hangwatchd run` per rank, heartbeat timeout "
                 f"{TIMEOUT} s, gpu_dump = always; PyTorch 2.11's flight recorder imports torch._inductor (and sympy) the "
-                "first time it dumps, unless the process has it already, as a torch.compile user does"
+                "first time it dumps, unless the process has it already, as a torch.compile user does; the daemon asks each "
+                "rank's flight recorder once as it starts (flight_recorder_warmup), unless said off"
                 + ("; FAKE: CPU stand-ins, not a GPU figure" if a.fake else ""),
                 command="python3 tests/gpu/run_fast.py OUT" + (" --fake" if a.fake else ""))
     print("ok" if ok else "MISSED")
