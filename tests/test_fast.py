@@ -182,15 +182,17 @@ def test_the_flight_recorder_is_asked_with_the_stacks_and_the_gpu_dump_waits_for
 @pytest.mark.parametrize("warmup", [True, False])
 def test_the_flight_recorder_asked_as_the_rank_starts_answers_at_the_hang_without_its_first_dump_import(
         tmp_path: Path, warmup: bool) -> None:
-    """PyTorch 2.11's first dump imports torch._inductor (3.4-6.5 s on an H200, eager mode): with
-    flight_recorder_warmup the daemon asks once while the rank runs, and the hang's trace comes at
-    once; without it, the hang's capture waits for that import."""
-    first_dump = 3.0
+    """PyTorch 2.11 imports torch._inductor the first time it dumps a trace with entries (3.4-7 s on
+    an H200, eager mode). With flight_recorder_warmup the daemon asks while the rank runs, again
+    while the trace is empty (before the first collective), and the hang's trace comes at once;
+    without it, the hang's capture waits for that import."""
+    first_dump, entries_after = 3.0, 2.5
     moments = tmp_path / "moments"
     config = {"gpu_dump": "never", "pyspy_native": False, "flight_recorder_warmup": warmup}
     with ScratchDaemon(tmp_path, config=config) as d:
-        work = d.run([sys.executable, "-m", "hangwatchd.testing", "gpu-workload", "--cuda", "none", "--beats", "140",
-                      "--fr-first-delay", str(first_dump), "--moments", str(moments)],
+        work = d.run([sys.executable, "-m", "hangwatchd.testing", "gpu-workload", "--cuda", "none", "--beats", "200",
+                      "--fr-first-delay", str(first_dump), "--fr-entries-after", str(entries_after),
+                      "--moments", str(moments)],
                      "--heartbeat-timeout", "1", "--rank", "0", start_new_session=True)
         try:
             (inc,) = wait_for(d.settled, 40, "the incident settled", every=0.1)
@@ -199,15 +201,16 @@ def test_the_flight_recorder_asked_as_the_rank_starts_answers_at_the_hang_withou
             m = _moments(moments)
             (stopped,) = m["stopped-beating"]
             (imported,) = m["fr-imported"]
-            hang_asked, hang_written = m["fr-asked"][-1], m["fr-written"][-1]
+            asks, hang_asked, hang_written = m["fr-asked"], m["fr-asked"][-1], m["fr-written"][-1]
             assert stopped < hang_asked
             warmed = [e for e in d.logs() if e.get("event") == "flight_recorder_warmed"]
             if warmup:
-                assert len(m["fr-asked"]) == 2 and m["fr-asked"][0] < stopped  # asked once while it ran
-                assert [e["pid"] for e in warmed] == inc["processes"]
-                assert imported < hang_asked and hang_written - hang_asked < first_dump / 2
+                # asked while it ran: before its first collective (an empty trace), again until a trace had entries
+                assert m["fr-written-empty"] and len(m["fr-written"]) == 2 and asks[-2] < stopped
+                assert imported < asks[-1] and [e["pid"] for e in warmed] == inc["processes"]
+                assert hang_written - hang_asked < first_dump / 2
             else:
-                assert len(m["fr-asked"]) == 1 and not warmed
+                assert len(asks) == 1 and not warmed
                 assert hang_written - hang_asked >= first_dump  # the hang's capture paid the import
         finally:
             stop(work)

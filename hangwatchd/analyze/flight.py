@@ -61,6 +61,11 @@ def read(path: Path) -> tuple[FlightRecord | None, str | None]:
         return None, f"cannot be read ({exc.strerror or exc})"
     if len(raw) > MAX_BYTES:
         return None, f"larger than {MAX_BYTES >> 20} MB, not read"
+    return parse(raw)
+
+
+def parse(raw: bytes) -> tuple[FlightRecord | None, str | None]:
+    """``read`` of bytes already read (never raises, never runs code)."""
     try:
         data = _PlainData(io.BytesIO(raw)).load()
     except Exception as exc:  # a hostile or torn pickle can raise nearly anything; it is only data we could not read

@@ -31,7 +31,6 @@ from inotify_simple import flags as inflags
 
 from .. import __version__
 from ..capture import capture_budget, make_steps
-from ..capture.warmup import Warmup
 from ..config import Config
 from ..cudacore import sandbox
 from ..detect import HeartbeatDetector
@@ -51,6 +50,7 @@ from ..watch.watched import Watched, Watchlist
 from ..workload import registration_file
 from . import act, exception_dumps
 from .capture_workers import CaptureWorkers
+from .fr_warmup import Warmup
 from .instance_lock import AlreadyRunning, InstanceLock, LockDirError
 from .loop_guard import Guard
 from .node_health import NodeHealth
@@ -107,7 +107,7 @@ class Daemon:
         self.node_health = NodeHealth(Path(cfg.runtime_dir), self.metrics)  # GPU faults (XIDs), health.json
         # New GPU processes within seconds, found on a thread of its own (watch/discovery.py).
         self.discovery = Discovery(cfg.discover_devices, cfg.discover_interval, self._wake) if cfg.discover else None
-        # Each rank's flight recorder asked once as it starts, on a thread of its own (capture/warmup.py).
+        # Each rank's flight recorder asked as it starts, until PyTorch has named a trace's frames (fr_warmup.py).
         self.warmup = Warmup() if cfg.flight_recorder_warmup and "flight_recorder" in cfg.capture_steps else None
         self.rescan_due = False  # the inotify queue overflowed: events were lost
         self.next_dump_scan = float("inf")  # a scan found dumps still being written: look again then

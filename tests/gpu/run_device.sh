@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch of GPU scenarios on the GPU machine (never in CI), all output in one tarball:
-#   bash tests/gpu/run_device.sh WAVE OUTDIR        WAVE: jobs | node1 | node2 | fast | diag | fr
+#   bash tests/gpu/run_device.sh WAVE OUTDIR        WAVE: jobs | node1 | node2 | fast | diag | fr | frcost | frwarm
 # The machine has PyTorch but not our dependencies: carry them as wheels in .whl/ (README,
 # "Running the GPU scenarios"). jobs needs 2 GPUs; node runs on one.
 set -u
@@ -45,6 +45,15 @@ case "$wave" in
     big=$(find /tmp/bigdumps -name '*.nvcudmp' -size -400M)
     HANGWATCHD_BENCH_OUT=$work run symbolize python3 bench/symbolize.py --name symbolize_h200 tests/fixtures/gpu/*/coredump.nvcudmp.xz $big
     for n in diag symbolize; do echo "######## $n"; tail -c 5000 "$work/$n.log"; done ;;
+  frcost)  # a flight-recorder dump's seconds against its entries, in-process, with and without stack traces
+    run frcost python3 tests/gpu/fr_cost.py "$work/frcost"
+    run hang10 timeout 200 python3 tests/gpu/fr_cost.py "$work/frcost" --hang 10
+    run hang400 timeout 200 python3 tests/gpu/fr_cost.py "$work/frcost" --hang 400
+    for n in frcost hang10 hang400; do echo "######## $n"; tail -c 3000 "$work/$n.log"; done ;;
+  frwarm)  # the first dump asked while the rank takes its steps (the daemon's warm-up), then the hang's dump
+    run warm10 timeout 200 python3 tests/gpu/fr_cost.py "$work/frcost" --hang 0 --warm-while-running 10
+    run warm3 timeout 200 python3 tests/gpu/fr_cost.py "$work/frcost" --hang 0 --warm-while-running 3
+    for n in warm10 warm3; do echo "######## $n"; tail -c 3000 "$work/$n.log"; done ;;
   fr)  # where PyTorch's flight recorder spends its seconds
     run diag python3 tests/gpu/run_diag.py "$work/diag" --only-fr
     echo "######## diag"; tail -c 9000 "$work/diag.log" ;;
