@@ -10,8 +10,8 @@
    it once as the rank starts. Beside it, in the same run:
    - one_rank_without_warmup: the same with the warm-up off (the baseline: what a hang's
      capture pays without it), and what the warm-up costs the rank (its steps, its RSS);
-   - one_rank_at_start: the hang 1 s after the process group starts, the warm-up's import
-     still running (the worst case);
+   - one_rank_at_start: the hang after 1 s of steps, while the warm-up's import runs: the
+     capture waits for what is left of it once the heartbeat timeout (5 s here) has passed;
    - one_rank_inductor: torch._inductor loaded before, as any torch.compile user (vLLM,
      SGLang) has it.
 2. eight_ranks: 8 processes of one job on the one GPU, each under its own `hangwatchd run`,
@@ -161,14 +161,12 @@ def who(r: dict[str, Any]) -> str:
     text = f"{r['ranks']} rank{'s' if r['ranks'] > 1 else ''} of one job on one GPU" + (" (fake)" if r["fake"] else "")
     if r["ranks"] == 1:
         text += ", torch._inductor loaded (a torch.compile user)" if r["inductor"] else ", eager PyTorch"
-        text += f", hung after {r['run_seconds']:g} s of steps" + ("" if r["warmup"] else ", warm-up off")
+        text += f", hung after {r['run_seconds']:g} s of steps"
     return text
 
 
-def warmup_cost(results: list[dict[str, Any]]) -> list[Figure]:
+def warmup_cost(warm: dict[str, Any] | None, cold: dict[str, Any] | None) -> list[Figure]:
     """What the warm-up costs an eager rank in its first seconds, against the same rank without it."""
-    by = {r["scenario"]: r for r in results}
-    warm, cold = by.get("one_rank", {}).get("steps"), by.get("one_rank_without_warmup", {}).get("steps")
     if not warm or not cold:
         return []
     return [Figure("what the warm-up costs an eager rank (its steps while PyTorch imports torch._inductor, its memory)",
@@ -178,9 +176,26 @@ def warmup_cost(results: list[dict[str, Any]]) -> list[Figure]:
                    f"{cold['steps']}; RSS {cold['rss_mb']} MB", "", None)]
 
 
+def complete_text(r: dict[str, Any]) -> str:
+    """'2.57 s (1/1 GPU dumps, 1/1 flight recorders; last dump added at 2.57 s, ...)'."""
+    fr = r["declared_to_step_s"].get("flight_recorder", {})
+    dumps = r["declared_to_step_s"].get("cuda_dump", {})
+    came = f"{len(r['came']['cuda_dump'])}/{r['ranks']} GPU dumps"
+    if r["came"]["flight_recorder"]:
+        came += f", {len(r['came']['flight_recorder'])}/{r['ranks']} flight recorders"
+    never = f"; never came: {', '.join(map(str, r['dump_never_came']))}" if r["dump_never_came"] else ""
+    return (f"{r['declared_to_complete_s']:.2f} s ({came}; last dump added at "
+            f"{max(dumps.values(), default=float('nan')):.2f} s" + (f", last flight recorder at {max(fr.values()):.2f} s" if r["came"]["flight_recorder"] else "")
+            + f"{never})")
+
+
 def figures(results: list[dict[str, Any]]) -> list[Figure]:
+    """A scenario with the warm-up off is no row of its own: it is the baseline of the same scenario with it."""
+    cold = {r["scenario"].removesuffix("_without_warmup"): r for r in results if not r["warmup"] and "error" not in r}
     out = []
     for r in results:
+        if not r["warmup"]:
+            continue
         who_ = who(r)
         if "error" in r:
             out.append(Figure(who_, f"no figure: {r['error']}", "-", f"within {COMPLETE_S:g} s", False))
@@ -188,20 +203,16 @@ def figures(results: list[dict[str, Any]]) -> list[Figure]:
         out.append(Figure(f"{who_}: declared -> every rank's stacks stored", f"{r['declared_to_stored_s']:.2f} s",
                           f"the sum of every step's duration in this incident, as one after another would spend them (progress window aside; durations measured side by side, so under contention): {r['sequential_s']:.2f} s",
                           f"within {STORED_S:g} s", r["declared_to_stored_s"] <= STORED_S))
-        fr = r["declared_to_step_s"].get("flight_recorder", {})
-        dumps = r["declared_to_step_s"].get("cuda_dump", {})
-        came = f"{len(r['came']['cuda_dump'])}/{r['ranks']} GPU dumps"
-        if r["came"]["flight_recorder"]:
-            came += f", {len(r['came']['flight_recorder'])}/{r['ranks']} flight recorders"
-        never = f"; never came: {', '.join(map(str, r['dump_never_came']))}" if r["dump_never_came"] else ""
-        text = (f"{r['declared_to_complete_s']:.2f} s ({came}; last dump added at "
-                f"{max(dumps.values(), default=float('nan')):.2f} s" + (f", last flight recorder at {max(fr.values()):.2f} s" if r["came"]["flight_recorder"] else "")
-                + f"{never})")
+        base = cold.get(r["scenario"])
+        baseline = (f"the same rank with the warm-up off: {complete_text(base)}" if base
+                    else f"the same sum: {r['sequential_s']:.2f} s")
         complete = len(r["came"]["cuda_dump"]) == r["ranks"] and (r["ranks"] > 1 or bool(r["came"]["flight_recorder"]))
         out.append(Figure(f"{who_}: declared -> {'flight recorder and ' if r['ranks'] == 1 else ''}GPU dumps added, symbolised",
-                          text, f"the same sum: {r['sequential_s']:.2f} s",
+                          complete_text(r), baseline,
                           f"within {COMPLETE_S:g} s, all in", complete and r["declared_to_complete_s"] <= COMPLETE_S))
-    return out + warmup_cost(results)
+        if base:
+            out += warmup_cost(r.get("steps"), base.get("steps"))
+    return out
 
 
 def main() -> int:
