@@ -250,7 +250,7 @@ def main() -> int:
     ok = report("gpu_capture", figures(results), note="real daemon, `hangwatchd run` per rank, heartbeat timeout "
                 f"{TIMEOUT} s, gpu_dump = always; PyTorch 2.11's flight recorder imports torch._inductor (and sympy) the "
                 "first time it dumps, unless the process has it already, as a torch.compile user does; the daemon asks each "
-                "rank's flight recorder once as it starts (flight_recorder_warmup), unless said off"
+                "rank's flight recorder as it starts until a trace has entries (flight_recorder_warmup), unless said off"
                 + ("; FAKE: CPU stand-ins, not a GPU figure" if a.fake else ""),
                 command="python3 tests/gpu/run_fast.py OUT" + (" --fake" if a.fake else ""))
     print("ok" if ok else "MISSED")
