@@ -51,7 +51,7 @@ def main() -> None:
         # The baseline: one node alone, polling the same way, before the crowd.
         alone = Agent(s3.url(), "node-alone", Path(t) / "node-alone", args.interval, 300.0, 100)
         alone._s3 = shared
-        alone.jobs = frozenset({"big-job"})
+        alone.jobs = frozenset({(1000, "big-job")})
         alone.start()
         time.sleep(args.seconds / 4)
         alone_rate = alone.polls / (args.seconds / 4)
@@ -63,7 +63,7 @@ def main() -> None:
             a = Agent(s3.url(), name, Path(t) / name, args.interval, 300.0, 100,
                       wake=lambda name=name: seen.setdefault(name, time.monotonic()))
             a._s3 = shared
-            a.jobs = frozenset({"big-job"})
+            a.jobs = frozenset({(1000, "big-job")})
             agents.append(a)
         for a in agents:
             a.start()
@@ -71,7 +71,7 @@ def main() -> None:
         idle_polls = sum(a.polls for a in agents)
         idle_rate = idle_polls / (args.seconds / 2) / args.nodes
         declared = time.monotonic()
-        agents[0].declare("big-job", "heartbeat", "no beat for 300 s")
+        agents[0].declare("big-job", "heartbeat", "no beat for 300 s", uid=1000)
         end = declared + args.seconds / 2
         while time.monotonic() < end and len(seen) < args.nodes - 1:
             time.sleep(0.05)

@@ -240,8 +240,9 @@ KEYS: dict[str, Key] = {
     "nvml_timeout": Key(10.0, _seconds, "seconds the NVML probe may take before it is killed"),
     "nccl_ras_timeout": Key(3.0, _seconds, "seconds to wait for the answer of the job's NCCL RAS service (it answers in ms)"),
     "flight_recorder_timeout": Key(20.0, _seconds, "seconds to wait for PyTorch's flight recorder dump"),
-    "flight_recorder_warmup": Key(True, _bool, "ask each rank's flight recorder once as it starts, so PyTorch's first-dump import "
-                                  "(torch._inductor, seconds in eager mode) is paid then, not in the capture of a hang"),
+    "flight_recorder_warmup": Key(True, _bool, "ask each rank's flight recorder as it starts (again while its trace is empty), so "
+                                  "PyTorch's first-dump import (torch._inductor, seconds in eager mode) is paid then, not in "
+                                  "the capture of a hang"),
     "gpu_dump": Key("confirmed", _one_of("always", "confirmed", "never"),
                     "take a CUDA coredump of a hung process (it ends the process): always, never, or when "
                     "confirmed (its native stack waits on the GPU or a collective, or you asked)"),

@@ -322,9 +322,11 @@ def test_the_daemon_is_unhealthy_only_while_a_capture_runs_past_its_own_deadline
     assert workers.healthy(now + WEDGED_AFTER)
 
 
-def test_capture_requests_waiting_for_the_loop_are_the_latest_per_job(s3: S3Server, tmp_path: Path) -> None:
+@pytest.mark.parametrize("owners", ["one", "two"])
+def test_capture_requests_waiting_for_the_loop_are_the_latest_per_job(s3: S3Server, tmp_path: Path, owners: str) -> None:
     """Other nodes' capture requests the poller sees while the loop is busy do not pile up: one a
-    job, the latest (an older one is a past hang of that job)."""
+    job, the latest (an older one is a past hang of that job). A job is (owner, name): two users'
+    jobs of one name are two jobs, and one's request never takes the other's place."""
     from hangwatchd.fleet.agent import Agent
 
     client = s3.client()
@@ -333,15 +335,19 @@ def test_capture_requests_waiting_for_the_loop_are_the_latest_per_job(s3: S3Serv
     env = dict(os.environ)
     os.environ.update(s3.env)
     agent = Agent(s3.url(), "n1", tmp_path, 0.05, 300.0, 10)
+    jobs = [(1000, "j"), (1000, "k")] if owners == "one" else [(1000, "j"), (1001, "j")]
     try:
-        agent.jobs = frozenset({"j", "k"})
+        agent.jobs = frozenset(jobs)
         agent.start()
-        for job, n in [("j", 1), ("j", 2), ("k", 1), ("j", 3)]:
+        for (uid, job), n in [(jobs[0], 1), (jobs[0], 2), (jobs[1], 1), (jobs[0], 3)]:
             before = agent.polls
-            body = {"job": job, "job_incident": f"{job}-{n}", "node": "n2", "time": time.time(), "reason": "heartbeat"}
-            client.put_object(Bucket=s3.bucket, Key=f"hw/requests/{job}/latest.json", Body=json.dumps(body).encode())
+            body = {"job": job, "job_incident": f"{job}-{uid}-{n}", "node": "n2", "time": time.time(),
+                    "reason": "heartbeat", "uid": uid}
+            client.put_object(Bucket=s3.bucket, Key=f"hw/requests/{job}/latest-u{uid}.json", Body=json.dumps(body).encode())
             wait_for(lambda before=before: agent.polls >= before + 4, 20, "the poller read it")  # noqa: B023
-        assert sorted(r.job_incident for r in agent.pending()) == ["j-3", "k-1"]
+        pending = agent.pending()
+        assert sorted((r.uid, r.job_incident) for r in pending) == sorted(
+            [(jobs[0][0], f"{jobs[0][1]}-{jobs[0][0]}-3"), (jobs[1][0], f"{jobs[1][1]}-{jobs[1][0]}-1")])
         assert agent.pending() == []
     finally:
         agent.stop()

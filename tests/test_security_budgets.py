@@ -207,7 +207,7 @@ def test_every_body_read_from_the_store_is_capped(s3: S3Server, tmp_path: Path) 
     c = s3_client(s3)
     c.create_bucket(Bucket=s3.bucket) if s3.bucket not in [b["Name"] for b in c.list_buckets()["Buckets"]] else None
     big = b'{"job": "j", "job_incident": "job-1", "node": "n2", "time": 1, "detail": "' + b"x" * (48 << 20) + b'"}'
-    c.put_object(Bucket=s3.bucket, Key="hw/requests/j/latest.json", Body=big)
+    c.put_object(Bucket=s3.bucket, Key="hw/requests/j/latest-u1000.json", Body=big)
     c.put_object(Bucket=s3.bucket, Key="hw/jobs/j/job-1/n2/i.json", Body=big)
     env = dict(os.environ)
     os.environ.update(s3.env)
@@ -217,7 +217,7 @@ def test_every_body_read_from_the_store_is_capped(s3: S3Server, tmp_path: Path) 
         client.list_objects_v2(Bucket=s3.bucket, Prefix="hw/none")
         tracemalloc.start()
         try:
-            assert agent._get_latest("j", conditional=False) is None  # noqa: SLF001 - the poller's one read
+            assert agent._get_latest("j", 1000, conditional=False) is None  # noqa: SLF001 - the poller's one read
             assert reader.job_incidents(parse(s3.url()), "j", client=client) == []
             peak = tracemalloc.get_traced_memory()[1]
         finally:
@@ -231,10 +231,11 @@ def test_every_body_read_from_the_store_is_capped(s3: S3Server, tmp_path: Path) 
 
 # -- Medium: a forged capture request in the store ----------------------------------
 
-def post_request(c: Any, s3: S3Server, job: str, job_incident: str) -> None:
+def post_request(c: Any, s3: S3Server, job: str, job_incident: str, uid: int) -> None:
+    """A request as a node writes it for the job ``job`` of user ``uid`` (fleet/layout.py)."""
     body = json.dumps({"job": job, "job_incident": job_incident, "node": "forged", "time": time.time(),
-                       "reason": "heartbeat", "detail": "forged"}).encode()
-    c.put_object(Bucket=s3.bucket, Key=f"hw/requests/{job}/latest.json", Body=body)
+                       "reason": "heartbeat", "detail": "forged", "uid": uid}).encode()
+    c.put_object(Bucket=s3.bucket, Key=f"hw/requests/{job}/latest-u{uid}.json", Body=body)
 
 
 @needs_root
@@ -251,13 +252,13 @@ def test_a_forged_store_request_takes_no_gpu_dump_and_pauses_a_healthy_process_o
             wait_for(lambda: d.metric("hangwatchd_watched_processes") or [e for e in events(d, "process_registered")],
                      10, "the workload watched")
             time.sleep(1.0)  # a poll or two: the node watches the job and polls its request key
-            post_request(c, s3, "victim", "job-forged-1")
+            post_request(c, s3, "victim", "job-forged-1", os.getuid())
             (inc,) = wait_for(lambda: [i for i in d.settled() if i["reason"] == "job-request"], 30, "the requested capture")
             (dump,) = [s for s in capture_steps(inc) if s["step"] == "cuda_dump"]
             assert dump.get("skipped") and "shared store" in str(dump["error"]), dump
             assert work.poll() is None  # no dump ended it
             time.sleep(2.5)  # past the job-incident window: a new request is a new hang to the store
-            post_request(c, s3, "victim", "job-forged-2")
+            post_request(c, s3, "victim", "job-forged-2", os.getuid())
             ignored = wait_for(lambda: events(d, "job_capture_request_ignored"), 15, "the second request refused")
             assert ignored[0]["job_incident"] == "job-forged-2"
             assert len([i for i in d.store().list() if i["reason"] == "job-request"]) == 1

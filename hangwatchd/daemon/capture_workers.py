@@ -207,7 +207,8 @@ class CaptureWorkers:
             return
         now = time.monotonic()
         if now >= self.jobs_at:  # the jobs watched here, for the fleet's poller: at most once a second (O(watched))
-            self.fleet.jobs = frozenset(w.registration.job for w in self.watched.values() if w.registration.job)
+            self.fleet.jobs = frozenset((w.registration.uid, w.registration.job) for w in self.watched.values()
+                                        if w.registration.job)
             self.jobs_at = now + 1.0
         for req in self.fleet.pending():
             # A rank registered after the request belongs to a restarted job of the same name, not this hang

@@ -121,7 +121,7 @@ class Warmup:
     def _ask(self, reg: Registration, pipe: Pipe, added: float) -> None:
         pid = reg.process.pid
         try:
-            outcome = ask(reg, pipe)
+            outcome = ask(reg, pipe, self._stop.is_set)
         except Exception as exc:  # noqa: BLE001 - one rank's failure must not end the worker
             outcome = f"failed: {type(exc).__name__}: {exc}"
         finally:
@@ -139,16 +139,16 @@ class Warmup:
             log.warning("flight_recorder_warmup_failed", pid=pid, job=reg.job, rank=reg.rank, error=outcome)
 
 
-def ask(reg: Registration, pipe: Pipe) -> str:
+def ask(reg: Registration, pipe: Pipe, stopping: Callable[[], bool] = lambda: False) -> str:
     """Ask once and read the trace: 'warmed' when it has an entry with Python frames, 'empty'
-    when it has none yet, else why nothing came."""
+    when it has none yet, else why nothing came (the wait ends early when ``stopping()``)."""
     pid = reg.process.pid
     watch = Watch(pipe.trace.parent, pipe.trace.name, pipe.owner)
     try:
         poke_held_fifo(pid, pipe.fifo, b"1", pipe.owner)
-        found = watch.wait(TRACE_WAIT, lambda: not procfs.alive(reg.process))
+        found = watch.wait(TRACE_WAIT, lambda: stopping() or not procfs.alive(reg.process))
         if found is None:
-            return f"no trace within {TRACE_WAIT:g} s (or the process ended)"
+            return f"no trace within {TRACE_WAIT:g} s (or the process ended, or the daemon is stopping)"
         try:
             fd = watch.open(found, pipe.owner, MAX_TRACE)
             try:

@@ -2,10 +2,15 @@
 
 No node listens on a port. A node that declares a job hung writes a request
 object; every node polls, for each job it watches, one small object
-(``requests/JOB/latest.json``) with a conditional GET (``If-None-Match``), so an
+(``requests/JOB/latest-uUID.json``) with a conditional GET (``If-None-Match``), so an
 idle poll costs one request and no body. One job hang is one job incident:
 a node that finds a fresh request for the job adopts its id instead of asking
 again, and a node already capturing that job does not capture it twice.
+
+A job is (owner, name) here too: two users' jobs of one name have their own
+requests, ids and polls, so one user's request can neither stand in for nor
+hide another's. ``requests/JOB/latest.json`` is still written, for daemons
+older than that, and never read.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ class CaptureRequest:
     uid: int | None = None  # the job's owner where it was declared: a job is (owner, name), here too (None: an older daemon)
 
 
+JobKey = tuple[int | None, str]  # (owner's uid, job name): None for an older daemon's request, which has no uid
+
+
 def new_job_incident(now: float) -> str:
     return "job-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + secrets.token_hex(4)
 
@@ -64,13 +72,13 @@ class Agent:
         self.spool = Outbox(state_dir / "store-spool", spool_max)
         self._s3: Any = None
         self._lock = threading.Lock()
-        self.jobs: frozenset[str] = frozenset()  # the jobs this node watches, set by the daemon
-        self.current: dict[str, tuple[str, float]] = {}  # job -> (job incident, monotonic time) in hand here
+        self.jobs: frozenset[JobKey] = frozenset()  # the (uid, job)s this node watches, set by the daemon
+        self.current: dict[JobKey, tuple[str, float]] = {}  # (uid, job) -> (job incident, monotonic time) in hand here
         self.alias: dict[str, str] = {}  # our job incident id -> the one another node asked first
-        self.etags: dict[str, str] = {}
+        self.etags: dict[str, str] = {}  # the key polled -> its last ETag
         # Other nodes' capture requests not yet taken by the loop: the latest one per job, so bounded by
         # the jobs watched here however long the loop takes (an older one is a past hang of that job).
-        self.requests: dict[str, CaptureRequest] = {}
+        self.requests: dict[JobKey, CaptureRequest] = {}
         self.polls = 0
         self._stop = threading.Event()
         self.uploader = Uploader(self.url, node, self.spool, self.client, self._resolve, self._post, counted)
@@ -104,11 +112,11 @@ class Agent:
         """This node declares ``job`` hung: the job incident id to tag the capture with, and a request queued."""
         now = time.monotonic()
         with self._lock:
-            held = self.current.get(job)
+            held = self.current.get((uid, job))
             if held and now - held[1] < self.window:
                 return held[0]
             job_incident = new_job_incident(time.time())
-            self.current[job] = (job_incident, now)
+            self.current[(uid, job)] = (job_incident, now)
         self.spool.put(Task("request", job, job_incident, detail={
             "job": job, "job_incident": job_incident, "node": self.node, "time": time.time(),
             "reason": reason, "detail": detail, "on_hang": on_hang, "uid": uid}))
@@ -119,12 +127,12 @@ class Agent:
         """Whether this node should capture for ``request`` (False: it already has this hang in hand)."""
         now = time.monotonic()
         with self._lock:
-            held = self.current.get(request.job)
+            held = self.current.get((request.uid, request.job))
             if held and now - held[1] < self.window:
                 if held[0] != request.job_incident:
                     self.alias[held[0]] = request.job_incident
                 return False
-            self.current[request.job] = (request.job_incident, now)
+            self.current[(request.uid, request.job)] = (request.job_incident, now)
             return True
 
     def stored(self, incident: str, directory: Path, job: str | None, job_incident: str | None) -> None:
@@ -148,11 +156,13 @@ class Agent:
     def _post(self, task: Task) -> Task:
         """Write the request, unless another node's fresh request for the job is there: then adopt it."""
         assert task.job
-        theirs = self._get_latest(task.job, conditional=False)
+        uid = task.detail.get("uid") if isinstance(task.detail, dict) else None
+        uid = uid if type(uid) is int else None
+        theirs = self._get_latest(task.job, uid, conditional=False)
         if theirs and theirs.job_incident != task.job_incident and time.time() - theirs.time < self.window:
             self.alias[task.job_incident] = theirs.job_incident
             with self._lock:
-                self.current[task.job] = (theirs.job_incident, time.monotonic())
+                self.current[(uid, task.job)] = (theirs.job_incident, time.monotonic())
             for spooled in self.spool.tasks():  # already spooled under our id: rewritten, so a restart keeps theirs
                 if spooled.kind == "incident" and spooled.job_incident == task.job_incident:
                     self.spool.put(self._resolve(spooled))
@@ -161,7 +171,9 @@ class Agent:
         body = json.dumps(task.detail).encode()
         c = self.client()
         c.put_object(Bucket=self.url.bucket, Key=self.url.key(layout.request(task.job, task.job_incident)), Body=body)
-        c.put_object(Bucket=self.url.bucket, Key=self.url.key(layout.latest_request(task.job)), Body=body)
+        c.put_object(Bucket=self.url.bucket, Key=self.url.key(layout.latest_request(task.job, uid)), Body=body)
+        if uid is not None:  # where daemons older than per-owner requests look
+            c.put_object(Bucket=self.url.bucket, Key=self.url.key(layout.latest_request(task.job)), Body=body)
         log.info("store_request_posted", job=task.job, job_incident=task.job_incident)
         return task
 
@@ -169,22 +181,23 @@ class Agent:
 
     def _poll_loop(self) -> None:
         while not self._stop.wait(self.poll_interval):
-            for job in sorted(self.jobs):
+            for uid, job in sorted(self.jobs, key=lambda k: (k[1], -1 if k[0] is None else k[0])):
                 try:
-                    req = self._get_latest(job, conditional=True)
+                    req = self._get_latest(job, uid, conditional=True)
                 except Exception as exc:  # noqa: BLE001 - the store is down: try again next round
-                    log.debug("store_poll_failed", job=job, error=f"{type(exc).__name__}: {exc}")
+                    log.debug("store_poll_failed", job=job, uid=uid, error=f"{type(exc).__name__}: {exc}")
                     continue
                 if req and req.node != self.node and time.time() - req.time < self.window:
                     with self._lock:
-                        self.requests[job] = req
+                        self.requests[(uid, job)] = req
                     self.wake()
 
-    def _get_latest(self, job: str, conditional: bool) -> CaptureRequest | None:
-        key = self.url.key(layout.latest_request(job))
+    def _get_latest(self, job: str, uid: int | None, conditional: bool) -> CaptureRequest | None:
+        """The newest request of (uid, job); None when there is none, it is unchanged or unreadable."""
+        key = self.url.key(layout.latest_request(job, uid))
         args: dict[str, Any] = {"Bucket": self.url.bucket, "Key": key}
-        if conditional and job in self.etags:
-            args["IfNoneMatch"] = self.etags[job]
+        if conditional and key in self.etags:
+            args["IfNoneMatch"] = self.etags[key]
         self.polls += 1
         try:
             resp = self.client().get_object(**args)
@@ -192,7 +205,7 @@ class Agent:
             if s3.not_modified(exc) or s3.is_missing(exc):
                 return None
             raise
-        self.etags[job] = resp["ETag"]
+        self.etags[key] = resp["ETag"]
         try:
             if int(resp.get("ContentLength") or 0) > MAX_REQUEST:
                 resp["Body"].close()
@@ -204,6 +217,8 @@ class Agent:
                                  d["uid"] if type(d.get("uid")) is int and d["uid"] >= 0 else None)
             if req.job != job:
                 raise ValueError(f"it names job {req.job[:80]!r}, not {job[:80]!r}")
+            if uid is not None and req.uid != uid:
+                raise ValueError(f"it names uid {req.uid}, not {uid}")
             layout.check_segment(layout.seg(req.job_incident), "job incident id")
             return req
         except (ValueError, KeyError, TypeError, AttributeError) as exc:  # layout.BadKey and TooBig are ValueErrors

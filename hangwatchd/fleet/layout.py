@@ -2,7 +2,8 @@
 
     nodes/NODE/incidents/ID/PATH          an incident's files (parts), uploaded first
     jobs/JOB/JOBINC/NODE/ID.json          its manifest, uploaded last: a reader lists these
-    requests/JOB/latest.json              the job's newest capture request (what nodes poll)
+    requests/JOB/latest-uUID.json         the newest capture request of the job of user UID (what nodes poll)
+    requests/JOB/latest.json              the same for daemons older than that (they poll the job's name alone)
     requests/JOB/JOBINC.json              every request, kept as the record
 
 A job incident id (JOBINC) is shared by every node's part of one job hang.
@@ -75,8 +76,9 @@ def jobs_prefix(job: str | None = None) -> str:
     return f"jobs/{seg(job)}/" if job else "jobs/"
 
 
-def latest_request(job: str) -> str:
-    return f"requests/{seg(job)}/latest.json"
+def latest_request(job: str, uid: int | None = None) -> str:
+    """The job's newest request: a job is (owner, name), so each owner of a name has their own."""
+    return f"requests/{seg(job)}/latest.json" if uid is None else f"requests/{seg(job)}/latest-u{int(uid)}.json"
 
 
 def request(job: str, job_incident: str) -> str:
