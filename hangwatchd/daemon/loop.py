@@ -191,10 +191,16 @@ class Daemon:
             pass
 
     def run(self) -> int:
-        self.prepare()
         # SIGHUP stops cleanly like SIGTERM (README: Signals): a config reload would have to
-        # re-judge every watched process under new timeouts; a restart does that plainly.
+        # re-judge every watched process under new timeouts; a restart does that plainly. Caught
+        # before prepare() writes daemon.json: a client that found the daemon may signal it at once.
         old = {s: signal.signal(s, self.stop) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+        try:
+            self.prepare()
+        except BaseException:
+            for s, h in old.items():
+                signal.signal(s, h)
+            raise
         try:
             self.workers.flush_spool()
             self.rescan()
