@@ -101,13 +101,19 @@ class ScratchDaemon:
             return resp.read().decode()
 
     def metric(self, name: str, **labels: str) -> float | None:
-        """The value of one sample on /metrics, matched by name and the given labels."""
-        for line in self.scrape().splitlines():
-            if not line.startswith(name + "{") and not line.startswith(name + " "):
-                continue
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                return float(line.rsplit(" ", 1)[1])
-        return None
+        """The value of one sample on /metrics, matched by name and the given labels: the first
+        series listed where several match (``metric_total`` adds them up)."""
+        values = self._samples(name, labels)
+        return values[0] if values else None
+
+    def metric_total(self, name: str, **labels: str) -> float:
+        """The sum of every series of ``name`` with the given labels (0 where there is none)."""
+        return sum(self._samples(name, labels))
+
+    def _samples(self, name: str, labels: dict[str, str]) -> list[float]:
+        return [float(line.rsplit(" ", 1)[1]) for line in self.scrape().splitlines()
+                if (line.startswith(name + "{") or line.startswith(name + " "))
+                and all(f'{k}="{v}"' in line for k, v in labels.items())]
 
     def store(self) -> Store:
         return Store(self.state_dir)

@@ -127,6 +127,36 @@ def test_the_step_asks_a_real_ras_speaking_server_and_keeps_both_answers(tmp_pat
     assert (m.collective, [(c.rank, c.count) for c in m.behind], m.ahead) == ("AllReduce", [(1, 10)], 11)
 
 
+CHURN = """
+import os, socket, sys
+spare = os.open(os.devnull, os.O_RDONLY)  # a low fd, freed below: the churn takes it again and again
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+s.listen(1)
+os.close(spare)
+print(os.fstat(s.fileno()).st_ino, flush=True)
+while True:  # a busy process: fds opened and closed all the time, as NCCL's and PyTorch's threads do
+    os.close(os.open(os.devnull, os.O_RDONLY))
+"""
+
+
+def test_the_holder_of_a_socket_is_found_in_a_process_that_opens_and_closes_files_all_the_time() -> None:
+    """The RAS step believes an answer only from a process of the job that holds the listening
+    socket. An fd closed between listing a process's fds and reading one made the whole process
+    look like it held nothing (seen in CI: the JSON answer refused as another's)."""
+    from hangwatchd.capture.nccl_ras import holder_of
+
+    p = subprocess.Popen([sys.executable, "-c", CHURN], stdout=subprocess.PIPE)
+    try:
+        assert p.stdout is not None
+        inode = int(p.stdout.readline())
+        # No time left for the scan of every process: the likely holder must be recognised at first look.
+        found = [holder_of(inode, os.getuid(), [p.pid], time.monotonic()) for _ in range(500)]
+        assert found.count(p.pid) == len(found), f"found {found.count(p.pid)} times of {len(found)}"
+    finally:
+        stop(p, sig=signal.SIGKILL)
+
+
 def test_ranks_sharing_a_ras_address_ask_it_once_per_incident(tmp_path: Path, workload) -> None:
     server = RasServer((RAS / "dead-70s.txt").read_bytes(), None)  # text only, like NCCL before 2.27
     server.start()

@@ -140,9 +140,16 @@ def holder_of(inode: int, uid: int, first: list[int], end: float) -> int | None:
 
     def holds(pid: int) -> bool:
         try:
-            return any(os.readlink(f"/proc/{pid}/fd/{fd}") == link for fd in os.listdir(f"/proc/{pid}/fd"))
+            fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
             return False
+        for fd in fds:
+            try:  # one fd closed since the listing (any busy process) says nothing of the others
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == link:
+                    return True
+            except OSError:
+                continue
+        return False
 
     for pid in first:
         if holds(pid):
