@@ -6,8 +6,9 @@
    spinning Triton kernel after 10 s of steps; `gpu_dump = always`. Declared -> stored with
    its stacks (target 2 s), -> flight recorder added, -> GPU dump added and symbolised
    (target 5 s). In eager PyTorch, whose flight recorder imports torch._inductor (and sympy)
-   the first time it dumps, for seconds: the daemon's warm-up (flight_recorder_warmup) asks
-   it once as the rank starts. Beside it, in the same run:
+   the first time it dumps a trace with entries, for seconds: the daemon's warm-up
+   (flight_recorder_warmup) asks it as the rank starts, again while its trace is empty.
+   Beside it, in the same run:
    - one_rank_without_warmup: the same with the warm-up off (the baseline: what a hang's
      capture pays without it), and what the warm-up costs the rank (its steps, its RSS);
    - one_rank_at_start: the hang after 1 s of steps, while the warm-up's import runs: the
@@ -157,7 +158,7 @@ def scenario(name: str, ranks: int, fr: bool, out: Path, fake: bool, inductor: b
     return result
 
 
-def who(r: dict[str, Any]) -> str:
+def title(r: dict[str, Any]) -> str:
     text = f"{r['ranks']} rank{'s' if r['ranks'] > 1 else ''} of one job on one GPU" + (" (fake)" if r["fake"] else "")
     if r["ranks"] == 1:
         text += ", torch._inductor loaded (a torch.compile user)" if r["inductor"] else ", eager PyTorch"
@@ -196,18 +197,18 @@ def figures(results: list[dict[str, Any]]) -> list[Figure]:
     for r in results:
         if not r["warmup"]:
             continue
-        who_ = who(r)
+        who = title(r)
         if "error" in r:
-            out.append(Figure(who_, f"no figure: {r['error']}", "-", f"within {COMPLETE_S:g} s", False))
+            out.append(Figure(who, f"no figure: {r['error']}", "-", f"within {COMPLETE_S:g} s", False))
             continue
-        out.append(Figure(f"{who_}: declared -> every rank's stacks stored", f"{r['declared_to_stored_s']:.2f} s",
+        out.append(Figure(f"{who}: declared -> every rank's stacks stored", f"{r['declared_to_stored_s']:.2f} s",
                           f"the sum of every step's duration in this incident, as one after another would spend them (progress window aside; durations measured side by side, so under contention): {r['sequential_s']:.2f} s",
                           f"within {STORED_S:g} s", r["declared_to_stored_s"] <= STORED_S))
         base = cold.get(r["scenario"])
         baseline = (f"the same rank with the warm-up off: {complete_text(base)}" if base
                     else f"the same sum: {r['sequential_s']:.2f} s")
         complete = len(r["came"]["cuda_dump"]) == r["ranks"] and (r["ranks"] > 1 or bool(r["came"]["flight_recorder"]))
-        out.append(Figure(f"{who_}: declared -> {'flight recorder and ' if r['ranks'] == 1 else ''}GPU dumps added, symbolised",
+        out.append(Figure(f"{who}: declared -> {'flight recorder and ' if r['ranks'] == 1 else ''}GPU dumps added, symbolised",
                           complete_text(r), baseline,
                           f"within {COMPLETE_S:g} s, all in", complete and r["declared_to_complete_s"] <= COMPLETE_S))
         if base:
