@@ -8,8 +8,10 @@ very process holds open for reading, owned by its user.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +62,19 @@ def find_pipe(target: Registration) -> Pipe:
     return Pipe(fifo, owner, trace)
 
 
+@contextlib.contextmanager
+def request_trace(pid: int, pipe: Pipe, timeout: float, finished: Callable[[], bool]) -> Iterator[tuple[Watch, Path | None]]:
+    """Ask the process for its trace: the watch over the trace's directory (the workload's choice,
+    held as a descriptor from here on) and the trace written after the request, or None (at
+    ``timeout``, or as soon as ``finished()``)."""
+    watch = Watch(pipe.trace.parent, pipe.trace.name, pipe.owner)
+    try:
+        poke_held_fifo(pid, pipe.fifo, b"1", pipe.owner)
+        yield watch, watch.wait(timeout, finished)
+    finally:
+        watch.close()
+
+
 @dataclass
 class FlightRecorderStep:
     name: str = "flight_recorder"
@@ -67,25 +82,18 @@ class FlightRecorderStep:
     def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
         pid = target.process.pid
         pipe = find_pipe(target)
-        dump, owner = pipe.trace, pipe.owner
-        # The trace's directory is the workload's choice: held as a descriptor from here on.
-        watch = Watch(dump.parent, dump.name, owner)
-        try:
-            poke_held_fifo(pid, pipe.fifo, b"1", owner)
-            end = time.monotonic() + timeout
-            found = watch.wait(timeout, lambda: not procfs.alive(target.process))
+        end = time.monotonic() + timeout
+        with request_trace(pid, pipe, timeout, lambda: not procfs.alive(target.process)) as (watch, found):
             if found is None:
                 if time.monotonic() < end:  # the wait ended early: the process was gone
-                    raise StepFailed(f"pid {pid} ended (its GPU dump, a crash) before its flight recorder wrote {dump}")
-                raise StepFailed(f"the flight recorder wrote nothing to {dump} within {timeout:g} s")
+                    raise StepFailed(f"pid {pid} ended (its GPU dump, a crash) before its flight recorder wrote {pipe.trace}")
+                raise StepFailed(f"the flight recorder wrote nothing to {pipe.trace} within {timeout:g} s")
             try:
-                fd = watch.open(found, owner, MAX_TRACE)
+                fd = watch.open(found, pipe.owner, MAX_TRACE)
                 try:
                     untrusted.copy_fd(fd, found, outdir / "flight-recorder.pkl", MAX_TRACE, max(1.0, timeout))
                 finally:
                     os.close(fd)
             except untrusted.Refused as exc:
                 raise StepFailed(f"refusing to read the trace: {exc}") from None
-        finally:
-            watch.close()
         return ("flight-recorder.pkl",)

@@ -34,9 +34,8 @@ from collections.abc import Callable
 import structlog
 
 from ..analyze import flight
-from ..capture.base import StepFailed, poke_held_fifo
-from ..capture.flight_recorder import NoPipe, Pipe, find_pipe
-from ..capture.waitfile import Watch
+from ..capture.base import StepFailed
+from ..capture.flight_recorder import NoPipe, Pipe, find_pipe, request_trace
 from ..host import procfs, untrusted
 from ..model import Registration
 
@@ -142,26 +141,24 @@ class Warmup:
 def ask(reg: Registration, pipe: Pipe, stopping: Callable[[], bool] = lambda: False) -> str:
     """Ask once and read the trace: 'warmed' when it has an entry with Python frames, 'empty'
     when it has none yet, else why nothing came (the wait ends early when ``stopping()``)."""
-    pid = reg.process.pid
-    watch = Watch(pipe.trace.parent, pipe.trace.name, pipe.owner)
+    def finished() -> bool:
+        return stopping() or not procfs.alive(reg.process)
+
     try:
-        poke_held_fifo(pid, pipe.fifo, b"1", pipe.owner)
-        found = watch.wait(TRACE_WAIT, lambda: stopping() or not procfs.alive(reg.process))
-        if found is None:
-            return f"no trace within {TRACE_WAIT:g} s (or the process ended, or the daemon is stopping)"
-        try:
-            fd = watch.open(found, pipe.owner, MAX_TRACE)
+        with request_trace(reg.process.pid, pipe, TRACE_WAIT, finished) as (watch, found):
+            if found is None:
+                return f"no trace within {TRACE_WAIT:g} s (or the process ended, or the daemon is stopping)"
             try:
-                raw = untrusted.read_fd(fd, found, MAX_TRACE, 5.0)
-            finally:
-                os.close(fd)
-        except untrusted.Refused as exc:
-            # Bigger than we read: thousands of entries, named (and imported for) already.
-            return "warmed" if exc.reason == "too_big" else f"refusing to read the trace: {exc}"
+                fd = watch.open(found, pipe.owner, MAX_TRACE)
+                try:
+                    raw = untrusted.read_fd(fd, found, MAX_TRACE, 5.0)
+                finally:
+                    os.close(fd)
+            except untrusted.Refused as exc:
+                # Bigger than we read: thousands of entries, named (and imported for) already.
+                return "warmed" if exc.reason == "too_big" else f"refusing to read the trace: {exc}"
     except StepFailed as exc:
         return str(exc)
-    finally:
-        watch.close()
     record, why = flight.parse(raw)
     if record is None:
         return f"the trace is {why}"

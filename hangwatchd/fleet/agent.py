@@ -181,7 +181,9 @@ class Agent:
 
     def _poll_loop(self) -> None:
         while not self._stop.wait(self.poll_interval):
-            for uid, job in sorted(self.jobs, key=lambda k: (k[1], -1 if k[0] is None else k[0])):
+            jobs = self.jobs
+            self._forget_past(jobs)
+            for uid, job in sorted(jobs, key=lambda k: (k[1], -1 if k[0] is None else k[0])):
                 try:
                     req = self._get_latest(job, uid, conditional=True)
                 except Exception as exc:  # noqa: BLE001 - the store is down: try again next round
@@ -191,6 +193,15 @@ class Agent:
                     with self._lock:
                         self.requests[(uid, job)] = req
                     self.wake()
+
+    def _forget_past(self, jobs: frozenset[JobKey]) -> None:
+        """Only jobs watched here keep an ETag, and only hangs within the window stay in hand: the
+        tables are bounded by what the node watches now, not by every job it ever saw."""
+        keys = {self.url.key(layout.latest_request(job, uid)) for uid, job in jobs}
+        self.etags = {k: v for k, v in self.etags.items() if k in keys}
+        now = time.monotonic()
+        with self._lock:
+            self.current = {k: v for k, v in self.current.items() if now - v[1] < self.window}
 
     def _get_latest(self, job: str, uid: int | None, conditional: bool) -> CaptureRequest | None:
         """The newest request of (uid, job); None when there is none, it is unchanged or unreadable."""
