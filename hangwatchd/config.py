@@ -271,6 +271,9 @@ KEYS: dict[str, Key] = {
                    "after a hang's incident is stored: report (leave the job running) or abort (SIGABRT its ranks on "
                    "this node, SIGKILL after abort_grace); a job's own hangwatchd run --on-hang wins"),
     "abort_grace": Key(10.0, _seconds, "seconds between SIGABRT and SIGKILL when a hung job is aborted"),
+    "abort_on_request": Key(False, _bool, "also end a job's ranks here (those whose policy is abort) when another node "
+                            "declared the job hung, through the store, though they look healthy here; off: only "
+                            "this node's own judgement ends a process (anyone with the store's keys can write a request)"),
     "log_format": Key("json", _one_of("json", "console"), "json: one JSON object a line; console: for a person"),
     "log_level": Key("info", _one_of("debug", "info", "warning", "error"), "the least severe events logged"),
 }
@@ -330,6 +333,7 @@ class Config:
     job_incident_window: float = KEYS["job_incident_window"].default
     on_hang: str = KEYS["on_hang"].default
     abort_grace: float = KEYS["abort_grace"].default
+    abort_on_request: bool = KEYS["abort_on_request"].default
     log_format: str = KEYS["log_format"].default
     log_level: str = KEYS["log_level"].default
 

@@ -180,6 +180,7 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
         m.hangs.labels(**m.labels(reason=reason))
         m.incidents.labels(**m.labels(reason=reason))
     m.incidents.labels(**m.labels(reason="gpu-exception"))
+    m.incidents.labels(**m.labels(reason="unattributed-dump"))  # a dump naming a process that is not its owner's
     for exc_type in EXCEPTION_TYPES:
         m.gpu_exceptions.labels(**m.labels(type=exc_type))
     for step in STEP_NAMES:

@@ -165,7 +165,7 @@ while True:
 
 
 def test_abort_ends_the_jobs_ranks_on_every_node_after_each_nodes_capture(tmp_path: Path, s3: S3Server) -> None:
-    cfg = {**FAST, "store_poll_interval": 0.5}
+    cfg = {**FAST, "store_poll_interval": 0.5, "abort_on_request": True}  # root lets the store's word end ranks
     with ScratchDaemon(tmp_path / "a", "--store", s3.url(), "--node-name", "node-a", env=s3.env, config=cfg) as a, \
          ScratchDaemon(tmp_path / "b", "--store", s3.url(), "--node-name", "node-b", env=s3.env, config=cfg) as b:
         r0 = a.run([sys.executable, "-c", RANK, "stuck"], "--job", "j", "--rank", "0", "--heartbeat-timeout", "2",

@@ -122,7 +122,8 @@ def test_a_dump_is_linked_only_to_a_process_of_its_owner() -> None:
     planted = attribute(other, os.getpid(), claimed)
     assert not planted.linked and planted.registration.uid == other and planted.registration.job is None
     assert planted.registration.process.pid == 0
-    assert f"written by uid {other} but names pid {os.getpid()}, which runs as uid {me}" in (planted.note or "")
+    assert f"written by uid {other} but names a process that does not run as uid {other}" in (planted.note or "")
+    assert str(os.getpid()) not in (planted.note or "") and f"uid {me}" not in (planted.note or "")
     # Unregistered: the live process's own uid decides; a pid that names nothing is the owner's claim.
     assert attribute(me, os.getpid(), None).linked
     assert not attribute(other, os.getpid(), None).linked
@@ -155,10 +156,10 @@ class Attacker:
         assert res.returncode == 0, res.stderr
         return res.stdout
 
-    def register(self, runtime_dir: Path, *args: str) -> tuple[subprocess.Popen[str], list[str]]:
+    def register(self, runtime_dir: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], list[str]]:
         p = subprocess.Popen([SYSTEM_PYTHON, str(ATTACKER), "register", str(runtime_dir), *args], user=NOBODY,
                              group=NOBODY, extra_groups=[], cwd="/", stdout=subprocess.PIPE, text=True,
-                             start_new_session=True)
+                             start_new_session=True, env=env)
         self.procs.append(p)
         line = p.stdout.readline().split()  # type: ignore[union-attr]
         assert line and line[0] == "registered", line
@@ -313,7 +314,14 @@ os.rename(tmp, os.path.join({str(dumps)!r}, 'nodump_{socket.gethostname()}.{pid}
             assert len(planted) == 1
             inc = planted[0]
             assert inc["processes"] == [] and inc["job"] is None
-            assert f"names pid {pid}, which runs as uid 0: not linked" in inc["summary"]
+            assert f"names a process that does not run as uid {NOBODY}: not linked" in inc["summary"]
+            # Nothing of it names or counts the victim's process: not the summary, not the log line,
+            # not the counter of GPU exceptions filed (it is counted apart, as unattributed).
+            assert str(pid) not in inc["summary"]
+            stored = d.event("incident_stored", incident=inc["id"])
+            assert stored["pids"] == [] and stored["reason"] == "unattributed-dump"
+            assert d.metric("hangwatchd_incidents_total", reason="gpu-exception") == 0.0
+            assert d.metric("hangwatchd_incidents_total", reason="unattributed-dump") == 1.0
             assert d.metric("hangwatchd_gpu_exceptions_total", type="WARP_ILLEGAL_ADDRESS") == 0.0  # its series exists at 0 from the start (alerts): not counted
             # Filed as the attacker's own: the attacker may read it, and `hangwatchd show` works for them.
             assert nobody_can_read(Path(inc["dir"]) / "incident.json")

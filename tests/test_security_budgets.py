@@ -231,10 +231,10 @@ def test_every_body_read_from_the_store_is_capped(s3: S3Server, tmp_path: Path) 
 
 # -- Medium: a forged capture request in the store ----------------------------------
 
-def post_request(c: Any, s3: S3Server, job: str, job_incident: str, uid: int) -> None:
+def post_request(c: Any, s3: S3Server, job: str, job_incident: str, uid: int, on_hang: str = "report") -> None:
     """A request as a node writes it for the job ``job`` of user ``uid`` (fleet/layout.py)."""
     body = json.dumps({"job": job, "job_incident": job_incident, "node": "forged", "time": time.time(),
-                       "reason": "heartbeat", "detail": "forged", "uid": uid}).encode()
+                       "reason": "heartbeat", "detail": "forged", "uid": uid, "on_hang": on_hang}).encode()
     c.put_object(Bucket=s3.bucket, Key=f"hw/requests/{job}/latest-u{uid}.json", Body=body)
 
 

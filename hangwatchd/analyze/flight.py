@@ -1,24 +1,25 @@
 """PyTorch's flight recorder dump (flight-recorder.pkl), read safely.
 
-The file comes from the watched workload, and unpickling can run code: the
-loader accepts plain data only (dicts, lists, tuples, strings, numbers), never
-a class, so a hostile file is refused, not executed.
+The file comes from the watched workload, and its bytes are the user's
+choice. It is decoded by ``host.plain_pickle`` (plain data only, linear time,
+never a class), then read field by field: only strings are taken as names
+(never ``str()`` of whatever a field holds), lists are cut at a count, the
+sizes and types kept are bounded copies, so a trace that shares itself or
+nests a million deep costs its bytes and no more.
 """
 
 from __future__ import annotations
 
-import io
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-MAX_BYTES = 256 << 20
+from ..host import plain_pickle
 
-
-class _PlainData(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name}: the trace must be plain data")
+MAX_BYTES = 16 << 20  # a trace of PyTorch's default 2,000 entries with their frames is a few MB
+MAX_ENTRIES = 20_000
+MAX_FRAMES = 64  # per entry, innermost first as PyTorch records them
+MAX_GROUPS = 4096
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class Entry:
     seq: int | None  # collective_seq_id (None for point-to-point)
     name: str  # "all_gather", from "nccl:all_gather"
     state: str  # scheduled, started, completed
-    input_sizes: Any
+    input_sizes: Any  # a bounded copy: lists of ints, a few levels deep
     input_dtypes: Any
     output_sizes: Any
     frames: tuple[tuple[str, str, int], ...]
@@ -65,35 +66,45 @@ def read(path: Path) -> tuple[FlightRecord | None, str | None]:
 
 
 def parse(raw: bytes) -> tuple[FlightRecord | None, str | None]:
-    """``read`` of bytes already read (never raises, never runs code)."""
+    """``read`` of bytes already read (never raises, never runs code; linear in ``raw``)."""
     try:
-        data = _PlainData(io.BytesIO(raw)).load()
-    except Exception as exc:  # a hostile or torn pickle can raise nearly anything; it is only data we could not read
-        return None, f"not a flight-recorder trace ({type(exc).__name__}: {str(exc)[:100]})"
+        data = plain_pickle.loads(raw, MAX_BYTES)
+    except plain_pickle.NotPlainData as exc:
+        return None, f"not a flight-recorder trace ({exc})"
     if not isinstance(data, dict):
         return None, "not a flight-recorder trace (not a dict)"
     status: dict[str, tuple[int, int, int]] = {}
     pg_status = data.get("pg_status")
-    for pg, st in (pg_status.items() if isinstance(pg_status, dict) else ()):
+    for pg, st in list(pg_status.items())[:MAX_GROUPS] if isinstance(pg_status, dict) else ():
         if isinstance(st, dict):
-            status[str(pg)[:64]] = (_int(st.get("last_enqueued_collective")), _int(st.get("last_started_collective")),
-                                    _int(st.get("last_completed_collective")))
-    entries = []
-    raw_entries = data.get("entries")
-    for e in raw_entries if isinstance(raw_entries, (list, tuple)) else ():
-        if not isinstance(e, dict):
-            continue
-        pg = e.get("process_group")
-        pg_id = str(pg[0]) if isinstance(pg, (list, tuple)) and pg else str(e.get("pg_id", "0"))
-        name = str(e.get("profiling_name") or "?").split(":", 1)[-1][:200]
-        frames = tuple((str(f.get("name"))[:500], str(f.get("filename"))[:1000], _int(f.get("line"), 0))
-                       for f in (e.get("frames") if isinstance(e.get("frames"), (list, tuple)) else ())
-                       if isinstance(f, dict))
-        seq = e.get("collective_seq_id")
-        entries.append(Entry(pg_id[:64], _int(seq, None) if not e.get("is_p2p") else None, name,
-                             str(e.get("state") or "?")[:32], e.get("input_sizes"), e.get("input_dtypes"),
-                             e.get("output_sizes"), frames))
+            status[_text(pg, 64)] = (_int(st.get("last_enqueued_collective")), _int(st.get("last_started_collective")),
+                                     _int(st.get("last_completed_collective")))
+    entries = [_entry(e) for e in plain_pickle.iter_list(data.get("entries"), MAX_ENTRIES) if isinstance(e, dict)]
     return FlightRecord(status, tuple(entries)), None
+
+
+def _entry(e: dict[Any, Any]) -> Entry:
+    pg = e.get("process_group")
+    pg_id = _text(pg[0], 64) if isinstance(pg, (list, tuple)) and pg else _text(e.get("pg_id", "0"), 64)
+    name = _text(e.get("profiling_name"), 200, "?").split(":", 1)[-1]
+    frames = tuple((_text(f.get("name"), 500), _text(f.get("filename"), 1000), _int(f.get("line"), 0))
+                   for f in plain_pickle.iter_list(e.get("frames"), MAX_FRAMES) if isinstance(f, dict))
+    seq = None if e.get("is_p2p") is True else _int(e.get("collective_seq_id"), None)
+    return Entry(pg_id, seq, name, _text(e.get("state"), 32, "?"), _sizes(e.get("input_sizes")),
+                 _sizes(e.get("input_dtypes")), _sizes(e.get("output_sizes")), frames)
+
+
+def _sizes(value: Any) -> Any:
+    return plain_pickle.bounded(value, max_nodes=256, max_depth=4, max_str=32)
+
+
+def _text(value: Any, limit: int, default: str = "None") -> str:
+    """A string field cut at ``limit``; ints as their digits; ``default`` for anything else (never str() of user data)."""
+    if isinstance(value, str):
+        return value[:limit]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)[:limit]
+    return default
 
 
 def _int(value: Any, default: Any = -1) -> Any:

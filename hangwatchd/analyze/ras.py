@@ -136,7 +136,16 @@ def merge(views: list[RasView]) -> RasView:
 # -- JSON ----------------------------------------------------------------------------
 
 # NCCL 2.28.9 writes '"nvml_dev": 1' and the next '"status": {' with no comma between.
-_MISSING_COMMA = re.compile(r'("[^"\n]*"\s*:\s*(?:-?\d+(?:\.\d+)?|"[^"\n]*"|true|false|null|\}|\]))(\s*\n\s*")')
+def _mend_commas(text: str) -> str:
+    """NCCL 2.28.9's answer with its missing commas put back: a line that ends in a value (a
+    number, a string, true/false/null, a closed object or list) followed by a line that starts
+    with a key gets a comma. One look at each line's last character: linear in the answer."""
+    lines = text.split("\n")
+    for i in range(len(lines) - 1):
+        end = lines[i].rstrip()[-1:]
+        if end and (end in '"}]el' or end.isdigit()) and lines[i + 1].lstrip().startswith('"'):
+            lines[i] += ","
+    return "\n".join(lines)
 
 
 def parse_json(text: str) -> tuple[RasView | None, str]:
@@ -144,7 +153,7 @@ def parse_json(text: str) -> tuple[RasView | None, str]:
         data = json.loads(text)
     except (ValueError, RecursionError):
         try:
-            data = json.loads(_MISSING_COMMA.sub(r"\1,\2", text))
+            data = json.loads(_mend_commas(text))
         except (ValueError, RecursionError) as exc:
             return None, f"not JSON, even with NCCL 2.28.9's missing commas put back ({str(exc)[:100]})"
     if not isinstance(data, dict) or not isinstance(data.get("communicators"), list):
@@ -167,7 +176,7 @@ def parse_json(text: str) -> tuple[RasView | None, str]:
             if rank is not None and isinstance(cc, dict):
                 for coll, n in list(cc.items())[:64]:
                     if _int(n) is not None:
-                        counts.setdefault(str(coll), []).append(RasCount(rank, _int(n) or 0, one.node, one.pid, one.gpu))
+                        counts.setdefault(coll[:64], []).append(RasCount(rank, _int(n) or 0, one.node, one.pid, one.gpu))
         for r in _list(comm.get("missing_ranks")):
             status = r.get("status") if isinstance(r.get("status"), dict) else {}
             dead = status.get("considered_dead") is True
@@ -194,7 +203,7 @@ def _str(value: Any) -> str | None:
 
 
 def _short_hash(value: Any) -> str:
-    s = str(value or "?")[:64]
+    s = value[:64] if isinstance(value, str) and value else str(value)[:64] if isinstance(value, int) else "?"
     return s[2:] if s.startswith("0x") else s
 
 

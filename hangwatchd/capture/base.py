@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from ..host import procfs
+from ..host import untrusted
 from ..model import Registration
 
 
@@ -31,16 +31,17 @@ class Step(Protocol):
 
 
 def poke_held_fifo(pid: int, fifo: tuple[int, str, os.stat_result], data: bytes, owner: int | None) -> None:
-    """Write ``data`` to a FIFO the process holds, as found by ``procfs.held_fifos``.
-
-    Only a FIFO of the process's own user; never blocking. A full FIFO means a
-    request is already pending, which is as good as ours.
+    """Write ``data`` to a FIFO the process holds, as found by ``procfs.held_fifos``: only that
+    very FIFO, only a FIFO of the process's own user (``untrusted.write_held_fifo``); never
+    blocking. A full FIFO means a request is already pending, which is as good as ours.
     """
     fd, path, st = fifo
-    if st.st_uid not in (owner, 0):
-        raise StepFailed(f"{path} belongs to uid {st.st_uid}, not the process's uid {owner}; refusing to write to it")
+    if owner is None:
+        raise StepFailed(f"pid {pid} has no single uid: refusing to write to {path} for it")
     try:
-        procfs.poke_fifo(pid, fd, data)
+        untrusted.write_held_fifo(pid, fd, owner, (st.st_dev, st.st_ino), data)
+    except untrusted.Refused as exc:
+        raise StepFailed(f"refusing to write to {path}: {exc}") from None
     except OSError as exc:
         if exc.errno == errno.ENXIO:
             raise StepFailed(f"nobody reads {path}") from None

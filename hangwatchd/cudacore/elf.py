@@ -9,6 +9,7 @@ on hostile bytes it could raise anything or build objects without end.
 from __future__ import annotations
 
 import struct
+import time
 from dataclasses import dataclass
 
 EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
@@ -24,6 +25,7 @@ STT_FUNC = 2
 SHN_LORESERVE = 0xFF00
 MAX_SECTIONS = 1 << 16  # a cubin has tens; its header may claim anything
 MAX_SYMBOLS = 1 << 20
+MAX_NAME = 4096  # bytes of one symbol or section name: a string table with no NULs costs no more per name
 
 
 class ElfError(ValueError):
@@ -87,9 +89,10 @@ class Elf:
         if at >= limit:
             return ""
         start = self.base + table + at
-        end = self.buf.find(b"\0", start, self.base + table + limit) if hasattr(self.buf, "find") else -1
+        stop = min(self.base + table + limit, start + MAX_NAME)
+        end = self.buf.find(b"\0", start, stop) if hasattr(self.buf, "find") else -1
         if end < 0:
-            end = self.base + table + limit
+            end = stop
         return bytes(self.buf[start:end]).decode("utf-8", "replace")
 
     def section(self, name: str) -> Section | None:
@@ -100,8 +103,9 @@ class Elf:
             return b""
         return bytes(self.buf[self.base + s.offset : self.base + s.offset + s.size])
 
-    def symbols(self, s: Section) -> list[Symbol]:
-        """Every symbol of a symbol table section, named through its linked string table."""
+    def symbols(self, s: Section, deadline: float | None = None) -> list[Symbol]:
+        """Every symbol of a symbol table section, named through its linked string table
+        (ElfError past ``deadline``, a monotonic time, where one is given)."""
         if s.type == SHT_NOBITS:
             return []
         if s.entsize < _SYM.size:
@@ -112,6 +116,8 @@ class Elf:
         strtab = self.sections[s.link] if s.link < len(self.sections) else None
         out = []
         for i in range(count):
+            if deadline is not None and not i & 0xFFFF and time.monotonic() > deadline:
+                raise ElfError(f"symbol table {s.name}: not read by the deadline ({i} of {count} symbols)")
             nm, info, _other, shndx, value, size = _SYM.unpack_from(self.buf, self.base + s.offset + i * s.entsize)
             name = self._cstr(strtab.offset, strtab.size, nm) if strtab is not None else ""
             out.append(Symbol(i, name, info & 0xF, shndx, value, size))

@@ -30,6 +30,7 @@ import structlog
 from ..host import procfs, untrusted
 from ..metrics import Metrics
 from ..model import ProcessId, Registration
+from ..watch.ranks import launched_above
 from ..workload import ended
 
 log = structlog.get_logger("hangwatchd.act")
@@ -55,10 +56,11 @@ def prepare(runtime_dir: Path) -> None:
 class Acting:
     """Ends a stored hang's job on this node when its policy says abort; SIGKILLs after the grace on its own thread."""
 
-    def __init__(self, runtime_dir: Path, default: str, grace: float, metrics: Metrics) -> None:
+    def __init__(self, runtime_dir: Path, default: str, grace: float, metrics: Metrics, on_request: bool = False) -> None:
         self.runtime_dir = runtime_dir
         self.default = default
         self.grace = grace
+        self.on_request = on_request  # abort_on_request: root lets another node's request end ranks here
         self.metrics = metrics
         self._due: list[tuple[float, int, int]] = []  # (monotonic deadline, pidfd, pid): SIGKILL then
         self._cond = threading.Condition()
@@ -76,16 +78,22 @@ class Acting:
     def after_store(self, regs: Sequence[Registration], incident: str, requested: str | None = None) -> list[int]:
         """The incident is stored: end these processes (the job's ranks here) if their policy says abort.
 
-        ``requested``: the action another node's capture request carried; both it and the local
-        policy must say abort (the store alone, which anyone with its keys can write, kills nothing).
+        ``requested``: the action another node's capture request carried, when the capture came
+        from the store rather than from this node's own judgement. Such a capture ends nothing
+        unless root allowed it (``abort_on_request``), and then only ranks whose own policy says
+        abort, and only when the request said abort: the store is written by anyone who holds its
+        keys, and the owner's ``--on-hang abort`` means "when hung", not "when someone says so".
         Returns the pids signalled."""
         # The job is (owner uid, name): only the hung process's user's processes are its ranks.
         owner = regs[0].uid if regs else None
         targets = [r for r in regs if r.uid == owner and r.role != "launcher" and policy(r, self.default) == "abort"]
-        if requested == "report" or not targets:
-            if requested == "abort" and regs:
-                log.info("abort_not_asked_here", incident=incident, pids=[r.process.pid for r in regs],
-                         why="the request said abort, but these processes' own policy is report")
+        if requested is not None and not (requested == "abort" and self.on_request):
+            if requested == "abort" and targets:
+                log.info("abort_not_taken", incident=incident, pids=[r.process.pid for r in targets], uid=owner,
+                         why="another node's request asked for it, this node did not see these processes hung, "
+                             "and abort_on_request is off")
+            return []
+        if not targets:
             return []
         now = time.time()
         self._prune(now)
@@ -95,10 +103,9 @@ class Acting:
             if pidfd is None:
                 continue  # gone already (or another process now): nothing of the job's to end
             self._record(r.process, incident, now)
-            if r.launcher is not None:  # a rank below hangwatchd run: its launched process learns it too
-                above = procfs.identify(r.launcher)
-                if above is not None:
-                    self._record(above, incident, now)
+            above = launched_above(r)
+            if above is not None:  # a rank below hangwatchd run: its launched process learns it too
+                self._record(above, incident, now)
             try:
                 signal.pidfd_send_signal(pidfd, signal.SIGABRT)
             except ProcessLookupError:

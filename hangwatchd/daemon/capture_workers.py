@@ -70,7 +70,7 @@ class _Capture:
     suspicion: Suspicion
     started: float
     deadline: float  # monotonic: every step of it is cut here
-    future: concurrent.futures.Future[str | None]
+    future: concurrent.futures.Future[Any]  # the incident id (an exception dump's: exception_dumps.Filed), or None
     job_incident: str | None = None
     requested: str | None = None  # the action another node's capture request carried
     uid: int | None = None  # whose budget it is charged to
@@ -269,8 +269,12 @@ class CaptureWorkers:
         for c in [c for c in self.captures if c.future.done()]:
             self.captures.remove(c)
             self._release(c)
+            reason = c.suspicion.reason
             try:
                 incident_id = c.future.result()
+                if isinstance(incident_id, exception_dumps.Filed):  # an exception dump: linked to its process, or not
+                    reason = reason if incident_id.linked else "unattributed-dump"
+                    incident_id = incident_id.incident
             except Exception as exc:  # noqa: BLE001 - a failed capture must never stop the loop
                 log.error("capture_failed", pids=[w.process.pid for w in c.watched], error=f"{type(exc).__name__}: {exc}",
                           exc_info=exc)
@@ -279,11 +283,11 @@ class CaptureWorkers:
             else:
                 if incident_id is None:
                     continue  # a refused dump: counted and logged already
-                self.metrics.incidents.labels(**self.metrics.labels(reason=c.suspicion.reason)).inc()
-                self.metrics.incident_stored(incident_id, c.suspicion.reason, c.watched[0].registration.job if c.watched else None, time.time())
+                self.metrics.incidents.labels(**self.metrics.labels(reason=reason)).inc()
+                self.metrics.incident_stored(incident_id, reason, c.watched[0].registration.job if c.watched else None, time.time())
                 pending = self.spool.find(incident_id) is not None if incident_id else False
                 log.warning("incident_pending" if pending else "incident_stored", incident=incident_id,
-                            reason=c.suspicion.reason, pids=[w.process.pid for w in c.watched],
+                            reason=reason, pids=[w.process.pid for w in c.watched],
                             seconds=round(time.monotonic() - c.started, 3))
                 if pending:
                     self.metrics.incidents_pending.labels(**self.metrics.const).set(len(self.spool.pending()))
@@ -339,6 +343,8 @@ class CaptureWorkers:
         if outcome != "start":
             return
         reg = self.registrations.registration_of(pid)  # here on the loop, which owns the watchlist; the worker gets the answer
+        if reg is not None and reg.uid != owner:
+            reg = None  # a file naming another user's process is not that process's: never its pid in our lines
         future = self.pool.submit(exception_dumps.ingest_counted, self.store, self.config.dumps / name, pid, reg,
                                   self.config.driver_logs, self.metrics, self.spool,
                                   lambda uid: self.budgets.allow("log", uid, time.monotonic()))

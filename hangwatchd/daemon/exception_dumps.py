@@ -34,6 +34,14 @@ log = structlog.get_logger("hangwatchd.daemon")
 
 
 @dataclass(frozen=True)
+class Filed:
+    """A dump made into an incident: its id, and whether it is linked to the process its name gives."""
+
+    incident: str
+    linked: bool
+
+
+@dataclass(frozen=True)
 class Attribution:
     registration: Registration
     linked: bool  # the pid of the name is a process of the file's owner (or names none)
@@ -55,14 +63,15 @@ def attribute(owner: int, pid: int | None, claimed: Registration | None) -> Attr
             return Attribution(Registration(ProcessId(pid, 0), uid=owner), True, None)
         if runs_as == owner:
             return Attribution(Registration(ProcessId(pid, 0), uid=owner), True, None)
-    note = (f"written by uid {owner} but names pid {pid}, which runs as "
-            f"{'uid ' + str(runs_as) if runs_as is not None else 'mixed uids'}: not linked to it")
+    # Whose process it names is not said: a file a user planted never puts another user's pid
+    # (or uid) into the planter's own incident, log line or counters.
+    note = f"written by uid {owner} but names a process that does not run as uid {owner}: not linked to it"
     return Attribution(Registration(ProcessId(0, 0), uid=owner), False, note)
 
 
 def ingest(store: Store, path: Path, pid: int | None, claimed: Registration | None, driver_logs: Path,
-           count: Callable[[str], None], spool: Spool | None = None, metrics: Metrics | None = None) -> str:
-    """Make ``path`` into an incident and return its id; ``count(type)`` is called for a linked
+           count: Callable[[str], None], spool: Spool | None = None, metrics: Metrics | None = None) -> Filed:
+    """Make ``path`` into an incident and say which; ``count(type)`` is called for a linked
     exception. Raises untrusted.Refused (nothing is filed) when the file is not a regular file.
 
     With a ``spool``, a state dir without room keeps the report there (and the raw dump
@@ -112,12 +121,12 @@ def ingest(store: Store, path: Path, pid: int | None, claimed: Registration | No
         store.mark_ingested(path.name)
     except Exception:  # noqa: BLE001 - remembered in the daemon's memory for this run; a full index forgets it
         pass
-    return draft.id
+    return Filed(draft.id, who.linked)
 
 
 def ingest_counted(store: Store, path: Path, pid: int | None, claimed: Registration | None, driver_logs: Path,
                    metrics: Metrics, spool: Spool | None = None,
-                   may_log: Callable[[int | None], bool] = lambda uid: True) -> str | None:
+                   may_log: Callable[[int | None], bool] = lambda uid: True) -> Filed | None:
     """``ingest`` as the daemon runs it: a linked exception counted in
     ``hangwatchd_gpu_exceptions_total`` (type from a closed set); a refused file counted, logged
     while its owner's log budget (``may_log``) lasts, and no incident."""

@@ -101,7 +101,7 @@ class Daemon:
                                     on_hung=self.workers.on_hung, on_tampered=self.registrations.tampered,
                                     capture_budget=capture_budget(cfg))
         self.workers.machine = self.machine
-        self.workers.act = act.Acting(Path(cfg.runtime_dir), cfg.on_hang, cfg.abort_grace, self.metrics)
+        self.workers.act = act.Acting(Path(cfg.runtime_dir), cfg.on_hang, cfg.abort_grace, self.metrics, cfg.abort_on_request)
         self.sampler = Sampler(cfg.pyspy_timeout, cfg.pyspy_samples_per_uid, self.limits, self._wake, self.metrics)
         self.lock = InstanceLock(Path(cfg.runtime_dir))
         self.node_health = NodeHealth(Path(cfg.runtime_dir), self.metrics)  # GPU faults (XIDs), health.json

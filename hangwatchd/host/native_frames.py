@@ -19,12 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..cudacore.elf import EHDR, Elf, ElfError
+from .procfs import read_capped
 
 _PHDR = struct.Struct("<IIQQQQQQ")
 PT_LOAD = 1
 STT_FUNC = 2
 MAX_BINARY = 2 << 30  # a binary or library larger than this is not read
 MAX_PHDRS = 4096
+MAX_MAPS = 16 << 20  # bytes of /proc/PID/maps read (65,530 mappings, the kernel's default limit, fit)
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,7 @@ def mappings(pid: int) -> list[Mapping]:
     """The file-backed mappings of a process, as /proc/PID/maps lists them."""
     out = []
     try:
-        with open(f"/proc/{pid}/maps") as f:
-            lines = f.read().splitlines()
+        lines = read_capped(f"/proc/{pid}/maps", MAX_MAPS).decode("utf-8", "replace").splitlines()
     except OSError:
         return []
     for line in lines:
@@ -62,7 +63,7 @@ def mappings(pid: int) -> list[Mapping]:
 class _Binary:
     """One mapped ELF file: its loadable segments and its function symbols, sorted."""
 
-    def __init__(self, buf: mmap.mmap) -> None:
+    def __init__(self, buf: mmap.mmap, deadline: float) -> None:
         elf = Elf(buf)
         header = EHDR.unpack_from(buf, 0)
         phoff, phentsize, phnum = header[5], header[9], header[10]
@@ -71,7 +72,7 @@ class _Binary:
         self.loads = [(off, vaddr, filesz) for typ, _f, off, vaddr, _p, filesz, _mem, _a in
                       (_PHDR.unpack_from(buf, phoff + i * phentsize) for i in range(phnum)) if typ == PT_LOAD]
         tables = sorted(elf.symbol_tables(), key=lambda s: s.type)  # .symtab (2) before .dynsym (11)
-        funcs = tables and [s for s in elf.symbols(tables[0]) if s.type == STT_FUNC and s.size and s.value]
+        funcs = tables and [s for s in elf.symbols(tables[0], deadline) if s.type == STT_FUNC and s.size and s.value]
         self.funcs = sorted(((s.value, s.size, s.name) for s in funcs or []), key=lambda f: f[0])
 
     def symbol(self, file_offset: int) -> str | None:
@@ -93,7 +94,7 @@ class _Binary:
         return None  # between functions, or in one the file does not name (stripped)
 
 
-def _open(pid: int, m: Mapping) -> _Binary | None:
+def _open(pid: int, m: Mapping, deadline: float) -> _Binary | None:
     try:
         fd = os.open(f"/proc/{pid}/root{m.path}", os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -104,8 +105,8 @@ def _open(pid: int, m: Mapping) -> _Binary | None:
                 or os.minor(st.st_dev) != m.minor or not 0 < st.st_size <= MAX_BINARY):
             return None  # not the file that is mapped: never read another one in its place
         with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as buf:
-            return _Binary(buf)
-    except (OSError, ValueError, struct.error):
+            return _Binary(buf, deadline)
+    except (OSError, ValueError, struct.error):  # ElfError is a ValueError: a binary past the deadline too
         return None
     finally:
         os.close(fd)
@@ -133,7 +134,7 @@ def name_unknown_frames(pid: int, threads: list[dict[str, Any]], deadline: float
             continue
         key = (m.major, m.minor, m.inode)
         if key not in binaries:
-            binaries[key] = _open(pid, m)
+            binaries[key] = _open(pid, m, deadline)
         binary = binaries[key]
         name = binary.symbol(addr - m.start + m.offset) if binary else None
         frame.update(filename=m.path, module=m.path, short_filename=os.path.basename(m.path),

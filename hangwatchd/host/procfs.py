@@ -12,6 +12,27 @@ from pathlib import Path
 from ..model import ProcessId
 
 PROC = Path("/proc")
+MAX_CMDLINE = 16 << 10  # bytes of a command line kept: a user's 1 MiB argument costs the daemon no more
+MAX_ENVIRON = 256 << 10  # bytes of an environment read (only a few keys are kept from it)
+MAX_STATUS = 16 << 10
+MAX_THREADS = 4096  # threads of one process described
+
+
+def read_capped(path: str | os.PathLike[str], cap: int) -> bytes:
+    """At most ``cap`` bytes of a /proc file (the text a user's process controls: its command
+    line, its environment). OSError when it cannot be read."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        parts, total = [], 0
+        while total < cap:
+            chunk = os.read(fd, min(65536, cap - total))
+            if not chunk:
+                break
+            parts.append(chunk)
+            total += len(chunk)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
 
 
 def _stat(pid: int) -> list[bytes] | None:
@@ -71,17 +92,22 @@ def uid(pid: int) -> int | None:
 
 
 def cmdline(pid: int) -> tuple[str, ...]:
+    """The command line's words, the first ``MAX_CMDLINE`` bytes of it (a cut one ends in '...')."""
     try:
-        raw = (PROC / str(pid) / "cmdline").read_bytes()
+        raw = read_capped(PROC / str(pid) / "cmdline", MAX_CMDLINE + 1)
     except OSError:
         return ()
-    return tuple(p.decode("utf-8", "replace") for p in raw.split(b"\0") if p)
+    cut = len(raw) > MAX_CMDLINE
+    words = [p.decode("utf-8", "replace") for p in raw[:MAX_CMDLINE].split(b"\0") if p]
+    if cut and words:
+        words[-1] += "..."
+    return tuple(words)
 
 
 def environ(pid: int, keys: frozenset[str] | None = None) -> dict[str, str]:
     """The process's environment (only ``keys`` if given). Needs the same uid or ptrace rights."""
     try:
-        raw = (PROC / str(pid) / "environ").read_bytes()
+        raw = read_capped(PROC / str(pid) / "environ", MAX_ENVIRON)
     except OSError:
         return {}
     out = {}
@@ -99,7 +125,7 @@ def threads(pid: int) -> list[dict[str, object]]:
     """Each thread's id, name, state and wchan: where in the kernel it sleeps."""
     out: list[dict[str, object]] = []
     try:
-        tids = sorted(int(t) for t in os.listdir(PROC / str(pid) / "task"))
+        tids = sorted(int(t) for t in os.listdir(PROC / str(pid) / "task"))[:MAX_THREADS]
     except OSError:
         return out
     for tid in tids:
@@ -117,7 +143,7 @@ def threads(pid: int) -> list[dict[str, object]]:
 
 def status(pid: int) -> dict[str, str]:
     try:
-        text = (PROC / str(pid) / "status").read_text()
+        text = read_capped(PROC / str(pid) / "status", MAX_STATUS).decode("utf-8", "replace")
     except OSError:
         return {}
     out = {}
@@ -164,19 +190,6 @@ def held_fifos(pid: int) -> list[tuple[int, str, os.stat_result]]:
         if mode & 3 == os.O_RDONLY:
             out.append((fd, target, st))
     return out
-
-
-def poke_fifo(pid: int, fd: int, data: bytes = b"\0") -> None:
-    """Write to the FIFO that the process holds as ``fd``, without blocking.
-
-    Opening /proc/PID/fd/N reaches exactly the object the process holds. Raises
-    OSError (ENXIO when nobody reads it, EAGAIN when it is full).
-    """
-    w = os.open(PROC / str(pid) / "fd" / str(fd), os.O_WRONLY | os.O_NONBLOCK)
-    try:
-        os.write(w, data)
-    finally:
-        os.close(w)
 
 
 def gpu_device_files(pid: int, prefix: str = "/dev/nvidia") -> list[str]:

@@ -7,6 +7,7 @@ here: the daemon must never block on something it watches.
 from __future__ import annotations
 
 import os
+import selectors
 import shutil
 import signal
 import subprocess
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 
 from . import pdeathsig
 
+MAX_OUTPUT = 32 << 20  # bytes kept of a tool's stdout (and of its stderr): py-spy of a process with thousands of threads says a few MB
+READ_CHUNK = 1 << 16
 REAP_WAIT = 2.0  # seconds to collect a killed tool's last output; a grandchild that escaped its group keeps the pipes, not us
 
 
@@ -27,10 +30,12 @@ class Result:
     stderr: bytes
     timed_out: bool
     seconds: float
+    truncated: bool = False  # it wrote more than was kept, and was stopped there
+
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and not self.timed_out
+        return self.returncode == 0 and not self.timed_out and not self.truncated
 
     def stderr_line(self) -> str:
         """What a tool says when it fails: its "Error:" line, else the last non-empty line of stderr."""
@@ -44,12 +49,15 @@ def run(
     timeout: float,
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
+    max_output: int = MAX_OUTPUT,
 ) -> Result:
     """Run argv (never through a shell) and return what it did within ``timeout`` seconds.
 
     Past it the tool's process group is killed, and what it wrote is collected for at most
-    ``REAP_WAIT`` more: nothing here waits without a limit. A ``timeout`` of 0 or less (a
-    deadline already passed) runs nothing."""
+    ``REAP_WAIT`` more: nothing here waits without a limit. So is a tool that writes more than
+    ``max_output`` bytes (what it says of a user's process is the user's to make long): it is
+    killed, its output cut there, and the result says ``truncated``. A ``timeout`` of 0 or less
+    (a deadline already passed) runs nothing."""
     if timeout <= 0:
         return Result(tuple(argv), None, b"", b"", True, 0.0)
     start = time.monotonic()
@@ -64,24 +72,51 @@ def run(
         env=dict(env) if env is not None else None,
         cwd=cwd,
     )
+    assert proc.stdout is not None and proc.stderr is not None
+    out, err, timed_out, truncated = _collect(proc, start + timeout, max_output)
+    for pipe in (proc.stdout, proc.stderr):
+        pipe.close()
     try:
-        out, err = proc.communicate(timeout=timeout)
-        timed_out = False
+        proc.wait(timeout=REAP_WAIT)
     except subprocess.TimeoutExpired:
-        kill_group(proc.pid)
-        timed_out = True
-        try:
-            out, err = proc.communicate(timeout=REAP_WAIT)
-        except subprocess.TimeoutExpired:  # something outside its group holds the pipes open
-            for pipe in (proc.stdout, proc.stderr):
-                if pipe is not None:
-                    pipe.close()
-            try:
-                proc.wait(timeout=REAP_WAIT)
-            except subprocess.TimeoutExpired:
-                pass  # unkillable (D state): pdeathsig and the kernel have it; we go on
-            out, err = b"", b""
-    return Result(tuple(argv), proc.returncode, out or b"", err or b"", timed_out, time.monotonic() - start)
+        pass  # unkillable (D state): pdeathsig and the kernel have it; we go on
+    return Result(tuple(argv), proc.returncode, out, err, timed_out, time.monotonic() - start, truncated)
+
+
+def _collect(proc: subprocess.Popen[bytes], deadline: float, max_output: int) -> tuple[bytes, bytes, bool, bool]:
+    """Both pipes read until they close, the deadline passes or the output passes ``max_output``
+    (then the group is killed and what is left collected for ``REAP_WAIT``): (out, err, timed out, truncated)."""
+    bufs: dict[int, list[bytes]] = {proc.stdout.fileno(): [], proc.stderr.fileno(): []}  # type: ignore[union-attr]
+    sizes = dict.fromkeys(bufs, 0)
+    open_fds = set(bufs)
+    timed_out = truncated = False
+    killed_at: float | None = None
+    with selectors.DefaultSelector() as sel:
+        for fd in open_fds:
+            sel.register(fd, selectors.EVENT_READ)
+        while open_fds:
+            now = time.monotonic()
+            if killed_at is None and (now >= deadline or truncated):
+                kill_group(proc.pid)
+                timed_out = not truncated
+                killed_at = now
+            end = deadline if killed_at is None else killed_at + REAP_WAIT
+            if now >= end and killed_at is not None:
+                break  # something outside its group holds the pipes open: what came is what we have
+            for key, _ in sel.select(max(0.0, end - now)):
+                chunk = os.read(key.fd, READ_CHUNK)
+                if not chunk:
+                    sel.unregister(key.fd)
+                    open_fds.discard(key.fd)
+                    continue
+                room = max_output - sizes[key.fd]
+                if room > 0:
+                    bufs[key.fd].append(chunk[:room])
+                    sizes[key.fd] += min(len(chunk), room)
+                if len(chunk) > room:
+                    truncated = True
+    return (b"".join(bufs[proc.stdout.fileno()]), b"".join(bufs[proc.stderr.fileno()]),  # type: ignore[union-attr]
+            timed_out, truncated)
 
 
 def run_by(argv: Sequence[str], deadline: float, env: Mapping[str, str] | None = None, cwd: str | None = None) -> Result:

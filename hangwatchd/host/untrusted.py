@@ -314,6 +314,40 @@ def resolve_in(dir_fd: int, dir_path: str | os.PathLike[str], named: str, uid: i
     return UserFile(dir_fd, base, uid, allow_root, (st.st_dev, st.st_ino), named)
 
 
+def write_held_fifo(pid: int, fd: int, uid: int, expect: tuple[int, int], data: bytes) -> None:
+    """Write ``data`` into the FIFO that process ``pid`` holds as descriptor ``fd``: only while
+    that descriptor is still the FIFO found before (``expect``: its device and inode), owned by
+    ``uid`` (root's own FIFO only for a root process). Never blocks.
+
+    The process can put anything under its ``fd`` at any moment (``dup2`` of a read-only fd of
+    /etc/passwd). So ``/proc/PID/fd/N`` is resolved once, with ``O_PATH``: a reference to the
+    object that opens nothing (no device is opened, no FIFO end taken), and that object is
+    checked; the write end is then opened from the daemon's own descriptor of it
+    (/proc/self/fd/M, which nobody else can change), checked again, written and closed.
+    Refused for anything else; OSError from the write itself (ENXIO: nobody reads it; EAGAIN:
+    it is full)."""
+    shown = f"/proc/{pid}/fd/{fd}"
+    try:
+        pin = os.open(shown, os.O_PATH | os.O_CLOEXEC)
+    except OSError as exc:
+        raise Refused("missing", f"{shown}: {exc.strerror}") from None
+    try:
+        st = os.fstat(pin)
+        check(st, shown, uid, fifo=True, allow_root=uid == 0)
+        if (st.st_dev, st.st_ino) != expect:
+            raise Refused("swapped", f"{shown} is no longer the FIFO found before: not written")
+        w = os.open(f"/proc/self/fd/{pin}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+        try:
+            now = os.fstat(w)
+            if (now.st_dev, now.st_ino) != expect or not stat.S_ISFIFO(now.st_mode):
+                raise Refused("swapped", f"{shown} changed while it was opened: not written")
+            os.write(w, data)
+        finally:
+            os.close(w)
+    finally:
+        os.close(pin)
+
+
 def check_owner(pid: int, uid: int) -> None:
     """Refused unless ``pid`` runs now as ``uid`` alone (all four uids): a process registered
     as a user's that later exec'd a setuid program is not that user's to have ptraced by root.

@@ -90,6 +90,7 @@ class _Bucket:
 # What a user's files and processes can make the daemon do, each with its own budget.
 # Rates are per minute, as the config keys say; "capture_seconds" refills over an hour.
 RATES = ("dump", "incident", "log")
+UNKNOWN = -1  # the budget key of what no known user made
 
 
 @dataclass
@@ -126,11 +127,13 @@ class Budgets:
         return b
 
     def allow(self, what: str, uid: int | None, now: float) -> bool:
-        """Spend one of ``what`` ("dump", "incident", "log") for ``uid`` if its budget has one."""
-        if not uid:  # root, or no owner known (a file whose owner is root)
+        """Spend one of ``what`` ("dump", "incident", "log") for ``uid`` if its budget has one.
+        Root is not held to one; what has no known owner (a file gone before it was opened)
+        shares one budget, as if one user (UNKNOWN) had made it all."""
+        if uid == 0:
             return True
         with self._lock:
-            return self._bucket(what, uid, now).take(now)
+            return self._bucket(what, UNKNOWN if uid is None else uid, now).take(now)
 
     def start_capture(self, uid: int | None, now: float) -> str | None:
         """Take a capture slot for ``uid``; None when taken, else why it must wait."""

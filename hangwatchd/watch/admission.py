@@ -11,6 +11,7 @@ and its job-mates' incidents.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import re
 import time
@@ -106,12 +107,11 @@ class Registrations:
         except RegistrationError as exc:
             self.refused[path.name] = mtime
             self.metrics.registration_errors.labels(**self.metrics.labels(reason=exc.reason)).inc()
-            try:  # whose file: a user's flood of bad files is counted, and logged within that user's budget
-                owner: int | None = path.lstat().st_uid
-            except OSError:
-                owner = None
+            # Whose file: a user's flood of bad files is counted, and logged within that user's budget
+            # (a file gone before it was opened is nobody's: the budget of unknown owners).
+            owner = exc.uid
             if self.limits.budgets.allow("log", owner, time.monotonic()):
-                log.warning("registration_refused", file=str(path), reason=exc.reason, error=str(exc))
+                log.warning("registration_refused", file=str(path)[-300:], reason=exc.reason, uid=owner, error=str(exc)[:500])
             return
         old = self.watched.get(reg.process)
         if old is not None:
@@ -144,6 +144,13 @@ class Registrations:
         if not procfs.alive(reg.process):  # the pid was reused between load and pidfd_open
             os.close(pidfd)
             return
+        if reg.launcher is not None and ranks.launched_above(reg) is None:
+            # A registration may name any pid as its launcher: only a process of its own user that
+            # it runs below is one (what the daemon writes for a launcher is written for that user).
+            if self.limits.budgets.allow("log", reg.uid, time.monotonic()):
+                log.warning("launcher_refused", pid=reg.process.pid, uid=reg.uid, launcher=reg.launcher,
+                            why="not a process of this user that it runs below")
+            reg = dataclasses.replace(reg, launcher=None)
         now = time.monotonic()
         timeout = reg.heartbeat_timeout or self.config.heartbeat_timeout
         source = "registration" if reg.heartbeat_timeout else "config"

@@ -12,9 +12,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..host import untrusted
+from ..host import procfs, untrusted
+from ..model import ProcessId, Registration
 from ..workload import beat_segment
 from .watched import Watched
+
+
+def launched_above(r: Registration) -> ProcessId | None:
+    """The process ``hangwatchd run`` launched above rank ``r``, as its registration names it: only
+    a process of the same user that ``r`` runs below (a registration may name any pid)."""
+    if r.launcher is None:
+        return None
+    above = procfs.identify(r.launcher)
+    if above is None or procfs.uid(above.pid) != r.uid or not procfs.descends_from(r.process.pid, above):
+        return None
+    return above
 
 
 def launcher_of(rank: Watched, watched: Iterable[Watched]) -> Watched | None:

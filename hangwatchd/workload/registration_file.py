@@ -49,9 +49,10 @@ class BeatsDir:
 class RegistrationError(Exception):
     """A registration that is refused; ``reason`` is the metric label, the message the log line."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, uid: int | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+        self.uid = uid  # the file's owner, where it was opened: whose log budget a refusal spends
 
 
 def file_name(process: ProcessId) -> str:
@@ -131,7 +132,7 @@ def _field(data: dict[str, Any], key: str, kind: type | tuple[type, ...], requir
             raise RegistrationError("bad_field", f"'{key}' is missing")
         return None
     if isinstance(value, bool) or not isinstance(value, kind):
-        raise RegistrationError("bad_field", f"'{key}' = {value!r} has the wrong type")
+        raise RegistrationError("bad_field", f"'{key}' = {repr(value)[:100]} has the wrong type")
     return value
 
 
@@ -153,6 +154,15 @@ def load(path: Path, beats_dir: Path | BeatsDir) -> Registration:
         raise RegistrationError(exc.reason, f"{exc}") from None
     finally:
         os.close(fd)
+    try:
+        return _checked(path, st, raw, beats)
+    except RegistrationError as exc:
+        exc.uid = st.st_uid  # every refusal of an opened file names its owner: its log budget
+        raise
+
+
+def _checked(path: Path, st: os.stat_result, raw: bytes, beats: BeatsDir) -> Registration:
+    name = path.name
     try:
         data = untrusted.json_object(raw, MAX_DEPTH)
     except untrusted.Refused as exc:
@@ -177,9 +187,9 @@ def load(path: Path, beats_dir: Path | BeatsDir) -> Registration:
     except RegistrationError as exc:
         raise RegistrationError(exc.reason, f"{path}: {exc}") from None
     if role not in ("workload", "launcher"):
-        raise RegistrationError("bad_field", f"{path}: role {role!r} is neither 'workload' nor 'launcher'")
+        raise RegistrationError("bad_field", f"{path}: role {role[:50]!r} is neither 'workload' nor 'launcher'")
     if on_hang not in (None, "report", "abort"):
-        raise RegistrationError("bad_field", f"{path}: on_hang {on_hang!r} is neither 'report' nor 'abort'")
+        raise RegistrationError("bad_field", f"{path}: on_hang {on_hang[:50]!r} is neither 'report' nor 'abort'")
     if pid <= 0 or any(t is not None and t <= 0 for t in (timeout, stack_timeout)):
         raise RegistrationError("bad_field", f"{path}: pid, heartbeat_timeout and stack_timeout must be positive")
     process = ProcessId(pid, start)
@@ -206,7 +216,7 @@ def load(path: Path, beats_dir: Path | BeatsDir) -> Registration:
     return Registration(
         process=process, uid=owner, job=job, rank=rank,
         local_rank=local_rank, world_size=world, heartbeat_timeout=float(timeout) if timeout else None,
-        stack_timeout=float(stack_timeout) if stack_timeout else None, beat_file=beat_file, status_file=status_file, cmdline=tuple(str(c) for c in cmd)[:64], source=source,
+        stack_timeout=float(stack_timeout) if stack_timeout else None, beat_file=beat_file, status_file=status_file, cmdline=tuple(str(c)[:4096] for c in cmd[:64]), source=source,
         registered_at=float(registered_at), ras_addr=_ras_addr(data), role=role, launcher=launcher, on_hang=on_hang,
         beat_at=beat_at, status_at=status_at,
     )
