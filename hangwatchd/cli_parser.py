@@ -151,9 +151,11 @@ def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
                    help="time its Python stack may stay the same, for workloads that never beat "
                         "(default: none, not watched by its stack unless the daemon's config says so)")
     r.add_argument("--on-hang", choices=["report", "abort"],
-                   help="once a hang's incident is stored: report (leave it running) or abort (the daemon sends its "
+                   help="once a hang's incident is stored: report (no signal) or abort (the daemon sends its "
                         "ranks on each node SIGABRT, then SIGKILL after abort_grace; this command exits non-zero) "
-                        "(default: the daemon's on_hang, report unless the node's admin chose otherwise)")
+                        "(default: the daemon's on_hang, report unless the node's admin chose otherwise). Either "
+                        "way, a confirmed hang gets a GPU dump, which ends the process, unless the daemon's "
+                        "gpu_dump is never")
     r.add_argument("--runtime-dir", help="the daemon's runtime dir (default: $HANGWATCHD_RUNTIME_DIR, "
                                          f"else {_default('runtime_dir')})")
     r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]", help="the workload and its arguments")

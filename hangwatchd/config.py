@@ -244,8 +244,9 @@ KEYS: dict[str, Key] = {
                                   "PyTorch's first-dump import (torch._inductor, seconds in eager mode) is paid then, not in "
                                   "the capture of a hang"),
     "gpu_dump": Key("confirmed", _one_of("always", "confirmed", "never"),
-                    "take a CUDA coredump of a hung process (it ends the process): always, never, or when "
-                    "confirmed (its native stack waits on the GPU or a collective, or you asked)"),
+                    "take a CUDA coredump of a hung process started by hangwatchd run; the dump ENDS the process: "
+                    "always, never (keeps hung processes running), or when confirmed (the heartbeat and the stack "
+                    "agree, or its native stack waits on the GPU or a collective), whatever on_hang says"),
     "gpu_dump_timeout": Key(120.0, _seconds, "seconds to wait for the driver to finish writing a CUDA coredump"),
     "symbolize_cpu_seconds": Key(30.0, _seconds, "CPU seconds the child that symbolises one GPU dump may use before it is killed"),
     "symbolize_memory_mb": Key(4096, _megabytes, "address space, in MB, of the child that symbolises one GPU dump (the dump is mapped into it)"),
@@ -268,8 +269,9 @@ KEYS: dict[str, Key] = {
     "store_spool_max": Key(1000, _count, "uploads kept queued on disk while the store is down (the oldest dropped first)"),
     "job_incident_window": Key(300.0, _seconds, "seconds during which a job's hang reported by any node is the same job incident"),
     "on_hang": Key("report", _one_of("report", "abort"),
-                   "after a hang's incident is stored: report (leave the job running) or abort (SIGABRT its ranks on "
-                   "this node, SIGKILL after abort_grace); a job's own hangwatchd run --on-hang wins"),
+                   "after a hang's incident is stored: report (send no signal; a GPU dump, see gpu_dump, still ends "
+                   "the process it dumps) or abort (SIGABRT its ranks on this node, SIGKILL after abort_grace); a "
+                   "job's own hangwatchd run --on-hang wins"),
     "abort_grace": Key(10.0, _seconds, "seconds between SIGABRT and SIGKILL when a hung job is aborted"),
     "log_format": Key("json", _one_of("json", "console"), "json: one JSON object a line; console: for a person"),
     "log_level": Key("info", _one_of("debug", "info", "warning", "error"), "the least severe events logged"),
