@@ -24,9 +24,10 @@ def load(incident_dir: Path, analysis: dict[str, Any], record: dict[str, Any] | 
     if not isinstance(data, dict):
         data = {"id": incident_dir.name, "complete": False, "note": "incident.json is missing or damaged"}
     processes = data.get("processes") or []
-    if not processes:
+    if not processes:  # a directory put together by hand: every pid directory but the children's
+        kids = {c.get("pid") for c in (analysis or {}).get("children") or [] if isinstance(c, dict)}
         processes = [{"pid": int(p.name), "dir": p.name} for p in sorted(incident_dir.iterdir())
-                     if p.is_dir() and p.name.isdigit()]
+                     if p.is_dir() and p.name.isdigit() and int(p.name) not in kids]
     for proc in processes:
         pdir = incident_dir / str(proc.get("dir") or proc.get("pid"))
         facts = read_json_or_none(pdir / "proc.json")
@@ -35,7 +36,16 @@ def load(incident_dir: Path, analysis: dict[str, Any], record: dict[str, Any] | 
         proc["stacks_native"] = (pdir / "pyspy-native.json").exists()
     data["processes"] = processes
     data["analysis"] = analysis
+    data["children"] = _children(incident_dir, analysis)
     return data
+
+
+def _children(incident_dir: Path, analysis: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The hung processes' children the analysis judged, each with its captured stacks; the stuck
+    ones (the story) first, then those that only wait."""
+    rows = [c for c in ((analysis or {}).get("children") or []) if isinstance(c, dict) and isinstance(c.get("pid"), int)]
+    rows.sort(key=lambda c: c.get("verdict") != "child-stuck")
+    return [{**c, "stacks": load_threads(incident_dir / str(c["pid"]))} for c in rows]
 
 
 def _frame_line(frame: dict[str, Any]) -> str:
