@@ -7,6 +7,7 @@ that documents it; ``config/hangwatchd.toml`` is tested against this table.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -365,7 +366,9 @@ def _validate(values: Mapping[str, Any], where: str) -> dict[str, Any]:
     out = {}
     for key, value in values.items():
         if key not in KEYS:
-            raise ConfigError(f"{where}: unknown key '{key}'; known keys: {', '.join(KEYS)}")
+            near = difflib.get_close_matches(key, KEYS, n=1)
+            hint = f"did you mean '{near[0]}'?" if near else "config/hangwatchd.toml lists every key with its default"
+            raise ConfigError(f"{where}: unknown key '{key}'; {hint}")
         try:
             out[key] = KEYS[key].parse(value)
         except Invalid as exc:
