@@ -105,8 +105,10 @@ def render(data: dict[str, Any], incident_dir: Path) -> str:
             parts.append(_table(["step", "outcome", "seconds", "note"], [
                 [_e(s["step"]), '<span class="skip">n/a</span>' if s.get("not_applicable") else
                  '<span class="skip">skipped</span>' if s.get("skipped") else
+                 '<span class="bad">damaged</span>' if s.get("damaged") else
                  ('<span class="ok">ok</span>' if s["ok"] else '<span class="bad">failed</span>'),
-                 f"{s['seconds']:.2f}", _e(s.get("error"))] for s in steps]))
+                 f"{s['seconds']:.2f}", _e(f"ok when captured, but {s['damaged']}" if s.get("damaged") else s.get("error"))]
+                for s in steps]))
         for thread in proc.get("stacks") or []:
             parts.append(_thread(thread))
         sym_path = incident_dir / str(proc.get("dir") or proc.get("pid")) / "symbolized.json"
