@@ -436,9 +436,29 @@ def _quiet_stdout() -> None:
     os.close(devnull)
 
 
+# What a job's own environment runs (with hangwatchd.beat() and register()): no third-party
+# package, Python 3.9+. Every other command is the daemon side: Python 3.11+ and [daemon].
+JOB_SIDE_COMMANDS = frozenset({"run"})
+
+
+def _not_here(command: str, exc: ModuleNotFoundError) -> str:
+    """One line for a command whose modules this environment lacks: a job-side install or bundle."""
+    if (exc.name or "").split(".")[0] == "hangwatchd":  # hangwatchd-job.pyz holds the job side only
+        return (f"hangwatchd {command} is not in this job-side bundle (it holds hangwatchd run, beat() and "
+                "register()); run it where the daemon is installed")
+    return (f"hangwatchd {command} needs the daemon's dependencies ({exc}); this environment has the job side only "
+            "(hangwatchd run, beat(), register()): install the daemon with pip install 'hangwatchd[daemon]'")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(COMMANDS)
     args = parser.parse_args(argv)
+    if sys.version_info < (3, 11) and args.command not in JOB_SIDE_COMMANDS:
+        import platform
+
+        print(f"hangwatchd: hangwatchd {args.command} needs Python 3.11 or later (this is {platform.python_version()}); "
+              "on this Python, hangwatchd run, hangwatchd.beat() and hangwatchd.register() work", file=sys.stderr)
+        return 1
     try:
         code = int(args.func(args))
         sys.stdout.flush()  # here, not at exit: a reader that left is seen while we can still answer it
@@ -449,6 +469,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # `hangwatchd incidents --json | head`: head read what it wanted; exit as quietly as it expects.
         _quiet_stdout()
         return 0
+    except ModuleNotFoundError as exc:
+        if args.command in JOB_SIDE_COMMANDS:
+            raise  # the job side needs no other module: a bug to see
+        print(f"hangwatchd: {_not_here(args.command, exc)}", file=sys.stderr)
+        return 1
     except Exception as exc:
         if isinstance(exc, (UsageError, *_loaded(USAGE_ERRORS))):
             print(f"hangwatchd: {exc}", file=sys.stderr)

@@ -12,7 +12,6 @@ import math
 import os
 import re
 import socket
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -387,6 +386,8 @@ def load(path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any
     """Defaults, then the file, then flags (``overrides``; None values are ignored)."""
     values: dict[str, Any] = {}
     if path is not None:
+        import tomllib  # here: the job side (hangwatchd run) imports this module on Python 3.9, which has none
+
         p = Path(path)
         try:
             raw = tomllib.loads(p.read_text())
