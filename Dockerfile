@@ -1,5 +1,7 @@
 # hangwatchd as a sidecar image: the daemon, py-spy, nvdisasm (PyPI) and NVML bindings, every
-# version pinned by constraints.txt (the same file the test environment is installed with).
+# version pinned by constraints.txt (the same file the test environment is installed with), and
+# the job side as one file, /opt/hangwatchd/job/hangwatchd-job.pyz, for an init container to hand
+# to a workload container that has no hangwatchd (deploy/kubernetes/pod.yaml).
 #   ./dev image          builds it (base included, no registry needed) and smoke-tests it
 #   podman build --build-arg BASE=IMAGE -t hangwatchd:0.1.0 .
 # BASE is any Debian bookworm (or newer) image with python3 and python3-venv; ./dev image makes
@@ -21,8 +23,9 @@ COPY hangwatchd ./hangwatchd
 # PIP_CONSTRAINT (not -c) so the pins hold in pip's isolated build environment too (setuptools).
 # The installers (the venv's own pip and setuptools, from Debian's python3-venv) are not shipped.
 RUN python3 -m venv /opt/hangwatchd \
- && PIP_CONSTRAINT=/src/constraints.txt /opt/hangwatchd/bin/pip install --no-compile "/src[nvdisasm]" \
+ && PIP_CONSTRAINT=/src/constraints.txt /opt/hangwatchd/bin/pip install --no-compile "/src[daemon,nvdisasm]" \
  && /opt/hangwatchd/bin/pip uninstall -y -q setuptools pip \
+ && mkdir /opt/hangwatchd/job && /opt/hangwatchd/bin/python -m hangwatchd.workload.bundle /opt/hangwatchd/job \
  && cd / && rm -rf /src
 ENV PATH=/opt/hangwatchd/bin:$PATH
 WORKDIR /

@@ -6,16 +6,15 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .config import Config
 from .cudacore.cudagdb import find_cuda_gdb
 from .cudacore.nvdisasm import INSTALL_HINT, find_nvdisasm
 from .host import subproc
 from .host.pyspy_binary import find_pyspy, ptrace_hint
-from .workload import runtime_files
 
 CAP_SYS_PTRACE = 19
 
@@ -93,33 +92,69 @@ def _cuda_gdb() -> Check:
 
 
 def _writable(name: str, path: Path) -> Check:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".check-"):
-            pass
-    except OSError as exc:
-        return Check(name, False, f"{path}: {exc.strerror}; pass another --{name.replace(' ', '-')} or fix its permissions")
+    """Whether the daemon could write there, only looked at: nothing is created (a dir missing
+    is judged by the nearest dir that exists, where the daemon would create it)."""
+    flag = f"--{name.replace(' ', '-')}"
+    here = path
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    if not here.is_dir():
+        return Check(name, False, f"{path}: {here} is not a directory; pass another {flag} or move that file away")
+    if not _can_write(here):
+        why = "is on a read-only file system" if _read_only(here) else f"is not writable by uid {os.geteuid()}"
+        return Check(name, False, f"{path}: {here} {why}; pass another {flag} or fix its permissions")
+    if here != path:
+        return Check(name, True, f"{path} does not exist yet; the daemon creates it ({here} is writable)")
     return Check(name, True, f"{path} is writable")
 
 
-def _port(address: str, runtime_dir: Path) -> Check:
+def _can_write(path: Path) -> bool:
+    return os.access(path, os.W_OK | os.X_OK) and not _read_only(path)
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _port(address: str, runtime_dir: Path, daemon: dict[str, Any] | None) -> Check:
+    """Is the metrics address free, or the running daemon's own? ``daemon``: its daemon.json."""
+    theirs = str((daemon or {}).get("metrics_address") or "")
+    if daemon and theirs and theirs.rpartition(":")[2] == address.rpartition(":")[2]:
+        # After `systemctl enable --now` the port is the daemon's own: that is the node working.
+        answer = _scrape(theirs)
+        if answer is not None:
+            return Check("metrics port", False, f"{theirs} is the running daemon's (pid {daemon.get('pid')}), but it "
+                                                f"does not answer ({answer}); see journalctl -u hangwatchd")
+        return Check("metrics port", True, f"{theirs} is in use by the running daemon (pid {daemon.get('pid')}, "
+                                           f"version {daemon.get('version')}), which answers /metrics")
+    serving = (f"; the running daemon (pid {daemon.get('pid')}) serves " + (f"on {theirs}" if theirs else "no metrics")
+               if daemon else "")
     if not address:
-        return Check("metrics port", True, "metrics are off (metrics_address = \"\")")
+        return Check("metrics port", True, "metrics are off (metrics_address = \"\")" + serving)
     host, _, port = address.rpartition(":")
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host or "0.0.0.0", int(port)))
     except OSError as exc:
-        # After `systemctl enable --now` the port is taken by the daemon itself: that is the
-        # node working, not a fault. Its daemon.json (checked against /proc) says whose it is.
-        daemon = runtime_files.daemon_info(runtime_dir)
-        theirs = str((daemon or {}).get("metrics_address") or "")
-        if daemon and theirs.rpartition(":")[2] == port:
-            return Check("metrics port", True, f"{address} is in use by the running daemon "
-                                               f"(pid {daemon.get('pid')}, version {daemon.get('version')})")
         return Check("metrics port", False, f"{address}: {exc.strerror}, and not by a hangwatchd daemon on "
-                                            f"{runtime_dir}; free it or set metrics_address")
-    return Check("metrics port", True, f"{address} is free")
+                                            f"{runtime_dir}{serving}; free it or set metrics_address")
+    return Check("metrics port", True, f"{address} is free{serving}")
+
+
+def _scrape(address: str) -> str | None:
+    """Why the daemon's /metrics does not answer; None when it does."""
+    import urllib.request
+
+    host, _, port = address.rpartition(":")
+    host = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=3) as resp:
+            return None if resp.status == 200 else f"HTTP {resp.status}"
+    except OSError as exc:
+        return str(getattr(exc, "reason", None) or exc)
 
 
 def _inotify() -> Check:
@@ -134,11 +169,13 @@ def _inotify() -> Check:
                  + ("" if ok else "; raise them with sysctl fs.inotify.max_user_instances=128"))
 
 
-def run_checks(config: Config) -> list[Check]:
+def run_checks(config: Config, daemon: dict[str, Any] | None = None) -> list[Check]:
+    """Every check, looking only: nothing is created or changed. ``daemon``: the running daemon's
+    daemon.json, whose dirs and metrics address ``config`` holds already (see the CLI)."""
     return [
         _ptrace(), _pyspy(), _nvdisasm(), _nvml(), _cuda_gdb(),
         _writable("state dir", Path(config.state_dir)), _writable("runtime dir", Path(config.runtime_dir)),
-        _writable("dump dir", config.dumps), _port(config.metrics_address, Path(config.runtime_dir)), _inotify(),
+        _writable("dump dir", config.dumps), _port(config.metrics_address, Path(config.runtime_dir), daemon), _inotify(),
     ]
 
 

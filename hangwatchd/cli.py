@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .cli_parser import build_parser
+from .cli_parser import build_parser, show_target
 
 # What each kind of user error is, by the module that raises it: looked up only in modules
 # a command has imported (one that was never imported raised nothing), so that no command
@@ -122,7 +122,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
     from .model import Suspicion
     from .workload import registration_file
 
-    cfg = config.load(args.config, {"state_dir": args.state_dir, "runtime_dir": args.runtime_dir})
+    cfg = config.load(args.config, _daemon_dirs(args)[0])  # the running daemon's dirs, as status finds them
     log.configure("console", "warning")
     target = registration_file.from_proc(args.pid)
     if target is None:
@@ -215,9 +215,10 @@ def _analyze_store(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from . import check, config
 
-    cfg = config.load(args.config, {"state_dir": args.state_dir, "runtime_dir": args.runtime_dir,
-                                    "dump_dir": args.dump_dir, "metrics_address": args.metrics_address})
-    checks = check.run_checks(cfg)
+    dirs, daemon = _daemon_dirs(args)
+    theirs = daemon.get("metrics_address") if daemon else None
+    cfg = config.load(args.config, {**dirs, "metrics_address": args.metrics_address if args.metrics_address is not None else theirs})
+    checks = check.run_checks(cfg, daemon)
     if args.json:
         _print_json([dataclasses.asdict(c) for c in checks])
     else:
@@ -257,7 +258,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     runtime_dir = Path(args.runtime_dir) if args.runtime_dir else client_runtime_dir()
     status = runtime_files.status(runtime_dir)
     if status is None:
-        raise Failure(f"no daemon is running with runtime dir {runtime_dir}; start one with 'hangwatchd daemon'")
+        written = runtime_files.status_written(runtime_dir)
+        last = f" (the last daemon's status was written {_when(written)})" if written else ""
+        raise Failure(f"no daemon is running with runtime dir {runtime_dir}{last}; start one with 'hangwatchd daemon'")
+    stale = _not_running(status)
     for p in status["processes"]:
         if p.get("beat_file"):  # fresher than the daemon's last write
             try:
@@ -266,22 +270,55 @@ def cmd_status(args: argparse.Namespace) -> int:
                 p["beats"] = reading.count
             except beat_segment.SegmentError:
                 pass
+    if stale:  # what follows is an old picture: say so first, on stderr, and exit 1
+        print(f"hangwatchd: {stale}", file=sys.stderr)
+        status["daemon_running"] = False
     if args.json:
         _print_json(status)
-        return 0
-    sys.stdout.write(tables.status(status))
-    return 0
+    else:
+        sys.stdout.write(tables.status(status))
+    return 1 if stale else 0
+
+
+def _when(t: float) -> str:
+    return f"at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(t))}, {max(0.0, time.time() - t):.0f} s ago"
+
+
+def _not_running(status: dict[str, Any]) -> str | None:
+    """Why the daemon behind a status is not watching now (stopped, or its loop silent), else None."""
+    from .daemon.node_health import LOOP_STALLED_AFTER
+    from .host import procfs
+
+    pid = int((status.get("daemon") or {}).get("pid") or 0)
+    written = status.get("time")
+    when = _when(float(written)) if isinstance(written, (int, float)) else "at an unknown time"
+    if procfs.state(pid) in ("T", "t"):
+        return (f"the daemon (pid {pid}) is not running: it is stopped (SIGSTOP, or held by a debugger); "
+                f"this is what it wrote {when}")
+    if isinstance(written, (int, float)) and time.time() - written > LOOP_STALLED_AFTER:
+        return (f"the daemon (pid {pid}) is not running its loop: its status was last written {when}; this is that "
+                "old status ('hangwatchd health' judges it; systemctl restart hangwatchd)")
+    return None
+
+
+def _daemon_dirs(args: argparse.Namespace) -> tuple[dict[str, str | None], dict[str, Any] | None]:
+    """The dirs a command shares with the daemon: each flag given, else the running daemon's own (its
+    daemon.json in the runtime dir, as ``status`` finds it), else None (the config's); and that daemon.json."""
+    from .workload import runtime_files
+
+    runtime_dir = Path(args.runtime_dir) if getattr(args, "runtime_dir", None) else client_runtime_dir()
+    info = runtime_files.daemon_info(runtime_dir)
+    theirs = info or {}
+    return {"state_dir": args.state_dir or theirs.get("state_dir"),
+            "runtime_dir": getattr(args, "runtime_dir", None) or (str(runtime_dir) if info else None),
+            "dump_dir": getattr(args, "dump_dir", None) or theirs.get("dump_dir")}, info
 
 
 def _store(args: argparse.Namespace) -> Any:
     from . import config
     from .incidents.store import Store
-    from .workload import runtime_files
 
-    state_dir = args.state_dir
-    if not state_dir:
-        info = runtime_files.daemon_info(Path(args.runtime_dir) if getattr(args, "runtime_dir", None) else client_runtime_dir())
-        state_dir = info["state_dir"] if info else config.Config().state_dir
+    state_dir = _daemon_dirs(args)[0]["state_dir"] or config.Config().state_dir
     return Store(state_dir)
 
 
@@ -344,6 +381,10 @@ def cmd_incidents(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    args.id, args.html = show_target(args)
+    if args.id is None:
+        raise UsageError("show: give the incident's ID ('hangwatchd incidents' lists them); "
+                         "usage: hangwatchd show ID [--html [FILE]]")
     store = _store(args)
     _list(store)  # an unreadable index says so in one line
     path = store.path_of(args.id)
@@ -374,11 +415,65 @@ COMMANDS = {"daemon": cmd_daemon, "run": cmd_run, "status": cmd_status, "inciden
             "health": cmd_health}
 
 
+def _reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (``| head`` that has read its lines)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLERR)
+        return any(ev & select.POLLERR for _fd, ev in poller.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
+def _quiet_stdout() -> None:
+    """stdout's reader left: point it at /dev/null, so the interpreter's last flush has nowhere to fail."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+# What a job's own environment runs (with hangwatchd.beat() and register()): no third-party
+# package, Python 3.9+. Every other command is the daemon side: Python 3.11+ and [daemon].
+JOB_SIDE_COMMANDS = frozenset({"run"})
+
+
+def _not_here(command: str, exc: ModuleNotFoundError) -> str:
+    """One line for a command whose modules this environment lacks: a job-side install or bundle."""
+    if (exc.name or "").split(".")[0] == "hangwatchd":  # hangwatchd-job.pyz holds the job side only
+        return (f"hangwatchd {command} is not in this job-side bundle (it holds hangwatchd run, beat() and "
+                "register()); run it where the daemon is installed")
+    return (f"hangwatchd {command} needs the daemon's dependencies ({exc}); this environment has the job side only "
+            "(hangwatchd run, beat(), register()): install the daemon with pip install 'hangwatchd[daemon]'")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(COMMANDS)
     args = parser.parse_args(argv)
+    if sys.version_info < (3, 11) and args.command not in JOB_SIDE_COMMANDS:
+        import platform
+
+        print(f"hangwatchd: hangwatchd {args.command} needs Python 3.11 or later (this is {platform.python_version()}); "
+              "on this Python, hangwatchd run, hangwatchd.beat() and hangwatchd.register() work", file=sys.stderr)
+        return 1
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, not at exit: a reader that left is seen while we can still answer it
+        return code
+    except BrokenPipeError:
+        if not _reader_gone():
+            raise  # some other pipe: a bug to see, not a reader that had enough
+        # `hangwatchd incidents --json | head`: head read what it wanted; exit as quietly as it expects.
+        _quiet_stdout()
+        return 0
+    except ModuleNotFoundError as exc:
+        if args.command in JOB_SIDE_COMMANDS:
+            raise  # the job side needs no other module: a bug to see
+        print(f"hangwatchd: {_not_here(args.command, exc)}", file=sys.stderr)
+        return 1
     except Exception as exc:
         if isinstance(exc, (UsageError, *_loaded(USAGE_ERRORS))):
             print(f"hangwatchd: {exc}", file=sys.stderr)
@@ -389,8 +484,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:
-        return 0
 
 
 if __name__ == "__main__":

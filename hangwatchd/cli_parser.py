@@ -86,6 +86,14 @@ def _is_number(text: str) -> bool:
     return True
 
 
+def show_target(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """``show``'s (ID, --html FILE): ``show ID --html FILE``, ``show --html FILE ID``, ``show ID
+    --html`` and ``show --html ID`` all mean what they say. ID is None when none was given."""
+    if args.id is None and args.html:
+        return args.html, ""
+    return args.id, args.html
+
+
 def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
     """The whole command line; ``commands`` maps each subcommand's name to the function that runs it."""
     from . import __version__
@@ -151,9 +159,11 @@ def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
                    help="time its Python stack may stay the same, for workloads that never beat "
                         "(default: none, not watched by its stack unless the daemon's config says so)")
     r.add_argument("--on-hang", choices=["report", "abort"],
-                   help="once a hang's incident is stored: report (leave it running) or abort (the daemon sends its "
+                   help="once a hang's incident is stored: report (no signal) or abort (the daemon sends its "
                         "ranks on each node SIGABRT, then SIGKILL after abort_grace; this command exits non-zero) "
-                        "(default: the daemon's on_hang, report unless the node's admin chose otherwise)")
+                        "(default: the daemon's on_hang, report unless the node's admin chose otherwise). Either "
+                        "way, a confirmed hang gets a GPU dump, which ends the process, unless the daemon's "
+                        "gpu_dump is never")
     r.add_argument("--runtime-dir", help="the daemon's runtime dir (default: $HANGWATCHD_RUNTIME_DIR, "
                                          f"else {_default('runtime_dir')})")
     r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]", help="the workload and its arguments")
@@ -177,9 +187,14 @@ def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
     sh = _command(sub, "show", commands["show"], "the report of one incident",
                   "Print one incident: the verdict, each process's capture steps and stacks, the analysis across "
                   "ranks. Each stored incident also holds this page as report.html.",
-                  ["hangwatchd show 20261129T192301Z-854e77", "hangwatchd show 20261129T19 --html report.html"],
+                  ["hangwatchd show 20261129T192301Z-854e77", "hangwatchd show 20261129T19 --html report.html",
+                   "hangwatchd show --html report.html 20261129T19", "hangwatchd show --html 20261129T19"],
                   [dirs, as_json])
-    sh.add_argument("id", metavar="ID", help="incident id, as 'hangwatchd incidents' lists it (a unique prefix will do)")
+    sh.usage = "hangwatchd show [-h] [--state-dir STATE_DIR] [--runtime-dir RUNTIME_DIR] [--json] [--html [FILE]] ID"
+    # nargs="?": with --html's FILE optional, "show --html ID" hands the one word to --html;
+    # show_target() gives it back to ID (a lone word is the id: it is the one that is required).
+    sh.add_argument("id", metavar="ID", nargs="?",
+                    help="incident id, as 'hangwatchd incidents' lists it (a unique prefix will do); required")
     sh.add_argument("--html", nargs="?", const="", metavar="FILE",
                     help="write one self-contained HTML page and print its path (default FILE: ./hangwatchd-ID.html)")
 

@@ -7,11 +7,11 @@ that documents it; ``config/hangwatchd.toml`` is tested against this table.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
 import socket
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,8 +244,9 @@ KEYS: dict[str, Key] = {
                                   "PyTorch's first-dump import (torch._inductor, seconds in eager mode) is paid then, not in "
                                   "the capture of a hang"),
     "gpu_dump": Key("confirmed", _one_of("always", "confirmed", "never"),
-                    "take a CUDA coredump of a hung process (it ends the process): always, never, or when "
-                    "confirmed (its native stack waits on the GPU or a collective, or you asked)"),
+                    "take a CUDA coredump of a hung process started by hangwatchd run; the dump ENDS the process: "
+                    "always, never (keeps hung processes running), or when confirmed (the heartbeat and the stack "
+                    "agree, or its native stack waits on the GPU or a collective), whatever on_hang says"),
     "gpu_dump_timeout": Key(120.0, _seconds, "seconds to wait for the driver to finish writing a CUDA coredump"),
     "symbolize_cpu_seconds": Key(30.0, _seconds, "CPU seconds the child that symbolises one GPU dump may use before it is killed"),
     "symbolize_memory_mb": Key(4096, _megabytes, "address space, in MB, of the child that symbolises one GPU dump (the dump is mapped into it)"),
@@ -268,8 +269,9 @@ KEYS: dict[str, Key] = {
     "store_spool_max": Key(1000, _count, "uploads kept queued on disk while the store is down (the oldest dropped first)"),
     "job_incident_window": Key(300.0, _seconds, "seconds during which a job's hang reported by any node is the same job incident"),
     "on_hang": Key("report", _one_of("report", "abort"),
-                   "after a hang's incident is stored: report (leave the job running) or abort (SIGABRT its ranks on "
-                   "this node, SIGKILL after abort_grace); a job's own hangwatchd run --on-hang wins"),
+                   "after a hang's incident is stored: report (send no signal; a GPU dump, see gpu_dump, still ends "
+                   "the process it dumps) or abort (SIGABRT its ranks on this node, SIGKILL after abort_grace); a "
+                   "job's own hangwatchd run --on-hang wins"),
     "abort_grace": Key(10.0, _seconds, "seconds between SIGABRT and SIGKILL when a hung job is aborted"),
     "abort_on_request": Key(False, _bool, "also end a job's ranks here (those whose policy is abort) when another node "
                             "declared the job hung, through the store, though they look healthy here; off: only "
@@ -367,7 +369,9 @@ def _validate(values: Mapping[str, Any], where: str) -> dict[str, Any]:
     out = {}
     for key, value in values.items():
         if key not in KEYS:
-            raise ConfigError(f"{where}: unknown key '{key}'; known keys: {', '.join(KEYS)}")
+            near = difflib.get_close_matches(key, KEYS, n=1)
+            hint = f"did you mean '{near[0]}'?" if near else "config/hangwatchd.toml lists every key with its default"
+            raise ConfigError(f"{where}: unknown key '{key}'; {hint}")
         try:
             out[key] = KEYS[key].parse(value)
         except Invalid as exc:
@@ -386,6 +390,8 @@ def load(path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any
     """Defaults, then the file, then flags (``overrides``; None values are ignored)."""
     values: dict[str, Any] = {}
     if path is not None:
+        import tomllib  # here: the job side (hangwatchd run) imports this module on Python 3.9, which has none
+
         p = Path(path)
         try:
             raw = tomllib.loads(p.read_text())

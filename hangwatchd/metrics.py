@@ -47,6 +47,10 @@ def xid_label(xid: int) -> str:
 STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 LOOP_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5)
 LAST_INCIDENT_SERIES = 64
+# The workload's job name. Never "job" (nor "instance"): Prometheus attaches its own job label, the
+# scrape config's job_name, and renames an exporter's to exported_job, so dashboards and alerts
+# grouping by job would see "hangwatchd" for every workload.
+JOB_LABEL = "workload_job"
 
 
 def constant_labels() -> dict[str, str]:
@@ -111,7 +115,7 @@ class Metrics:
             del self._last[(stale_reason, stale_job)]
             self.last_incident.remove(*self.const.values(), stale_id, stale_reason, stale_job)
         self._last[key] = incident
-        self.last_incident.labels(**self.labels(incident=incident, reason=reason, job=job or "")).set(when)
+        self.last_incident.labels(**self.labels(incident=incident, reason=reason, **{JOB_LABEL: job or ""})).set(when)
 
 
 def create(registry: CollectorRegistry | None = None, node: str | None = None) -> Metrics:
@@ -128,9 +132,9 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
         registry=reg,
         watched=Gauge("hangwatchd_watched_processes", "Watched processes by state.", labels("state"), registry=reg),
         last_beat=Gauge("hangwatchd_last_beat_timestamp_seconds", "Unix time of the last heartbeat of a watched process.",
-                        labels("job", "rank", "pid"), registry=reg),
+                        labels(JOB_LABEL, "rank", "pid"), registry=reg),
         timeout=Gauge("hangwatchd_heartbeat_timeout_seconds", "Seconds without a beat before a watched process is hung.",
-                      labels("job", "rank", "pid"), registry=reg),
+                      labels(JOB_LABEL, "rank", "pid"), registry=reg),
         hangs=Counter("hangwatchd_hangs_total", "Hung processes detected, by the signal that found them.",
                       labels("reason"), registry=reg),
         state_changes=Counter("hangwatchd_state_changes_total", "Watched processes entering a state.",
@@ -164,10 +168,10 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
                          "and timers (its own work, not waiting and not other threads').", names, registry=reg),
         stack_samples=Counter("hangwatchd_stack_samples_total", "py-spy stack samples taken of watched processes, by kind "
                               "(plain or native) and outcome (ok or failed).", labels("kind", "outcome"), registry=reg),
-        info=Info("hangwatchd_build", "Version of hangwatchd.", registry=reg),
+        info=Info("hangwatchd_build", "Version of hangwatchd.", names, registry=reg),
         last_incident=Gauge("hangwatchd_last_incident_timestamp_seconds",
                             "Unix time of the latest incident stored for a reason and job; its id is the incident label.",
-                            labels("incident", "reason", "job"), registry=reg),
+                            labels("incident", "reason", JOB_LABEL), registry=reg),
         jobs_aborted=Counter("hangwatchd_jobs_aborted_total",
                              "Jobs whose ranks on this node the daemon ended after storing their incident (on_hang = abort).",
                              names, registry=reg),

@@ -76,6 +76,15 @@ def image() -> str:
     return res.stdout.strip().splitlines()[-1]
 
 
+@functools.cache
+def base_image() -> str:
+    """The Debian base ./dev image builds the image on (python3, no hangwatchd): a stock image's stand-in."""
+    image()
+    res = subprocess.run(["bash", str(ROOT / "dev"), "image", "base"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout.strip().splitlines()[-1]
+
+
 class Container:
     """One detached container; ``remove()`` (or the with-block's end) takes it away by its name."""
 

@@ -11,20 +11,23 @@ from __future__ import annotations
 import json
 import lzma
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from hangwatchd.testing import ScratchDaemon, stop, wait_for, workload_argv
 
-from .conftest import FIXTURES
+from .conftest import FIXTURES, hangwatchd
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "config" / "alerts.yaml"
@@ -42,6 +45,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def documented_scrape_configs(targets: list[str]) -> list[dict[str, Any]]:
+    """The scrape config exactly as docs/operating.md tells an operator to write it, its one
+    example target replaced by ours: what the alerts and the dashboard meet in the field."""
+    doc = (ROOT / "docs" / "operating.md").read_text()
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", doc, re.S)]
+    (block,) = [b for b in blocks if isinstance(b, dict) and "scrape_configs" in b]
+    (scrape,) = block["scrape_configs"]
+    (static,) = scrape["static_configs"]
+    assert scrape["job_name"] == "hangwatchd" and len(static["targets"]) == 1, scrape
+    static["targets"] = targets
+    return [scrape]
+
+
 class Prometheus:
     """A real Prometheus on loopback: scrapes every second, evaluates the project's rules every second."""
 
@@ -55,7 +71,7 @@ class Prometheus:
         cfg.write_text(json.dumps({
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(rules)],
-            "scrape_configs": [{"job_name": "hangwatchd", "static_configs": [{"targets": targets}]}],
+            "scrape_configs": documented_scrape_configs(targets),
         }))
         self.port = free_port()
         self.log = open(base / "prometheus.log", "ab")
@@ -80,6 +96,13 @@ class Prometheus:
     def firing(self, name: str, **labels: str) -> list[dict[str, Any]]:
         return [a for a in self.api("alerts")["alerts"] if a["labels"].get("alertname") == name and a["state"] == "firing"
                 and all(a["labels"].get(k) == v for k, v in labels.items())]
+
+    def active(self) -> list[dict[str, Any]]:
+        """Every alert pending or firing now."""
+        return [a for a in self.api("alerts")["alerts"] if a["state"] in ("pending", "firing")]
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        return self.api("query", query=expr)["result"]  # type: ignore[no-any-return]
 
     def stop(self) -> None:
         stop(self.proc)
@@ -151,3 +174,47 @@ def test_every_alert_fires_on_the_first_event_of_its_kind_on_a_fresh_daemon(tmp_
         prom.stop()
         good.stop()
         broken.stop()
+
+
+# An idle server: waits in select() on a socket nobody connects to (idle, not hung, to the daemon).
+IDLE_SERVER = ("import selectors, socket\n{opens}s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+               "sel = selectors.DefaultSelector(); sel.register(s, selectors.EVENT_READ)\n"
+               "def serve_forever():\n    while True: sel.select()\nserve_forever()\n")
+
+
+def test_no_alert_is_pending_or_firing_for_healthy_processes(tmp_path: Path, fake_gpu: Path) -> None:
+    """Every rule against a real Prometheus scraping a daemon that watches three healthy processes,
+    one of each kind: a job that beats, a server watched by its stack alone (it never beats), and
+    an idle process found by discovery (it holds a GPU device file, and never beats either)."""
+    config = {"pyspy_native": False, "gpu_dump": "never", "discover": True, "discover_devices": str(fake_gpu),
+              "rescan_interval": 0.5, "discover_interval": 0.5}
+    d = ScratchDaemon(tmp_path / "d", env={"NODE_NAME": "node-healthy"}, config=config)
+    prom = Prometheus(tmp_path / "prom", [d.info["metrics_address"]])
+    work: list[subprocess.Popen[bytes]] = []
+    try:
+        work.append(d.run(workload_argv(beats=100_000, interval=0.1), "--job", "beats", "--heartbeat-timeout", "2"))
+        work.append(d.run([sys.executable, "-c", IDLE_SERVER.format(opens="")], "--job", "serve", "--stack-timeout", "10m"))
+        work.append(subprocess.Popen([sys.executable, "-c", IDLE_SERVER.format(opens=f"f = open({str(fake_gpu)!r})\n")]))
+
+        def all_healthy() -> bool:
+            st = json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)
+            states = {p["pid"]: (p["state"], p["source"]) for p in st["processes"]}
+            # "starting": registered, no first beat yet (the stack-watched server stays so, within startup_grace)
+            return (len(states) == 3 and {s for s, _ in states.values()} <= {"healthy", "starting"}
+                    and "discovered" in {s for _, s in states.values()})
+        wait_for(all_healthy, 30, "the three processes watched, none suspect or hung", every=0.5)
+        # Each process's series, as Prometheus stores them: the stack-watched and the discovered ones
+        # export a last beat of 0 (never) and the default heartbeat timeout.
+        wait_for(lambda: len(prom.query("hangwatchd_last_beat_timestamp_seconds")) == 3, 30, "the three processes scraped")
+        never = prom.query("hangwatchd_last_beat_timestamp_seconds == 0")
+        assert len(never) == 2, never
+        # Every rule evaluated again and again (each second) while they run: nothing pending, nothing firing.
+        for _ in range(15):
+            assert prom.active() == [], prom.active()
+            time.sleep(1.0)
+        assert all(p.poll() is None for p in work)
+    finally:
+        for w in work:
+            stop(w)
+        prom.stop()
+        d.stop()

@@ -72,6 +72,9 @@ def test_a_worker_stuck_reading_a_fifo_leads_the_verdict_and_is_in_the_incident(
     assert len(kids) == 2 and all(k["parent"] == parent for k in kids.values())
     (stuck,) = [pid for pid, k in kids.items() if k["blocked_on"].get("kind") == "FIFO"]
     k = kids[stuck]
+    page = (path / "report.html").read_text()  # the stored page shows the stuck worker and its stack
+    assert f"Child process {k['role']} {stuck} (child of {parent}): child-stuck" in page
+    assert "read_shard (" in page[page.index(f"Child process {k['role']} {stuck}"):]
     assert k["role"].startswith("multiprocessing worker ") and k["blocked_on"]["path"] == str(shards / "shard-0042")
     assert k["blocked_on"]["syscall"] == "read" and k["blocked_on"]["wchan"]
     assert (path / str(stuck) / "pyspy.json").exists() and (path / str(stuck) / "pyspy-native.json").exists()
@@ -335,6 +338,17 @@ def test_a_dataloader_incident_put_together_by_hand_leads_with_the_stuck_worker(
                               "the training loop waits for it in _next_data (train.py:33).")
     assert [(c["role"], c["verdict"]) for c in out["children"]] == [("DataLoader worker 0", "idle-python"),
                                                                      ("DataLoader worker 1", "child-stuck")]
+    # The page a person opens: the children judged, and the stuck worker's own stack, open.
+    from hangwatchd.analyze.verdict import analyze
+    from hangwatchd.report import html, incident
+
+    page = html.render(incident.load(tmp_path, analyze(tmp_path).to_dict()), tmp_path)
+    table = page.index("<h2>Children of the hung processes</h2>")
+    assert page.index("DataLoader worker 1", table) < page.index("DataLoader worker 0", table)  # the stuck one first
+    stuck = page.index("<h2>Child process DataLoader worker 1 102 (child of 100): child-stuck</h2>")
+    assert page.index("read_shard (/srv/job/loader.py:17)", stuck) > stuck
+    assert "<details><summary>Child process DataLoader worker 0 101 (child of 100): idle-python</summary>" in page
+    assert page.count("<h2>Process ") == 1  # the children are not shown again as hung processes
 
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402

@@ -26,7 +26,12 @@ def daemon_with(tmp_path: Path, text: str, *extra: str) -> str:
 
 def test_unknown_key(tmp_path: Path) -> None:
     line = daemon_with(tmp_path, 'heartbeat_timout = 5\n')
-    assert "unknown key 'heartbeat_timout'" in line and "heartbeat_timeout" in line
+    assert line.endswith("unknown key 'heartbeat_timout'; did you mean 'heartbeat_timeout'?"), line
+    # The nearest keys only, never all of them.
+    line = daemon_with(tmp_path, 'stack_timeout = 5\n')
+    assert "did you mean 'stack_timeouts'" in line and "state_dir" not in line and len(line) < 200, line
+    line = daemon_with(tmp_path, 'zzz = 5\n')
+    assert line.endswith("unknown key 'zzz'; config/hangwatchd.toml lists every key with its default"), line
 
 
 def test_bad_value(tmp_path: Path) -> None:

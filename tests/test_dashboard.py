@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hangwatchd.testing import ScratchDaemon
+from hangwatchd.testing import ScratchDaemon, stop, wait_for, workload_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "config" / "grafana-dashboard.json"
 # Grafana's variables, as a dashboard user's choice would fill them in.
-VARIABLES = {"$__rate_interval": "1m", "$__range": "6h", "$Hostname": ".*", "$job": ".*"}
+VARIABLES = {"$__rate_interval": "1m", "$__range": "6h", "$Hostname": ".*", "$workload_job": ".*"}
 # The one family from elsewhere: dcgm-exporter's, joined on Hostname.
 FOREIGN = re.compile(r"DCGM_FI_[A-Z_]+")
 KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset", "le", "inf"}
@@ -53,12 +53,12 @@ def _metric_names(expr: str) -> set[str]:
 
 def test_the_dashboard_covers_what_an_operator_asks() -> None:
     exprs = " ".join(e for _, e in _queries())
-    for needed in ("hangwatchd_hangs_total", "hangwatchd_watched_processes", "time() - hangwatchd_last_beat_timestamp_seconds",
+    for needed in ("hangwatchd_hangs_total", "hangwatchd_watched_processes", "time() - (hangwatchd_last_beat_timestamp_seconds",
                    "hangwatchd_capture_step_duration_seconds_bucket", "hangwatchd_capture_step_failures_total",
                    "hangwatchd_last_incident_timestamp_seconds", "on (Hostname)"):
         assert needed in exprs, needed
     by_job_and_node = [e for t, e in _queries() if "job" in t.lower() and "node" in t.lower()]
-    assert by_job_and_node and all("job" in e and "Hostname" in e for e in by_job_and_node)
+    assert by_job_and_node and all("workload_job" in e and "Hostname" in e for e in by_job_and_node)
 
 
 def test_every_query_parses(tmp_path: Path) -> None:
@@ -78,11 +78,24 @@ def test_a_broken_query_would_be_caught(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
-    """Every metric name a real daemon's /metrics has, scraped over HTTP (TYPE lines too: a labelled
-    metric with no series yet still declares itself)."""
+def exported_text(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A real daemon's /metrics, scraped over HTTP while it watches a job that beats."""
     with ScratchDaemon(tmp_path_factory.mktemp("dash")) as d:
-        text = d.scrape()
+        work = d.run(workload_argv(beats=100_000, interval=0.1), "--job", "train", "--heartbeat-timeout", "5")
+        try:
+            def with_the_job() -> str | None:
+                text = d.scrape()
+                return text if 'workload_job="train"' in text else None
+            return wait_for(with_the_job, 20, "the job's series")
+        finally:
+            stop(work)
+
+
+@pytest.fixture(scope="module")
+def exported(exported_text: str) -> set[str]:
+    """Every metric name a real daemon's /metrics has (TYPE lines too: a labelled metric with no
+    series yet still declares itself)."""
+    text = exported_text
     names = set()
     for line in text.splitlines():
         if line.startswith("# TYPE "):
@@ -125,3 +138,63 @@ def test_the_metrics_table_is_what_the_daemon_exports(exported: set[str]) -> Non
     # a counter's family also shows without _total in TYPE-derived names: compare by the documented spelling
     families = {n for n in families if not (n + "_total") in families}
     assert documented == families
+
+
+def test_the_dashboard_shows_the_workloads_job_names_in_a_real_prometheus(tmp_path: Path) -> None:
+    """The dashboard's variables and panels, run by a real Prometheus that scrapes a real daemon with
+    the scrape config docs/operating.md shows: the job they name is the workload's (hangwatchd run
+    --job), never the scrape's own "hangwatchd" (a label named job would be renamed exported_job)."""
+    from .test_alerts_live import PROMETHEUS, Prometheus
+
+    if PROMETHEUS is None:
+        pytest.skip("the prometheus server is not installed (./dev test installs Debian's)")
+    fast = {"stack_interval": 0.5, "pyspy_native": False, "gpu_dump": "never", "capture_steps": ["proc", "pyspy"]}
+    d = ScratchDaemon(tmp_path / "d", env={"NODE_NAME": "node-dash"}, config=fast)
+    prom = Prometheus(tmp_path / "prom", [d.info["metrics_address"]])
+    work = [d.run(workload_argv(beats=100_000, interval=0.1), "--job", "train-42", "--heartbeat-timeout", "2"),
+            d.run(workload_argv(beats=5, interval=0.05), "--job", "hung-7", "--heartbeat-timeout", "1")]
+    jobs = {"train-42", "hung-7"}
+    try:
+        wait_for(d.settled, 30, "the hung job's incident")
+        wait_for(lambda: prom.query("hangwatchd_last_incident_timestamp_seconds"), 30, "the incident scraped")
+
+        variables = {v["name"]: v for v in json.loads(DASHBOARD.read_text())["templating"]["list"]}
+        for name, want in (("Hostname", {"node-dash"}), ("workload_job", jobs)):
+            metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", variables[name]["definition"]).groups()  # type: ignore[union-attr]
+            assert set(prom.api(f"label/{label}/values", **{"match[]": metric})) == want, name
+
+        every = {"$__rate_interval": "1m", "$__range": "1h", "$Hostname": ".*", "$workload_job": ".*"}
+        named: dict[str, set[str]] = {}
+        for title, expr in _queries():
+            for var, value in every.items():
+                expr = expr.replace(var, value)
+            result = prom.query(expr)  # a query Prometheus refuses raises here
+            if "workload_job" in expr:
+                named[title] = {r["metric"].get("workload_job") for r in result}
+        assert named["Incidents by job and node"] == {"hung-7"}
+        assert named["Latest incidents"] == {"hung-7"}
+        assert named["Beat age per rank"] == named["Beat age / timeout"] == jobs
+        # One job picked in the variable: only its series.
+        one = {**every, "$workload_job": "train-42"}
+        (beat_age,) = [e for t, e in _queries() if t == "Beat age per rank" and "time()" in e]
+        for var, value in one.items():
+            beat_age = beat_age.replace(var, value)
+        assert {r["metric"]["workload_job"] for r in prom.query(beat_age)} == {"train-42"}
+
+        # Prometheus's own job label is the scrape's, and nothing was renamed exported_job.
+        assert {r["metric"]["job"] for r in prom.query('count by (job) ({__name__=~"hangwatchd_.+"})')} == {"hangwatchd"}
+        assert prom.query('{__name__=~"hangwatchd_.+", exported_job!=""}') == []
+        # The alert names the workload's job too: the hung one's beats are stale (pending for 5 minutes).
+        stale = wait_for(lambda: [a for a in prom.active() if a["labels"]["alertname"] == "GPUHeartbeatStale"], 30, "GPUHeartbeatStale")
+        assert [a["labels"]["workload_job"] for a in stale] == ["hung-7"]
+        assert stale[0]["annotations"]["summary"].startswith("No heartbeat from job hung-7 rank ")
+    finally:
+        for w in work:
+            stop(w)
+        prom.stop()
+        d.stop()
+
+
+def test_no_metric_has_a_label_prometheus_keeps_for_itself(exported_text: str) -> None:
+    labels = set(re.findall(r'[{,]([A-Za-z_][A-Za-z0-9_]*)="', exported_text))
+    assert "workload_job" in labels and not labels & {"job", "instance"}, labels

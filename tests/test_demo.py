@@ -35,6 +35,10 @@ def test_the_demo_ends_in_a_stored_incident_that_names_the_hang_and_leaves_nothi
     assert lines.index("step 30: waiting for a peer that never comes") > 1
     (title,) = [ln for ln in lines if ln.startswith("Incident ")]
     assert title.endswith("(complete)")
+    # The status printed right after "incident stored" names that incident on the hung workload's row.
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("PID ") and "INCIDENT" in ln)
+    (row,) = [ln for ln in lines[header + 1:header + 3] if " demo " in ln]
+    assert title.split()[1] in row.split() and row.split()[3] in ("hung", "captured"), row
     assert any(ln.strip().startswith("> wait_for_peer") and "workload.py" in ln for ln in lines)
     (counter,) = [ln for ln in lines if ln.startswith("/metrics: hangwatchd_hangs_total{")]
     assert 'reason="heartbeat"' in counter and counter.endswith(" 1.0")

@@ -114,3 +114,32 @@ def test_the_sidecar_captures_a_hang_in_the_other_container(pod: tuple[podman.Co
         assert work.inspect()["State"]["ExitCode"] == 134
     scraped = daemon.scrape()
     assert re.search(r'^hangwatchd_hangs_total\{[^}]*reason="heartbeat"[^}]*\} 1\.0$', scraped, re.M), scraped
+
+
+def test_a_workload_image_without_hangwatchd_gets_the_launcher_from_the_sidecar_image(
+        pod: tuple[podman.Container, Path], image: str) -> None:
+    """deploy/kubernetes/pod.yaml's shape: an init container copies the image's hangwatchd-job.pyz into a
+    shared volume; the workload runs in an image with python3 and no hangwatchd (the Debian base
+    stands in for a stock PyTorch image), through `python3 .../hangwatchd-job.pyz run`, and its
+    `import hangwatchd; hangwatchd.beat()` works with nothing installed."""
+    daemon, base = pod
+    job_dir = base / "job"
+    job_dir.mkdir()
+    podman.run(image, "/opt/hangwatchd/job/hangwatchd-job.pyz", "/hangwatchd-job/",
+               options=["--entrypoint", "cp", "-v", f"{job_dir}:/hangwatchd-job"])
+    assert (job_dir / "hangwatchd-job.pyz").is_file()
+    stock = podman.base_image()
+    bare = podman.run(stock, "-c", "import hangwatchd", options=["--entrypoint", "python3"], check=False)
+    assert bare.returncode == 1 and "No module named 'hangwatchd'" in bare.stderr  # nothing of ours in it
+    job = ("import threading, time\nimport hangwatchd\nfor _ in range(20):\n    hangwatchd.beat()\n    time.sleep(0.05)\n"
+           "def wait_for_the_peer():\n    threading.Event().wait()\nwait_for_the_peer()\n")
+    with podman.Container(stock, "/opt/hangwatchd-job/hangwatchd-job.pyz", "run", "--job", "stock", "--heartbeat-timeout", "1",
+                          "--", "python3", "-c", job,
+                          options=["--entrypoint", "python3", "--pid", f"container:{daemon.name}",
+                                   "--network", f"container:{daemon.name}", "--user", "1000:1000", "-e", "HOME=/tmp",
+                                   "-e", "HANGWATCHD_RUNTIME_DIR=/run/hangwatchd",
+                                   "-v", f"{job_dir}:/opt/hangwatchd-job:ro", "-v", f"{base / 'run'}:/run/hangwatchd",
+                                   "-v", f"{base / 'dumps'}:/var/lib/hangwatchd-dumps"]) as work:
+        (inc,) = wait_for(lambda: [i for i in Store(base / "state").list() if i["job"] == "stock"], 60,
+                          "the stock image's job incident", every=0.5)
+        assert inc["reason"] == "heartbeat" and "wait_for_the_peer" in inc["summary"], (inc, work.logs())

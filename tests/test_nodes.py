@@ -196,7 +196,8 @@ def test_the_deploy_examples_show_the_store_settings() -> None:
     docs = {d["kind"]: d for d in yaml.safe_load_all((root / "deploy" / "kubernetes" / "pod.yaml").read_text())}
     cm = config.load(None, tomllib.loads(docs["ConfigMap"]["data"]["hangwatchd.toml"]))
     assert cm.store.startswith("s3://")
-    env = {e["name"]: e for e in docs["Pod"]["spec"]["initContainers"][0]["env"]}
+    (sidecar,) = [c for c in docs["Pod"]["spec"]["initContainers"] if c.get("restartPolicy") == "Always"]
+    env = {e["name"]: e for e in sidecar["env"]}
     secret = docs["Secret"]["metadata"]["name"]
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         ref = env[name]["valueFrom"]["secretKeyRef"]

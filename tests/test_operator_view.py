@@ -48,7 +48,7 @@ def test_a_hang_gets_a_page_an_id_in_the_metrics_and_honest_columns(tmp_path: Pa
             scraped = d.scrape()
             (series,) = [ln for ln in scraped.splitlines() if ln.startswith("hangwatchd_last_incident_timestamp_seconds{")]
             assert f'incident="{inc["id"]}"' in series and 'reason="heartbeat"' in series
-            assert 'job="train-' in series and 'Hostname="' in series
+            assert 'workload_job="train-' in series and 'Hostname="' in series
             assert abs(float(series.rsplit(" ", 1)[1]) - inc["time"]) < 60
             stored = [e for e in d.logs() if e.get("event") == "incident_stored"]
             assert [e["incident"] for e in stored] == [inc["id"]]

@@ -42,8 +42,10 @@ def _load() -> Callable[[bytes], bytes | None]:
 
 
 def _cxxfilt(mangled: bytes) -> bytes | None:
-    import cxxfilt
-
+    try:
+        import cxxfilt  # the daemon's dependency; the job side (driverlog) has no C++ runtime need for it
+    except ImportError:
+        return None
     try:
         return cxxfilt.demangleb(mangled)
     except (cxxfilt.InvalidName, cxxfilt.LibraryNotFound):

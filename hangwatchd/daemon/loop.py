@@ -172,7 +172,7 @@ class Daemon:
         self.selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         if cfg.metrics_address:
             self.metrics_address = serve(self.metrics.registry, cfg.metrics_address)
-        self.metrics.info.info({"version": __version__})
+        self.metrics.info.labels(**self.metrics.const).info({"version": __version__})
         self.node_health.start()  # before daemon.json: a daemon that clients see running has its health file
         self.status.metrics_address = self.metrics_address
         self.status.write([])  # status.json exists whenever daemon.json does; its writer thread keeps it from here

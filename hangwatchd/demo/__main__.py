@@ -38,6 +38,11 @@ def command_path() -> str:
         return str(path)
 
 
+def names_incident(run_dir: Path, incident: str) -> bool:
+    status = runtime_files.status(run_dir) or {}
+    return any(p.get("incident") == incident for p in status.get("processes") or [])
+
+
 def main() -> int:
     demo_dir().mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ-", time.gmtime())
@@ -62,6 +67,9 @@ def main() -> int:
             store = Store(state)
             incidents = wait_for(store.list, 40, "an incident", every=0.1)
             print(f"demo: incident stored {time.monotonic() - started:.1f} s after the workload started\n")
+            # The loop learns the incident a moment after the store has it, and status.json follows
+            # within a second: show the status once it names the incident, never "INCIDENT -".
+            wait_for(lambda: names_incident(run_dir, incidents[0]["id"]), 15, "the status to name the incident", every=0.1)
             cli(["status", "--runtime-dir", str(run_dir)])
             print()
             cli(["show", incidents[0]["id"], "--state-dir", str(state)])

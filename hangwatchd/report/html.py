@@ -20,7 +20,7 @@ h1{font-size:1.35em;margin:.2em 0 .6em} h2{font-size:1.1em;margin-top:1.6em;bord
 table{border-collapse:collapse;margin:.5em 0} td,th{border:1px solid #ddd;padding:.25em .6em;text-align:left;vertical-align:top}
 th{background:#f3f3f3} .ok{color:#146c2e} .bad{color:#b3261e} .skip{color:#777}
 pre{background:#f7f7f7;padding:.6em;overflow-x:auto;font:12.5px/1.4 ui-monospace,monospace}
-.user{background:#fff1a8;font-weight:600} .meta{color:#555}
+.user{background:#fff1a8;font-weight:600} .meta{color:#555} details{margin:.6em 0} details>summary{cursor:pointer;color:#555}
 """
 
 
@@ -41,6 +41,11 @@ def _frames_pre(frames: list[dict[str, Any]]) -> str:
         text = _e(f"{f.get('name')} ({where})")
         lines.append(f'<span class="user">&gt; {text}</span>' if is_user_frame(f) else f"  {text}")
     return "<pre>" + "\n".join(lines) + "</pre>"
+
+
+def _thread(thread: dict[str, Any]) -> str:
+    return (f"<p class=meta>Thread {_e(thread.get('os_thread_id') or thread.get('thread_id'))} "
+            f"{_e(thread.get('thread_name') or '')}</p>" + _frames_pre(thread.get("frames") or []))
 
 
 def _gpu(sym: dict[str, Any]) -> str:
@@ -87,6 +92,11 @@ def render(data: dict[str, Any], incident_dir: Path) -> str:
         parts.append("<h2>Collectives (flight recorder)</h2>" + _table(["pg", "#", "collective", "entered by", "never by", "mismatch"], [
             [_e(c["pg"]), _e(c["seq"]), _e(c["name"]), _e(c["ranks_entered"]), _e(c["ranks_missing"]), _e(c.get("mismatch"))]
             for c in a["collectives"]]))
+    children = data.get("children") or []
+    if children:
+        parts.append("<h2>Children of the hung processes</h2>" + _table(["child", "pid", "parent", "verdict", "detail", "where"], [
+            [_e(c.get("role") or "child"), _e(c["pid"]), _e(c.get("parent")), f"<b>{_e(c.get('verdict'))}</b>",
+             _e(c.get("detail")), _e(c.get("location"))] for c in children]))
     for proc in data.get("processes", []):
         rank = f" (rank {proc['rank']})" if proc.get("rank") is not None else ""
         parts.append(f"<h2>Process {_e(proc.get('pid'))}{_e(rank)}</h2><p class=meta>{_e(' '.join(proc.get('cmdline') or []))}</p>")
@@ -95,15 +105,27 @@ def render(data: dict[str, Any], incident_dir: Path) -> str:
             parts.append(_table(["step", "outcome", "seconds", "note"], [
                 [_e(s["step"]), '<span class="skip">n/a</span>' if s.get("not_applicable") else
                  '<span class="skip">skipped</span>' if s.get("skipped") else
+                 '<span class="bad">damaged</span>' if s.get("damaged") else
                  ('<span class="ok">ok</span>' if s["ok"] else '<span class="bad">failed</span>'),
-                 f"{s['seconds']:.2f}", _e(s.get("error"))] for s in steps]))
+                 f"{s['seconds']:.2f}", _e(f"ok when captured, but {s['damaged']}" if s.get("damaged") else s.get("error"))]
+                for s in steps]))
         for thread in proc.get("stacks") or []:
-            parts.append(f"<p class=meta>Thread {_e(thread.get('os_thread_id') or thread.get('thread_id'))} "
-                         f"{_e(thread.get('thread_name') or '')}</p>" + _frames_pre(thread.get("frames") or []))
+            parts.append(_thread(thread))
         sym_path = incident_dir / str(proc.get("dir") or proc.get("pid")) / "symbolized.json"
         sym = read_json_or_none(sym_path)
         if sym:
             parts.append("<h3>GPU</h3>" + _gpu(sym))
+    for child in children:
+        # The stuck child is the story: its stack open; children that only wait, folded.
+        stuck = child.get("verdict") == "child-stuck"
+        title = (f"{_e(child.get('role') or 'child')} {_e(child['pid'])} (child of {_e(child.get('parent'))}): "
+                 f"{_e(child.get('verdict'))}")
+        stacks = "".join(_thread(t) for t in child.get("stacks") or []) or "<p class=meta>(no stacks were captured)</p>"
+        if stuck:
+            parts.append(f"<h2>Child process {title}</h2><p class=meta>{_e(child.get('detail'))}</p>{stacks}")
+        else:
+            parts.append(f"<details><summary>Child process {title}</summary><p class=meta>{_e(child.get('detail'))}</p>"
+                         f"{stacks}</details>")
     parts.append("<p class=meta>Frames run innermost first; highlighted lines are your code. Made by hangwatchd.</p></body></html>")
     return "".join(parts)
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..analyze.jsonfile import read_json_or_none
+from ..analyze.jsonfile import Unreadable, read_json, read_json_or_none
 from ..analyze.stacks import is_user_frame, load_threads
 from .names import fold
 from .terminal import clean
@@ -24,18 +24,47 @@ def load(incident_dir: Path, analysis: dict[str, Any], record: dict[str, Any] | 
     if not isinstance(data, dict):
         data = {"id": incident_dir.name, "complete": False, "note": "incident.json is missing or damaged"}
     processes = data.get("processes") or []
-    if not processes:
+    if not processes:  # a directory put together by hand: every pid directory but the children's
+        kids = {c.get("pid") for c in (analysis or {}).get("children") or [] if isinstance(c, dict)}
         processes = [{"pid": int(p.name), "dir": p.name} for p in sorted(incident_dir.iterdir())
-                     if p.is_dir() and p.name.isdigit()]
+                     if p.is_dir() and p.name.isdigit() and int(p.name) not in kids]
     for proc in processes:
         pdir = incident_dir / str(proc.get("dir") or proc.get("pid"))
         facts = read_json_or_none(pdir / "proc.json")
         proc["proc"] = facts if isinstance(facts, dict) else None
         proc["stacks"] = load_threads(pdir)
         proc["stacks_native"] = (pdir / "pyspy-native.json").exists()
+        proc["steps"] = [_checked(s, pdir) for s in proc.get("steps") or [] if isinstance(s, dict)]
     data["processes"] = processes
     data["analysis"] = analysis
+    data["children"] = _children(incident_dir, analysis)
     return data
+
+
+def _checked(step: dict[str, Any], pdir: Path) -> dict[str, Any]:
+    """A step as recorded, with ``damaged`` saying which of the JSON files it kept cannot be read now
+    (truncated, emptied, removed): "ok" was true when it ran, and is no longer the whole story."""
+    if not step.get("ok"):
+        return step
+    problems = []
+    for name in step.get("files") or []:
+        if not isinstance(name, str) or not name.endswith(".json") or "/" in name:
+            continue
+        try:
+            read_json(pdir / name)
+        except FileNotFoundError:
+            problems.append(f"{name} is missing")
+        except Unreadable as exc:
+            problems.append(f"{name} is {exc}" if exc.kind != "not_json" else f"{name} is damaged: {exc}")
+    return {**step, "damaged": "; ".join(problems)} if problems else step
+
+
+def _children(incident_dir: Path, analysis: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The hung processes' children the analysis judged, each with its captured stacks; the stuck
+    ones (the story) first, then those that only wait."""
+    rows = [c for c in ((analysis or {}).get("children") or []) if isinstance(c, dict) and isinstance(c.get("pid"), int)]
+    rows.sort(key=lambda c: c.get("verdict") != "child-stuck")
+    return [{**c, "stacks": load_threads(incident_dir / str(c["pid"]))} for c in rows]
 
 
 def _frame_line(frame: dict[str, Any]) -> str:
@@ -121,8 +150,10 @@ def render_text(data: dict[str, Any]) -> str:
         if steps or coming:
             out.append("  capture:")
             for s in steps:
-                outcome = "n/a" if s.get("not_applicable") else "skipped" if s.get("skipped") else "ok" if s["ok"] else "FAILED"
-                why = f" - {s['error']}" if s.get("error") else ""
+                outcome = ("n/a" if s.get("not_applicable") else "skipped" if s.get("skipped") else
+                           "DAMAGED" if s.get("damaged") else "ok" if s["ok"] else "FAILED")
+                why = (f" - ok when captured, but {s['damaged']}" if s.get("damaged") else
+                       f" - {s['error']}" if s.get("error") else "")
                 out.append(f"    {s['step']:<16} {outcome:<8} {s['seconds']:6.2f} s{why}")
             out += [f"    {step!s:<16} coming" for step in coming]
         stacks = proc.get("stacks")

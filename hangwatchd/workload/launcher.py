@@ -74,6 +74,11 @@ def workload_env(base: Mapping[str, str], runtime_dir: Path, dump_dir: Path, tag
         chosen = base.get(new) or base.get(old) or value
         env.setdefault(old, chosen)
         env.setdefault(new, chosen)
+    archive = archive_of(__file__)
+    if archive and archive not in env.get("PYTHONPATH", "").split(os.pathsep):
+        # Started from hangwatchd-job.pyz (workload/bundle.py): the job imports hangwatchd from it too,
+        # with nothing installed. Last on the path: anything the user put there comes first.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), archive) if p)
     if not env.get("NCCL_RAS_ADDR"):
         # Every NCCL process serves RAS on one port, by default 28028; only one job on a node
         # can hold it, so each launched workload gets a free port of its own.
@@ -81,6 +86,14 @@ def workload_env(base: Mapping[str, str], runtime_dir: Path, dump_dir: Path, tag
         if port:
             env["NCCL_RAS_ADDR"] = f"127.0.0.1:{port}"
     return env
+
+
+def archive_of(module_file: str) -> str | None:
+    """The zip archive (the job-side bundle, a wheel on PYTHONPATH) a module was imported from, or None."""
+    for parent in Path(module_file).parents:
+        if parent.is_file():
+            return str(parent)
+    return None
 
 
 def free_local_port() -> int | None:

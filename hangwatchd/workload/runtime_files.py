@@ -48,3 +48,10 @@ def status(runtime_dir: Path) -> dict[str, Any] | None:
         return None
     data["daemon"] = info
     return data
+
+
+def status_written(runtime_dir: Path) -> float | None:
+    """When status.json was last written (its own time), whether or not its daemon still runs."""
+    data = _read(runtime_dir / STATUS_FILE)
+    when = (data or {}).get("time")
+    return float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else None
