@@ -85,14 +85,17 @@ def _frozen(run: procs.Running) -> tuple[bool, str]:
     moved = []
     for p in alive:
         if p.poll() is not None:
-            moved.append(f"pid {p.pid} exited with {p.returncode}")
-            continue
+            if run.case.ranks == 1:
+                moved.append(f"pid {p.pid} exited with {p.returncode}")
+            continue  # a rank that leaves (as a rank meant to exit early does) is not a move of the hang
         after = dump(workload_pid(p))
         if before[p.pid] is None or after is None:
             moved.append(f"pid {p.pid} could not be read by py-spy")
         elif before[p.pid] != after:
             moved.append(f"pid {p.pid} moved: {_diff(before[p.pid], after)}")
-    gone = len(run.procs) - len(alive)
+    if not run.alive():
+        return False, f"every process exited ({[p.returncode for p in run.procs]}): it does not hang"
+    gone = len(run.procs) - len(run.alive())
     tail = f" ({gone} rank(s) exited, as meant)" if gone else ""
     return (not moved, "hung, same stack 3 s apart" + tail if not moved else "; ".join(moved))
 
