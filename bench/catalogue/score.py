@@ -17,6 +17,10 @@ cause. The rule that cuts it, chosen to survive the shapes verdicts take in this
 
 A culprit is named when it occurs as a whole word (not inside a longer name: ``t1`` is not in
 ``t10``), case-insensitively, so "rank 1" matches "Rank 1".
+
+File names and paths are masked before either is looked for: a verdict that only points at
+``.../rank_sleeps_before_collective.py:32`` has not said "sleep", and one that names
+``queue_producer_died.py`` has not said "died".
 """
 
 from __future__ import annotations
@@ -36,6 +40,14 @@ def first_sentence(verdict: str) -> str:
     start = label.end() if label else 0
     end = _END.search(text, start)
     return text[: end.start()].rstrip(":").strip() if end else text
+
+
+_PATH = re.compile(r"(?:/[^\s():,;]+|[\w.-]+\.(?:py|so|c|cu|cc|cpp|h))(?::\d+)?")
+
+
+def masked(text: str) -> str:
+    """The text with every path and file name (and its line number) replaced by ``<file>``."""
+    return _PATH.sub("<file>", text)
 
 
 def names(text: str, name: str) -> bool:
@@ -58,11 +70,11 @@ def score(verdict: str | None, culprit: tuple[str, ...], cause: str, healthy: bo
     if verdict is None:
         return Score(MISSED, "", False, False)
     first = first_sentence(verdict)
-    c = any(names(first, n) for n in culprit)
-    k = re.search(cause, first, re.I) is not None
+    c = any(names(masked(first), n) for n in culprit)
+    k = re.search(cause, masked(first), re.I) is not None
     if c and k:
         result = RIGHT
-    elif c or k or any(names(verdict, n) for n in culprit):
+    elif c or k or any(names(masked(verdict), n) for n in culprit):
         result = HALF  # half the story up front, or the root named only further on
     else:
         result = WRONG
