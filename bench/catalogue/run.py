@@ -64,6 +64,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--check", action="store_true", help="no daemon: check every case really hangs (or stays alive)")
     ap.add_argument("--gpu", action="store_true", help="also the GPU classes under gpu/ (on a GPU machine)")
     ap.add_argument("--no-write", action="store_true", help="do not write bench/results/catalogue.md")
+    ap.add_argument("--workdir", type=Path, metavar="DIR",
+                    help="keep the daemon's state, incidents and the cases' output in DIR (default: a temporary dir, removed)")
     args = ap.parse_args(argv)
     if args.jobs < 1:
         ap.error("--jobs must be at least 1")
@@ -118,10 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"catalogue: no class matches {args.pattern!r}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="hangwatchd-catalogue-") as tmp:
+        work = args.workdir or Path(tmp)
         if args.check:
-            return _check(cases, args, Path(tmp))
+            return _check(cases, args, work)
         t0 = time.monotonic()
-        outcomes = run_all(cases, args.jobs, Path(tmp))
+        outcomes = run_all(cases, args.jobs, work)
         elapsed = time.monotonic() - t0
     order = {c.name: i for i, c in enumerate(cases)}
     outcomes.sort(key=lambda o: order[o.case.name])

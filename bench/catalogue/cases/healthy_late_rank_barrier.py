@@ -1,6 +1,6 @@
 """Healthy look-alike: a barrier where one rank arrives 10 s late. Rank 1 loads its shard of
-the data for 10 s (CPU work) while rank 0 waits in ``barrier``; then both train, all-reducing
-every half second. The job's stack timeout is 15 s, longer than the wait: a wait that the user
+the data for 10 s (CPU work) while rank 0 waits in ``barrier``; then both train (a matmul, an
+all-reduce, again). The job's stack timeout is 15 s, longer than the wait: a wait that the user
 said is normal must not be a hang.
 
 Report: sgl-project/sglang#39128 ("Make model loading barrier timeout configurable": some TP
@@ -39,9 +39,10 @@ def main() -> None:
     if dist.get_rank() == 1:
         load_shard(10.0)
     dist.barrier()
-    for _ in range(120):
-        dist.all_reduce(torch.ones(1024))
-        time.sleep(0.5)
+    w = torch.randn(256, 256)
+    for _ in range(400):  # then train: compute, then all-reduce, with no idle gap
+        grad = w @ w
+        dist.all_reduce(grad)
 
 
 if __name__ == "__main__":
