@@ -37,7 +37,11 @@ if __package__ in (None, ""):  # run as a file: make ``bench.catalogue`` and ``h
     sys.path[:0] = [str(ROOT)]
     __package__ = "bench.catalogue"
 
-from hangwatchd.testing import ScratchDaemon  # noqa: E402
+try:
+    from hangwatchd.testing import ScratchDaemon  # noqa: E402
+except ImportError as exc:  # a python without the project's dependencies (the shebang's python3)
+    raise SystemExit(f"catalogue: {exc}; run it with the project's venv: .venv/bin/python bench/catalogue/run.py "
+                     "(./dev sets .venv up)") from None
 
 from . import check, report  # noqa: E402
 from .cases import Case, CaseError, discover, select  # noqa: E402
