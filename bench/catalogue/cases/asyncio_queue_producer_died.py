@@ -17,7 +17,7 @@ CASE = {
     "watch": {"heartbeat_timeout": 3},
     "ranks": 1,
     "culprit": ["produce_pages"],
-    "cause": r"exited|died|raised|exception|is gone|nobody|never put|done",
+    "cause": r"exited|died|raised|exception|is gone|nobody|never put",
     "hangs_after": 1,
 }
 

@@ -18,7 +18,7 @@ CASE = {
     "watch": {"stack_timeout": 5},
     "ranks": 1,
     "culprit": ["collect", "compute_embeddings"],
-    "cause": r"deadlock|flush|full|pipe|join",
+    "cause": r"deadlock|flush|full|pipe",
     "hangs_after": 1.5,
 }
 
