@@ -28,6 +28,8 @@ class Evidence:
     ras: ras.RasView | None
     used: tuple[str, ...]  # what there was to go on: stacks, GPU dump, NVML, ...
     problems: tuple[str, ...]  # what could not be read, and why
+    exits: tuple[dict[str, Any], ...] = ()  # its descendants that exited before the capture (exits.json)
+    report: dict[str, Any] | None = None  # the process's own answer to the daemon's introspection (introspect.json)
 
 
 def read_json_object(path: Path, problems: list[str]) -> dict[str, Any] | None:
@@ -73,7 +75,34 @@ def read(pdir: Path, known: dict[str, Any] | None = None) -> Evidence:
         used.append("flight recorder")
     if view is not None:
         used.append(f"NCCL RAS ({view.source})")
-    return Evidence(proc, sym, nvml, tuple(threads or ()), native, record, view, tuple(used), tuple(problems))
+    exits = _exits(pdir, problems)
+    if exits:
+        used.append("recorded exits")
+    report = read_json_object(pdir / "introspect.json", problems)
+    if report is not None:
+        used.append("introspection")
+    return Evidence(proc, sym, nvml, tuple(threads or ()), native, record, view, tuple(used), tuple(problems),
+                    tuple(exits), report)
+
+
+MAX_EXITS = 1024
+
+
+def _exits(pdir: Path, problems: list[str]) -> list[dict[str, Any]]:
+    """exits.json: the process's descendants that exited before the capture (a list of objects)."""
+    try:
+        data = read_json(pdir / "exits.json")
+    except FileNotFoundError:
+        return []
+    except Unreadable as exc:
+        problems.append(f"{pdir.name}/exits.json: {exc}")
+        return []
+    if isinstance(data, dict):
+        data = data.get("exits")
+    if not isinstance(data, list):
+        problems.append(f"{pdir.name}/exits.json: not a list of exits")
+        return []
+    return [x for x in data[:MAX_EXITS] if isinstance(x, dict)]
 
 
 def dicts(value: Any) -> list[dict[str, Any]]:

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from ..detect import patterns
-from . import evidence, flight, gpu_events, lockstep, process_tree, ras, ras_blame, stream_deadlock
+from . import chain_text, evidence, flight, gpu_events, lockstep, process_graph, process_tree, ras, ras_blame, stream_deadlock, waitfor
 from . import threads as th
+from .waitfor import Graph
 from .gone import account
 from .records import Analysis, Collective, Culprit, RankVerdict
 from .stacks import is_user_frame, library_frames
@@ -46,10 +47,58 @@ def process_dirs(incident: Path) -> list[Path]:
 
 def judge(pdir: Path, known: dict[str, Any] | None = None) -> RankVerdict:
     """One process's verdict from whatever was captured of it (``known``: what incident.json says of it)."""
-    return judge_evidence(pdir, evidence.read(pdir, known), known)
+    ev = evidence.read(pdir, known)
+    pid = evidence.as_int(ev.proc.get("pid")) or (int(pdir.name) if pdir.name.isdigit() else None)
+    graph = process_graph.build([process_graph.Proc(pid, ev, None, None, ev.exits, ev.report)]) if pid else None
+    return judge_evidence(pdir, ev, known, graph)
 
 
-def judge_evidence(pdir: Path, ev: evidence.Evidence, known: dict[str, Any] | None = None) -> RankVerdict:
+def graph_verdict(graph: Graph, pid: int) -> tuple[str, str, str | None] | None:
+    """(kind, detail, where) from the root of the chain that starts at ``pid``'s main thread."""
+    found = waitfor.chains(graph, process_graph.key(pid))
+    if not found:
+        return None
+    chain = _best(found)
+    told = chain_text.tell(chain)
+    kind = told.kind
+    root = told.culprit.key if told.culprit is not None else ""
+    in_child = bool(root) and root.split("/")[0] != process_graph.key(pid)
+    if kind == "deadlock" and all("/" in p.key or p.key == process_graph.key(pid) for p, _ in chain.cycle) \
+            and len({p.key.split("/")[0] for p, _ in chain.cycle}) == 1:
+        kind = "thread-deadlock"
+        if not chain.sure and all(e.what == "a lock" for _, e in chain.cycle):
+            return kind, _group_deadlock(graph, pid), told.where
+    elif kind in ("blocked-io", "busy", "sleeping", "gil-held") and in_child:
+        kind = "child-stuck"
+    elif kind == "gil-held" and "spinning in C" in told.sentence:
+        kind = "gil-held-in-c"
+    elif kind == "idle" and chain.steps and "child processes" in chain.steps[0][1].what:
+        kids = [e.holder for e in graph.out(chain.steps[0][0].key) if e.holder]
+        states = "; ".join(f"{graph.parties[k].label}: {graph.parties[k].doing or 'waits'}" for k in kids[:4])
+        return ("waiting-on-children", f"{chain.steps[0][0].label} waits for its {len(kids)} child process"
+                f"{'es' if len(kids) != 1 else ''} in {chain.steps[0][1].what.split(' in ', 1)[-1]}; none is stuck in code "
+                f"of its own ({states})", told.where)
+    elif kind in ("nobody", "unknown-wait") and chain.steps and chain.steps[-1][1].what == "a lock":
+        kind = "lock-wait"
+    return kind, told.sentence, told.where
+
+
+def _best(found: list[waitfor.Chain]) -> waitfor.Chain:
+    return found[0]
+
+
+def _group_deadlock(graph: Graph, pid: int) -> str:
+    """Threads that each wait for a lock, none running: a deadlock whose locks the stacks do not name."""
+    prefix = process_graph.key(pid)
+    waiting = [graph.parties[k] for k, edges in graph.edges.items()
+               if k.split("/")[0] == prefix and any(e.what == "a lock" for e in edges)]
+    named = [f"{p.label.removeprefix('thread ')} ({p.where.replace(' (', ', ', 1) if p.where else '?'}" for p in waiting]
+    return ("deadlock between threads " + (", ".join(named[:-1]) + " and " + named[-1] if len(named) > 1 else named[0])
+            + ", each waiting for a lock and none running (which lock each holds is not in the stacks)")
+
+
+def judge_evidence(pdir: Path, ev: evidence.Evidence, known: dict[str, Any] | None = None,
+                   graph: Graph | None = None) -> RankVerdict:
     proc = ev.proc
     rank = evidence.as_int(proc.get("rank"))
     pid = evidence.as_int(proc.get("pid")) or (int(pdir.name) if pdir.name.isdigit() else None)
@@ -101,26 +150,11 @@ def judge_evidence(pdir: Path, ev: evidence.Evidence, known: dict[str, Any] | No
             return verdict("stream-deadlock", f"host blocked in {call} while {idle}: it waits for GPU work that never "
                                               f"runs; {stream_deadlock.WHAT_TO_LOOK_AT}")
         return verdict("waiting-on-gpu", f"host blocked in {call}{gpu_busy}")
-    spin = th.gil_spin(threads)
-    if spin:
-        others = len(threads) - 1
-        name = spin.thread.get("thread_name") or spin.thread.get("os_thread_id")
-        return verdict("gil-held-in-c", f"thread {name} holds the GIL while spinning in C in {th.short(spin.native)}"
-                                        + (f", called from {th.short(spin.caller)}" if spin.caller else "")
-                                        + (f"; the other {others} threads cannot run Python" if others > 1
-                                           else "; the other thread cannot run Python" if others else ""),
-                       full(spin.caller) or location)
-    locked = th.deadlock(threads, wchans)
-    if locked:
-        return verdict("thread-deadlock", th.deadlock_text(locked), full(locked[0][1]))
-    mine = th.ordered(threads, pid)  # main thread first; helper threads wait in locks all the time
-    main = th.main_thread(threads, pid)
-    waits = th.child_wait(main) if main else None
-    if waits:
-        return verdict("waiting-on-children", f"waiting for its child processes in {th.call_name(waits)}")
-    lock = patterns.first((str(f.get("name") or "") for t in mine for f in t.get("frames") or []), (patterns.LOCK,))
-    if lock:
-        return verdict("lock-wait", f"waiting for a lock, an event or a join ({lock})")
+    if graph is not None and pid is not None:
+        told = graph_verdict(graph, pid)
+        if told is not None:
+            kind, detail, where = told
+            return verdict(kind, detail, where or location)
     if threads:
         return verdict("idle-python", "in Python, waiting on nothing known" if location else "in Python")
     steps = (known or {}).get("steps") if isinstance((known or {}).get("steps"), list) else []
@@ -140,12 +174,11 @@ def analyze(incident: Path) -> Analysis:
     kids = [m for m in everyone if process_tree.is_child(m, pids)]
     tops = [m for m in everyone if m not in kids]
     dirs, found = [m.pdir for m in tops], [m.ev for m in tops]
-    kid_verdicts = [process_tree.as_child(judge_evidence(m.pdir, m.ev, known.get(m.pdir.name)), m,
+    graph = process_graph.build([process_graph.Proc(m.pid, m.ev, m.parent if m in kids else None, m.role if m in kids else None,
+                                                    m.ev.exits, m.ev.report) for m in everyone if m.pid is not None])
+    kid_verdicts = [process_tree.as_child(judge_evidence(m.pdir, m.ev, known.get(m.pdir.name), graph), m,
                                           any(k.parent == m.pid for k in kids)) for m in kids]
-    ranks = [judge_evidence(p, ev, known.get(p.name)) for p, ev in zip(dirs, found)]
-    ranks = [process_tree.explain(v, m, [(k, kv) for k, kv in zip(kids, kid_verdicts) if k.parent == m.pid])
-             if any(k.parent == m.pid for k in kids) or v.verdict == "waiting-on-children" else v
-             for v, m in zip(ranks, tops)]
+    ranks = [judge_evidence(p, ev, known.get(p.name), graph) for p, ev in zip(dirs, found)]
     records = {v.rank: ev.record for v, ev in zip(ranks, found) if ev.record is not None and v.rank is not None}
     collectives = _collectives(records)
     culprits: list[Culprit] = []
@@ -267,8 +300,11 @@ def _with_ras(views: list[ras.RasView], ranks: list[RankVerdict], summary: str,
 # Verdicts of a process that is merely where the hang shows, not why.
 _LIVE = frozenset({"in-collective", "waiting-on-gpu", "stream-deadlock", "lock-wait", "idle-python", "unknown",
                    "gpu-kernel-spinning", "waiting-on-children"})
-# Verdicts whose detail is a whole sentence of places (a stuck child and the parent's wait; two threads).
-_LEADS_WITH_ITSELF = frozenset({"child-stuck", "thread-deadlock", "gil-held-in-c"})
+# Verdicts whose detail is a whole sentence of places: the root of a wait-for chain and how the hung
+# party reaches it (a stuck child and the parent's wait; a deadlock's threads; ...).
+_LEADS_WITH_ITSELF = frozenset({"child-stuck", "thread-deadlock", "gil-held-in-c", "deadlock", "gone", "nobody",
+                                "sleeping", "busy", "gil-held", "blocked-io", "idle", "unknown-wait", "lock-wait",
+                                "waiting-on-children"})
 
 
 def _odd_one_out(ranks: list[RankVerdict]) -> RankVerdict | None:

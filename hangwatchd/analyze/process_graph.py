@@ -1,0 +1,341 @@
+"""The wait-for graph of the processes of an incident, built from what was captured of them.
+
+Each captured process contributes its threads (py-spy's stacks, ``/proc``'s
+wait channels and blocking descriptors); a process that waits for its
+children points at them (those captured, and those that exited: ``exits.json``);
+a read points at whoever holds the other end of the pipe or socket. Where the
+process answered the daemon's introspection (``introspect.json``: the
+reporter that ``hangwatchd run`` installs) the edges are exact: which lock,
+held by which thread, which thread a join waits for, which threads exited and
+how. Without it an edge is inferred, and says so: a lock is taken to be held
+by the one other thread that is not itself waiting, and where several could
+be, each is followed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import thread_waits as tw
+from .evidence import Evidence, as_int, dicts
+from .waitfor import GONE, IDLE, LIVE, WAITS, Edge, Graph, Party
+
+Thread = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Proc:
+    """One captured process as the graph needs it."""
+
+    pid: int
+    ev: Evidence
+    parent: int | None
+    role: str | None  # "multiprocessing worker 1", "subprocess python", ... (a captured child)
+    exits: tuple[dict[str, Any], ...] = ()  # its descendants that exited before the capture (exits.json)
+    report: dict[str, Any] | None = None  # its own answer to the introspection (introspect.json)
+
+
+def key(pid: int, tid: int | None = None) -> str:
+    return f"p{pid}" if tid is None else f"p{pid}/t{tid}"
+
+
+def process_label(p: Proc) -> str:
+    return f"{p.role} (pid {p.pid})" if p.role else f"pid {p.pid}"
+
+
+def _tid(t: Thread) -> int | None:
+    return as_int(t.get("os_thread_id")) or as_int(t.get("thread_id"))
+
+
+def _thread_name(t: Thread) -> str:
+    name = t.get("thread_name")
+    return str(name) if isinstance(name, str) and name else f"thread {_tid(t)}"
+
+
+def _is_main(t: Thread, pid: int) -> bool:
+    return t.get("thread_name") == "MainThread" or _tid(t) == pid
+
+
+def build(procs: list[Proc]) -> Graph:
+    """The graph of every thread and process in ``procs``, and of the children that exited."""
+    g = Graph()
+    by_pid = {p.pid: p for p in procs}
+    for p in procs:
+        _add_process(g, p, by_pid)
+    return g
+
+
+def _proc_threads(p: Proc) -> dict[int, dict[str, Any]]:
+    """/proc's record of each thread: wait channel, state, and (where captured) what it is blocked on."""
+    out = {}
+    for t in dicts(p.ev.proc.get("threads")):
+        tid = as_int(t.get("tid"))
+        if tid is not None:
+            out[tid] = t
+    top = p.ev.proc.get("blocked_on")
+    if isinstance(top, dict) and p.pid in out and not isinstance(out[p.pid].get("blocked_on"), dict):
+        out[p.pid] = dict(out[p.pid], blocked_on=top)
+    return out
+
+
+def _add_process(g: Graph, p: Proc, by_pid: dict[int, Proc]) -> None:
+    threads = [t for t in p.ev.threads if isinstance(t, dict)]
+    kernel = _proc_threads(p)
+    main = next((t for t in threads if _is_main(t, p.pid)), threads[0] if len(threads) == 1 else None)
+    waits: dict[str, tuple[Thread, tw.Wait]] = {}
+    for i, t in enumerate(threads):
+        tid = _tid(t)
+        k = key(p.pid) if t is main else key(p.pid, tid) if tid is not None else f"{key(p.pid)}/i{i}"
+        info = kernel.get(tid or -1, {})
+        w = tw.classify(t, info.get("wchan") if isinstance(info.get("wchan"), str) else None, info.get("blocked_on"))
+        waits[k] = (t, w)
+        # A process is named by its main thread where it has only that (or is a captured child);
+        # threads are named as threads: "thread fetcher".
+        label = (process_label(p) if p.role else "the main thread") if t is main and (len(threads) == 1 or p.role) \
+            else f"thread {_thread_name(t)}"
+        g.add(Party(k, label, WAITS, tw.where(w.frame), culprit=tw.function(w.frame)))
+    if main is None:
+        g.add(Party(key(p.pid), process_label(p), WAITS, None))
+    for k, (t, w) in waits.items():
+        _edges_of(g, p, k, t, w, waits, by_pid)
+    _children_edges(g, p, waits, by_pid)
+
+
+def _others(waits: dict[str, tuple[Thread, tw.Wait]], k: str) -> dict[str, tuple[Thread, tw.Wait]]:
+    return {x: v for x, v in waits.items() if x != k}
+
+
+def _idle_worker(t: Thread, w: tw.Wait) -> bool:
+    """A thread of the machinery waiting for work (a pool's worker in its queue, a handler thread)."""
+    if tw.is_helper_thread(t):
+        return True
+    return w.kind in (tw.QUEUE, tw.SELECT) and w.frame is not None and not tw.user_frame(t)
+
+
+def _set(g: Graph, k: str, state: str, doing: str, culprit: str | None = None) -> None:
+    old = g.parties[k]
+    g.parties[k] = Party(old.key, old.label, state, old.where, doing, culprit or old.culprit)
+
+
+def _edges_of(g: Graph, p: Proc, k: str, t: Thread, w: tw.Wait, waits: dict[str, tuple[Thread, tw.Wait]],
+              by_pid: dict[int, Proc]) -> None:
+    loop = " inside the asyncio event loop, which runs nothing else meanwhile" if w.in_event_loop else ""
+    if w.kind == tw.RUNNING:
+        if w.holds_gil and w.c_function:
+            _set(g, k, LIVE, f"holds the GIL while spinning in C in {w.c_function}")
+        else:
+            _set(g, k, LIVE, f"is busy on the CPU{loop}")
+        return
+    if w.kind == tw.SLEEP:
+        if w.holds_gil and w.c_function:
+            _set(g, k, LIVE, f"holds the GIL while it sleeps in C in {w.c_function}: no other thread can run Python")
+        else:
+            _set(g, k, LIVE, f"sleeps{loop}")
+        return
+    if w.kind == tw.IO:
+        _io_edges(g, p, k, w, waits, by_pid, loop)
+        return
+    if w.kind == tw.GIL:
+        holder = next((x for x, (tt, _) in _others(waits, k).items() if tt.get("owns_gil")), None)
+        g.wait(Edge(k, "the GIL", holder, None if holder else None,
+                    None if holder else "py-spy names no thread that holds it", "native frames: take_gil, py-spy's owns_gil"))
+        return
+    if w.kind == tw.SELECT:
+        what = "the asyncio event loop to wake it" if w.call == "the asyncio event loop" else f"I/O in {w.call}"
+        _set(g, k, IDLE, f"waits for {what}; nothing on its descriptors says work is waiting")
+        return
+    if _waits_for_children(w):
+        if not p.exits and not any(c.parent == p.pid and c.pid != p.pid for c in by_pid.values()):
+            if w.kind == tw.QUEUE or p.role:  # a worker at its queue, with no children of its own: waiting for work
+                _set(g, k, IDLE, f"waits for work in {w.call}")
+                return
+        return  # its children: _children_edges
+    if w.kind == tw.UNKNOWN:
+        return
+    _thread_edges(g, k, w, waits)
+
+
+_WHAT = {tw.LOCK: "a lock", tw.JOIN: "a thread to end", tw.CONDITION: "a condition to be notified",
+         tw.EVENT: "an event to be set", tw.QUEUE: "an item in a queue", tw.FUTURE: "a future's result",
+         tw.SEMAPHORE: "a semaphore", tw.BARRIER: "the other parties of a barrier"}
+# Who can end each kind of wait: a lock's holder, the thread joined, whoever sets or puts.
+_BY = {tw.LOCK: "held by", tw.JOIN: "", tw.CONDITION: "to be notified by", tw.EVENT: "to be set by",
+       tw.QUEUE: "to be filled by", tw.FUTURE: "to be completed by", tw.SEMAPHORE: "held by", tw.BARRIER: ""}
+
+
+def _thread_edges(g: Graph, k: str, w: tw.Wait, waits: dict[str, tuple[Thread, tw.Wait]]) -> None:
+    """A wait on something another thread of the process ends; without introspection the
+    candidates are the threads that could: for a lock, those not idle; for a join or something to be
+    set, those alive and not waiting for work. Each is followed; none at all is a dead end."""
+    what = f"{_WHAT.get(w.kind, w.kind)} in {w.call}" if w.call and w.kind not in (tw.LOCK,) else _WHAT.get(w.kind, w.kind)
+    pool = _pool_of(waits[k][0])
+    others = _others(waits, k)
+    if w.kind == tw.FUTURE and pool is not None:
+        mates = [x for x, (tt, ww) in others.items() if _pool_of(tt) == pool]
+        if mates and all(others[x][1].kind == tw.FUTURE for x in mates):
+            for x in mates:
+                g.wait(Edge(k, f"a future queued behind it in the same pool ({pool})", x, how="thread names and frames",
+                            sure=False))
+            return
+    candidates = [x for x, (tt, ww) in others.items() if not _idle_worker(tt, ww) and ww.kind != tw.UNKNOWN]
+    if w.kind == tw.FUTURE:
+        workers = [x for x, (tt, ww) in others.items() if _pool_of(tt) is not None]
+        candidates = workers or candidates
+    if not candidates:
+        nobody = ("no other live thread could hold it: it is held by a thread that is gone, or by this thread "
+                  "further up its own stack" if w.kind == tw.LOCK else
+                  "no other live thread can end it" if w.kind != tw.JOIN else None)
+        g.wait(Edge(k, what, None, nobody, None if nobody else "the thread it joins is not among the threads captured",
+                    w.how))
+        return
+    for x in candidates:
+        g.wait(Edge(k, what, x, how=f"{w.how}; {'the only other live thread' if len(candidates) == 1 else 'one of the live threads'}"
+                                  " (which one cannot be read from outside the process)", sure=False))
+
+
+def _pool_of(t: Thread) -> str | None:
+    name = str(t.get("thread_name") or "")
+    if name.startswith("ThreadPoolExecutor-"):
+        return name.rsplit("_", 1)[0]
+    return None
+
+
+def _io_edges(g: Graph, p: Proc, k: str, w: tw.Wait, waits: dict[str, tuple[Thread, tw.Wait]],
+              by_pid: dict[int, Proc], loop: str) -> None:
+    b = w.blocked
+    verb = _VERBS.get(str(w.call or ""), "is blocked in")
+    obj = _object_text(b)
+    if w.holds_gil:
+        c = f" in {w.c_function}" if w.c_function else ""
+        _set(g, k, LIVE, f"holds the GIL while blocked {verb.replace('is blocked ', '')} {obj}{c}: no other thread can run Python")
+        return
+    peers = [x for x in dicts(b.get("peers"))]
+    kind = b.get("kind")
+    reading = str(w.call or "").startswith(("read", "recv", "pread", "openat", "accept"))
+    if kind in ("pipe", "FIFO") and "peers" in b:
+        want = "w" if reading else "r"
+        others = [x for x in peers if want in str(x.get("mode") or "")]
+        outside = [x for x in others if as_int(x.get("pid")) != p.pid]
+        if not others:
+            _set(g, k, LIVE, f"{verb} {obj} that no process holds open for {'writing' if reading else 'reading'}{loop}")
+            return
+        if not outside:
+            writers = [x for x, (_, ww) in _others(waits, k).items() if ww.kind == tw.IO and ww.call != w.call]
+            if not writers:
+                _set(g, k, LIVE, f"{verb} {obj} whose other end only its own process holds, and no thread of it "
+                                 f"{'writes' if reading else 'reads'}: nobody will{loop}")
+                return
+        for x in outside[:8]:
+            pid = as_int(x.get("pid"))
+            if pid is None:
+                continue
+            other = key(pid)
+            if other not in g.parties:
+                g.add(Party(other, f"pid {pid} ({x.get('comm') or '?'})", WAITS if pid in by_pid else LIVE, None,
+                            None if pid in by_pid else "holds the other end (not captured)"))
+            g.wait(Edge(k, f"{'data from' if reading else 'room in'} {obj}", other, how="the pipe's ends in /proc/*/fd"))
+        return
+    sock = b.get("socket") if isinstance(b.get("socket"), dict) else None
+    if kind == "socket" and sock is not None and peers:
+        for x in peers[:8]:
+            pid = as_int(x.get("pid"))
+            if pid is None:
+                continue
+            other = key(pid)
+            if pid == p.pid:
+                continue  # a peer inside this very process: its thread is among ours, found by its own wait
+            if other not in g.parties:
+                g.add(Party(other, f"pid {pid} ({x.get('comm') or '?'})", WAITS if pid in by_pid else LIVE, None,
+                            None if pid in by_pid else "holds the other end of the socket (not captured)"))
+            g.wait(Edge(k, f"{'data from' if reading else 'room in'} {obj}", other, how="the socket's peer (sock_diag, /proc/net)"))
+        if g.out(k):
+            return
+    if not obj:  # no descriptor in the evidence: the call is all there is
+        _set(g, k, LIVE, f"is blocked in {w.call}(){loop}")
+        return
+    _set(g, k, LIVE, f"{verb} {obj}{_never(b, reading)}{loop}")
+
+
+def _never(b: dict[str, Any], reading: bool) -> str:
+    sock = b.get("socket") if isinstance(b.get("socket"), dict) else {}
+    if reading and sock.get("rx_queue") == 0 and sock.get("state") == "ESTABLISHED":
+        return ", which holds no unread bytes: its peer never sends"
+    return ""
+
+
+_VERBS = {"read": "is blocked reading", "pread64": "is blocked reading", "readv": "is blocked reading",
+          "recvfrom": "is blocked receiving on", "recvmsg": "is blocked receiving on", "recv": "is blocked receiving on",
+          "accept": "is blocked accepting on", "accept4": "is blocked accepting on", "write": "is blocked writing",
+          "writev": "is blocked writing", "sendto": "is blocked sending on", "sendmsg": "is blocked sending on",
+          "connect": "is blocked connecting", "openat": "is blocked opening", "flock": "is blocked locking"}
+
+
+def _object_text(b: dict[str, Any]) -> str:
+    kind, path = b.get("kind"), b.get("path")
+    if kind == "FIFO":
+        return f"FIFO {path}"
+    if kind == "pipe":
+        return "a pipe"
+    if kind == "socket":
+        sock = b.get("socket") if isinstance(b.get("socket"), dict) else {}
+        where = b.get("socket_path") or sock.get("remote") or sock.get("local")
+        return f"a {sock.get('family') or ''} socket{' ' + str(where) if where else ''}".replace("a  ", "a ")
+    if kind in ("file", "device"):
+        return f"{kind} {path}"
+    return "" if kind is None else str(kind)
+
+
+def _children_edges(g: Graph, p: Proc, waits: dict[str, tuple[Thread, tw.Wait]], by_pid: dict[int, Proc]) -> None:
+    """A process waiting for its children (a pool's map, a DataLoader's batch, a subprocess's wait)
+    points at each child captured and each that exited (exits.json)."""
+    kids = [c for c in by_pid.values() if c.parent == p.pid and c.pid != p.pid]
+    gone = _exited_children(g, p)
+    for k, (t, w) in waits.items():
+        child_wait = _waits_for_children(w) and g.parties[k].state == WAITS
+        io_from_kids = w.kind == tw.IO and any(as_int(x.get("pid")) in {c.pid for c in kids}
+                                               for x in dicts(w.blocked.get("peers")))
+        if not child_wait or io_from_kids:
+            continue
+        what = f"its child processes in {w.call}" if w.call else "its child processes"
+        for x in gone:
+            g.wait(Edge(k, what, x, how="the kernel's record of process exits"))
+        for c in kids:
+            g.wait(Edge(k, what, key(c.pid), how="the process tree", sure=len(kids) == 1 and not gone))
+        if not kids and not gone:
+            g.wait(Edge(k, what, None, None, "no child process was captured, and no exit of one was recorded", w.how))
+
+
+def _waits_for_children(w: tw.Wait) -> bool:
+    """A wait that a child process ends: a pool's map, a subprocess, a multiprocessing queue or pipe."""
+    return w.kind in (tw.CHILD, tw.POOL) or (w.kind == tw.QUEUE and bool(w.call) and not str(w.call).startswith("Queue."))
+
+
+def _exited_children(g: Graph, p: Proc) -> list[str]:
+    out = []
+    for e in p.exits[:64]:
+        pid = as_int(e.get("pid"))
+        if pid is None:
+            continue
+        k = key(pid)
+        how = _how_it_ended(e)
+        if how is None:
+            continue
+        comm = e.get("comm") if isinstance(e.get("comm"), str) else None
+        g.add(Party(k, f"child process {comm or ''} (pid {pid})".replace("  ", " "), GONE, None, how))
+        out.append(k)
+    return out
+
+
+def _how_it_ended(e: dict[str, Any]) -> str | None:
+    """How a child ended, or None for an end that explains nothing (a helper that finished well)."""
+    sig = e.get("signal")
+    code = as_int(e.get("exit_code"))
+    when = e.get("time")
+    at = f" at {time.strftime('%H:%M:%S', time.localtime(when))}" if isinstance(when, (int, float)) and 0 < when < 2**33 else ""
+    if isinstance(sig, str) and sig:
+        return f"was killed by {sig}{at}"
+    if code:
+        return f"exited with status {code}{at}"
+    return None
