@@ -14,6 +14,7 @@ be, each is followed.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -75,8 +76,8 @@ def _proc_threads(p: Proc) -> dict[int, dict[str, Any]]:
         if tid is not None:
             out[tid] = t
     top = p.ev.proc.get("blocked_on")
-    if isinstance(top, dict) and p.pid in out and not isinstance(out[p.pid].get("blocked_on"), dict):
-        out[p.pid] = dict(out[p.pid], blocked_on=top)
+    if isinstance(top, dict) and not isinstance(out.get(p.pid, {}).get("blocked_on"), dict):
+        out[p.pid] = dict(out.get(p.pid, {}), blocked_on=top)  # the main thread's, as proc.json's top level says
     return out
 
 
@@ -88,19 +89,25 @@ def _add_process(g: Graph, p: Proc, by_pid: dict[int, Proc]) -> None:
     for i, t in enumerate(threads):
         tid = _tid(t)
         k = key(p.pid) if t is main else key(p.pid, tid) if tid is not None else f"{key(p.pid)}/i{i}"
-        info = kernel.get(tid or -1, {})
+        info = kernel.get(tid if tid is not None else (p.pid if t is main else -1), {})
         w = tw.classify(t, info.get("wchan") if isinstance(info.get("wchan"), str) else None, info.get("blocked_on"))
         waits[k] = (t, w)
         # A process is named by its main thread where it has only that (or is a captured child);
         # threads are named as threads: "thread fetcher".
         label = (process_label(p) if p.role else "the main thread") if t is main and (len(threads) == 1 or p.role) \
             else f"thread {_thread_name(t)}"
-        g.add(Party(k, label, WAITS, tw.where(w.frame), culprit=tw.function(w.frame)))
-    if main is None:
-        g.add(Party(key(p.pid), process_label(p), WAITS, None))
+        g.add(Party(k, label, WAITS, tw.where(w.frame), culprit=tw.function(w.frame), location=tw.where(w.frame, full=True),
+                    pid=p.pid, main=t is main))
+    if main is None:  # no Python stack (another program, or py-spy could not read it): /proc says what it waits for
+        t = {"thread_name": "main", "frames": []}
+        w = tw.classify(t, None, p.ev.proc.get("blocked_on"))
+        waits[key(p.pid)] = (t, w)
+        g.add(Party(key(p.pid), process_label(p), WAITS, None, pid=p.pid, main=True))
     for k, (t, w) in waits.items():
         _edges_of(g, p, k, t, w, waits, by_pid)
     _children_edges(g, p, waits, by_pid)
+    for k, (t, w) in waits.items():  # where each wait is, said once for all its edges
+        g.edges[k] = [dataclasses.replace(e, at=e.at or tw.at(w, t)) for e in g.out(k)]
 
 
 def _others(waits: dict[str, tuple[Thread, tw.Wait]], k: str) -> dict[str, tuple[Thread, tw.Wait]]:
@@ -114,9 +121,8 @@ def _idle_worker(t: Thread, w: tw.Wait) -> bool:
     return w.kind in (tw.QUEUE, tw.SELECT) and w.frame is not None and not tw.user_frame(t)
 
 
-def _set(g: Graph, k: str, state: str, doing: str, culprit: str | None = None) -> None:
-    old = g.parties[k]
-    g.parties[k] = Party(old.key, old.label, state, old.where, doing, culprit or old.culprit)
+def _set(g: Graph, k: str, state: str, doing: str) -> None:
+    g.parties[k] = dataclasses.replace(g.parties[k], state=state, doing=doing)
 
 
 def _edges_of(g: Graph, p: Proc, k: str, t: Thread, w: tw.Wait, waits: dict[str, tuple[Thread, tw.Wait]],
@@ -124,15 +130,15 @@ def _edges_of(g: Graph, p: Proc, k: str, t: Thread, w: tw.Wait, waits: dict[str,
     loop = " inside the asyncio event loop, which runs nothing else meanwhile" if w.in_event_loop else ""
     if w.kind == tw.RUNNING:
         if w.holds_gil and w.c_function:
-            _set(g, k, LIVE, f"holds the GIL while spinning in C in {w.c_function}")
+            _set(g, k, LIVE, f"holding the GIL while spinning in C in {w.c_function}")
         else:
-            _set(g, k, LIVE, f"is busy on the CPU{loop}")
+            _set(g, k, LIVE, f"busy on the CPU{loop}")
         return
     if w.kind == tw.SLEEP:
         if w.holds_gil and w.c_function:
-            _set(g, k, LIVE, f"holds the GIL while it sleeps in C in {w.c_function}: no other thread can run Python")
+            _set(g, k, LIVE, f"holding the GIL while sleeping in C in {w.c_function}")
         else:
-            _set(g, k, LIVE, f"sleeps{loop}")
+            _set(g, k, LIVE, f"sleeping{loop}")
         return
     if w.kind == tw.IO:
         _io_edges(g, p, k, w, waits, by_pid, loop)
@@ -144,15 +150,17 @@ def _edges_of(g: Graph, p: Proc, k: str, t: Thread, w: tw.Wait, waits: dict[str,
         return
     if w.kind == tw.SELECT:
         what = "the asyncio event loop to wake it" if w.call == "the asyncio event loop" else f"I/O in {w.call}"
-        _set(g, k, IDLE, f"waits for {what}; nothing on its descriptors says work is waiting")
+        _set(g, k, IDLE, f"waiting for {what}")
         return
     if _waits_for_children(w):
         if not p.exits and not any(c.parent == p.pid and c.pid != p.pid for c in by_pid.values()):
-            if w.kind == tw.QUEUE or p.role:  # a worker at its queue, with no children of its own: waiting for work
-                _set(g, k, IDLE, f"waits for work in {w.call}")
+            if p.role:  # a worker at its queue, with no children of its own: waiting for work
+                _set(g, k, IDLE, f"waiting for work in {w.call}")
                 return
         return  # its children: _children_edges
     if w.kind == tw.UNKNOWN:
+        if p.role and w.frame is not None and tw.user_frame(t) is w.frame and tw.python_frames(t)[:1] == [w.frame]:
+            _set(g, k, LIVE, "in code of its own")  # a child whose innermost frame is its own code: stuck there
         return
     _thread_edges(g, k, w, waits)
 
@@ -205,11 +213,11 @@ def _pool_of(t: Thread) -> str | None:
 def _io_edges(g: Graph, p: Proc, k: str, w: tw.Wait, waits: dict[str, tuple[Thread, tw.Wait]],
               by_pid: dict[int, Proc], loop: str) -> None:
     b = w.blocked
-    verb = _VERBS.get(str(w.call or ""), "is blocked in")
+    verb = _VERBS.get(str(w.call or ""), f"blocked in {w.call}")
     obj = _object_text(b)
     if w.holds_gil:
         c = f" in {w.c_function}" if w.c_function else ""
-        _set(g, k, LIVE, f"holds the GIL while blocked {verb.replace('is blocked ', '')} {obj}{c}: no other thread can run Python")
+        _set(g, k, LIVE, f"holding the GIL while blocked {verb} {obj}{c}".replace("  ", " "))
         return
     peers = [x for x in dicts(b.get("peers"))]
     kind = b.get("kind")
@@ -225,7 +233,7 @@ def _io_edges(g: Graph, p: Proc, k: str, w: tw.Wait, waits: dict[str, tuple[Thre
             writers = [x for x, (_, ww) in _others(waits, k).items() if ww.kind == tw.IO and ww.call != w.call]
             if not writers:
                 _set(g, k, LIVE, f"{verb} {obj} whose other end only its own process holds, and no thread of it "
-                                 f"{'writes' if reading else 'reads'}: nobody will{loop}")
+                                 f"{'writes' if reading else 'reads'} it: nobody will{loop}")
                 return
         for x in outside[:8]:
             pid = as_int(x.get("pid"))
@@ -253,23 +261,23 @@ def _io_edges(g: Graph, p: Proc, k: str, w: tw.Wait, waits: dict[str, tuple[Thre
         if g.out(k):
             return
     if not obj:  # no descriptor in the evidence: the call is all there is
-        _set(g, k, LIVE, f"is blocked in {w.call}(){loop}")
+        _set(g, k, LIVE, f"blocked in {w.call}(){loop}")
         return
-    _set(g, k, LIVE, f"{verb} {obj}{_never(b, reading)}{loop}")
+    text = b.get("text") if isinstance(b.get("text"), str) and not b.get("peers") and not b.get("socket") else None
+    _set(g, k, LIVE, f"{text or verb + ' ' + obj}{_never(b, reading)}{loop}")
 
 
 def _never(b: dict[str, Any], reading: bool) -> str:
     sock = b.get("socket") if isinstance(b.get("socket"), dict) else {}
     if reading and sock.get("rx_queue") == 0 and sock.get("state") == "ESTABLISHED":
-        return ", which holds no unread bytes: its peer never sends"
+        return ", with no unread bytes: its peer never sends"
     return ""
 
 
-_VERBS = {"read": "is blocked reading", "pread64": "is blocked reading", "readv": "is blocked reading",
-          "recvfrom": "is blocked receiving on", "recvmsg": "is blocked receiving on", "recv": "is blocked receiving on",
-          "accept": "is blocked accepting on", "accept4": "is blocked accepting on", "write": "is blocked writing",
-          "writev": "is blocked writing", "sendto": "is blocked sending on", "sendmsg": "is blocked sending on",
-          "connect": "is blocked connecting", "openat": "is blocked opening", "flock": "is blocked locking"}
+_VERBS = {"read": "reading", "pread64": "reading", "readv": "reading", "recvfrom": "receiving on", "recvmsg": "receiving on",
+          "recv": "receiving on", "accept": "accepting on", "accept4": "accepting on", "write": "writing",
+          "writev": "writing", "sendto": "sending on", "sendmsg": "sending on", "connect": "connecting",
+          "openat": "opening", "flock": "locking"}
 
 
 def _object_text(b: dict[str, Any]) -> str:
@@ -309,7 +317,7 @@ def _children_edges(g: Graph, p: Proc, waits: dict[str, tuple[Thread, tw.Wait]],
 
 def _waits_for_children(w: tw.Wait) -> bool:
     """A wait that a child process ends: a pool's map, a subprocess, a multiprocessing queue or pipe."""
-    return w.kind in (tw.CHILD, tw.POOL) or (w.kind == tw.QUEUE and bool(w.call) and not str(w.call).startswith("Queue."))
+    return w.kind in (tw.CHILD, tw.POOL, tw.MPQUEUE)
 
 
 def _exited_children(g: Graph, p: Proc) -> list[str]:
@@ -323,7 +331,7 @@ def _exited_children(g: Graph, p: Proc) -> list[str]:
         if how is None:
             continue
         comm = e.get("comm") if isinstance(e.get("comm"), str) else None
-        g.add(Party(k, f"child process {comm or ''} (pid {pid})".replace("  ", " "), GONE, None, how))
+        g.add(Party(k, f"child process {comm or ''} (pid {pid})".replace("  ", " "), GONE, None, how, pid=pid, main=True))
         out.append(k)
     return out
 

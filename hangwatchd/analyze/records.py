@@ -9,6 +9,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
+# Every kind of verdict a process can get, each documented with an example in docs/verdicts.md.
+VERDICT_KINDS = (
+    # the root of a wait-for chain (analyze/waitfor.py)
+    "thread-deadlock", "deadlock", "gone", "nobody", "child-stuck", "blocked-io", "sleeping", "busy", "gil-held",
+    "gil-held-in-c", "lock-wait", "unknown-wait", "waiting-on-children", "idle-python",
+    # the GPU and the collectives
+    "gpu-exception", "gpu-kernel-spinning", "stream-deadlock", "waiting-on-gpu", "in-collective",
+    # what could not be read, and ranks that are not there
+    "dead", "unknown", "exited", "not-here",
+)
+
+
 @dataclass(frozen=True)
 class RankVerdict:
     rank: int | None

@@ -28,6 +28,7 @@ LOCK, JOIN, CONDITION, EVENT, QUEUE, FUTURE, SEMAPHORE, BARRIER = ("lock", "join
                                                                    "future", "semaphore", "barrier")
 POOL, CHILD, GIL, SLEEP, IO, SELECT, RUNNING, UNKNOWN = ("pool", "child", "gil", "sleep", "io", "select", "running",
                                                          "unknown")
+MPQUEUE = "process-queue"  # a multiprocessing queue or pipe, or a DataLoader's batch: other processes fill it
 
 _SLEEP_NATIVE = re.compile(r"^(?:__)?(?:clock_)?nanosleep|^time_sleep$|^pysleep$|^usleep$|^sleep$")
 _GIL_NATIVE = re.compile(r"^take_gil$|^PyCOND_WAIT|^drop_gil$")
@@ -95,12 +96,24 @@ def user_frame(t: Thread) -> Frame | None:
     return next((f for f in python_frames(t) if is_user_frame(f)), None)
 
 
-def where(f: Frame | None) -> str | None:
-    """``function (file.py:line)``, the file by its base name."""
+def where(f: Frame | None, full: bool = False) -> str | None:
+    """``function (file.py:line)``: the file by its base name, where a person reads it (``full``: its
+    whole path, for the verdict's location)."""
     if f is None:
         return None
     name = _short_name(f)
-    return f"{name} ({_file(f)}:{f.get('line')})" if _is_python(f) else f"{name} ({os.path.basename(_file(f)) or '?'})"
+    if _is_python(f):
+        return f"{name} ({_file(f) if full else os.path.basename(_file(f))}:{f.get('line')})"
+    return f"{name} ({os.path.basename(_file(f)) or '?'})"
+
+
+def at(w: Wait, t: Thread) -> str | None:
+    """Where a wait is, as a person says it: the library call and the program's line that made it
+    ("Queue.get (train.py:15)"), or the program's frame where the wait is its own."""
+    mine = user_frame(t)
+    if w.call and w.kind not in (LOCK, SLEEP, IO, RUNNING, UNKNOWN, GIL) and mine is not None:
+        return f"{w.call} ({os.path.basename(_file(mine))}:{mine.get('line')})"
+    return where(mine)
 
 
 def function(f: Frame | None) -> str | None:
@@ -136,51 +149,42 @@ def _library_call(pys: list[Frame]) -> tuple[str | None, str | None]:
 
 
 def _one_call(name: str, path: str) -> tuple[str, str] | None:
+    """The kind of wait a library frame is, and the call as a person says it (``Queue.get``,
+    ``BaseProcess.join``, ``_next_data``); None for a frame that says nothing of the wait."""
     last = name.rsplit(".", 1)[-1]
+    shown = ".".join(name.rsplit(".", 2)[-2:])
     if path.endswith(_THREADING):
         if last in ("_wait_for_tstate_lock", "join"):
             return JOIN, "Thread.join"
-        if name.startswith("Event."):
-            return EVENT, "Event.wait"
-        if name.startswith(("Semaphore.", "BoundedSemaphore.")):
-            return SEMAPHORE, "Semaphore.acquire"
-        if name.startswith("Barrier."):
-            return BARRIER, "Barrier.wait"
-        if name.startswith("Condition."):
-            return CONDITION, "Condition.wait"
+        for prefix, kind in (("Event.", EVENT), ("Semaphore.", SEMAPHORE), ("BoundedSemaphore.", SEMAPHORE),
+                             ("Barrier.", BARRIER), ("Condition.", CONDITION)):
+            if name.startswith(prefix):
+                return kind, shown
         return None
     if path.endswith(_QUEUE):
-        return QUEUE, f"Queue.{last}"
+        return QUEUE, shown
     if _FUTURES in path:
         if "process.py" in path:
-            return POOL, "ProcessPoolExecutor"
-        return FUTURE, "Future.result" if last == "result" else f"futures.{last}"
+            return POOL, shown
+        return FUTURE, shown
     if _MP in path:
         if "pool.py" in path:
-            if last == "worker":
-                return QUEUE, "the pool's task queue"
-            return POOL, f"Pool.{last}" if last in ("map", "starmap", "apply", "join", "imap") else "a pool's result"
+            return (MPQUEUE, "the pool's task queue") if last == "worker" else (POOL, shown)
         if "popen" in path or name.startswith("BaseProcess.join"):
-            return CHILD, "Process.join"
-        if "queues.py" in path:
-            return QUEUE, f"multiprocessing Queue.{last}"
-        if "connection.py" in path:
-            return QUEUE, "Connection.recv" if "recv" in last else f"Connection.{last}"
+            return CHILD, shown
+        if "queues.py" in path or "connection.py" in path:
+            return MPQUEUE, shown
         if "synchronize.py" in path:
-            return LOCK, f"multiprocessing {name}"
+            return LOCK, shown
         return None
-    if path.endswith("subprocess.py"):
-        if last in ("communicate", "_communicate"):
-            return CHILD, "Popen.communicate"
-        if last in ("wait", "_wait", "_try_wait", "call", "run", "check_call", "check_output"):
-            return CHILD, f"subprocess {last}"
-        return None
+    if path.endswith("subprocess.py"):  # run() and call() wrap the wait that says which: communicate, wait
+        return (CHILD, shown) if last in ("communicate", "wait") else None
     if "torch/utils/data/" in path:
-        return QUEUE, "the DataLoader's next batch"
+        return MPQUEUE, "_next_data" if last == "__next__" else last
     if _ASYNCIO in path:
         return SELECT, "the asyncio event loop"
     if path.endswith("selectors.py"):
-        return SELECT, "selector.select"
+        return SELECT, shown
     return None
 
 
@@ -206,22 +210,21 @@ def classify(t: Thread, wchan: str | None = None, blocked: dict[str, Any] | None
         return Wait(kind, frame, call, how, blocked, loop, gil, **kw)
 
     if t.get("active"):
-        c_own = natives[0] if natives and not _runtime_native(t) else None
-        return wait(RUNNING, None, "py-spy saw it on the CPU", c_function=c_own)
+        return wait(RUNNING, None, "py-spy saw it on the CPU", c_function=_own_c(t, natives) if not _runtime_native(t) else None)
     if any(_GIL_NATIVE.search(n) for n in natives[:6]):
         return wait(GIL, "the GIL", "native frames (take_gil)")
     lib_kind, lib_call = _library_call(pys)
-    syscall = blocked.get("syscall")
+    syscall = blocked.get("syscall") or _call_from_text(blocked)
     # The descriptor or child a call blocks on is the most direct evidence there is.
     if syscall in _BLOCKING_CALLS or (not syscall and any(_IO_NATIVE.search(n) for n in natives[:3])):
-        if lib_kind in (CHILD, POOL, QUEUE) and lib_call and not lib_call.startswith("Queue."):
+        if lib_kind in (CHILD, POOL, MPQUEUE):
             return wait(lib_kind, lib_call, "library frames and the blocking descriptor")
         return wait(IO, _io_call(syscall, natives), "the system call and its descriptor" if syscall else "native frames",
                     c_function=_own_c(t, natives))
     if syscall in _MANY_CALLS or any(_SELECT_NATIVE.search(n) for n in natives[:3]) \
             or (not natives and wchan in _WCHAN_SELECT):
-        if lib_kind == CHILD:
-            return wait(CHILD, lib_call, "library frames")
+        if lib_kind in (CHILD, POOL, MPQUEUE):
+            return wait(lib_kind, lib_call, "library frames")
         return wait(SELECT, lib_call or syscall or "select", "the system call" if syscall else "native frames")
     if syscall in ("wait4", "waitid") or any(_CHILD_NATIVE.search(n) for n in natives[:3]) \
             or (not natives and wchan in _WCHAN_CHILD):
@@ -240,6 +243,22 @@ def classify(t: Thread, wchan: str | None = None, blocked: dict[str, Any] | None
     if wchan in _WCHAN_IO:
         return wait(IO, wchan, "the wait channel")
     return wait(UNKNOWN, None, "nothing in its stack or /proc says")
+
+
+_TEXT_CALLS = (("reading", "read"), ("receiving", "recvfrom"), ("accepting", "accept"), ("writing", "write"),
+               ("sending", "sendto"), ("connecting", "connect"), ("opening", "openat"), ("locking", "flock"),
+               ("waiting in", "poll"), ("waiting for a child", "wait4"), ("sleeping", "nanosleep"))
+
+
+def _call_from_text(blocked: dict[str, Any]) -> str | None:
+    """The system call a ``blocked_on`` made by hand (or by an older capture) names only in its text."""
+    text = blocked.get("text")
+    if not isinstance(text, str) or blocked.get("syscall") is not None and "syscall" in blocked:
+        return None
+    for verb, call in _TEXT_CALLS:
+        if text.startswith(verb):
+            return call
+    return None
 
 
 def _io_call(syscall: Any, natives: list[str]) -> str:

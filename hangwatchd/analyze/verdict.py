@@ -53,48 +53,62 @@ def judge(pdir: Path, known: dict[str, Any] | None = None) -> RankVerdict:
     return judge_evidence(pdir, ev, known, graph)
 
 
-def graph_verdict(graph: Graph, pid: int) -> tuple[str, str, str | None] | None:
-    """(kind, detail, where) from the root of the chain that starts at ``pid``'s main thread."""
+def graph_verdict(graph: Graph, pid: int, child: bool = False) -> tuple[str, str, str | None] | None:
+    """(kind, detail, location) from the root of the chain that starts at ``pid``'s main thread
+    (``child``: a child captured with its hung parent, whose own verdict says only where it is)."""
     found = waitfor.chains(graph, process_graph.key(pid))
     if not found:
         return None
-    chain = _best(found)
+    chain = found[0]
     told = chain_text.tell(chain)
-    kind = told.kind
-    root = told.culprit.key if told.culprit is not None else ""
-    in_child = bool(root) and root.split("/")[0] != process_graph.key(pid)
-    if kind == "deadlock" and all("/" in p.key or p.key == process_graph.key(pid) for p, _ in chain.cycle) \
-            and len({p.key.split("/")[0] for p, _ in chain.cycle}) == 1:
+    kind, sentence = told.kind, told.sentence
+    root = told.culprit
+    mine = process_graph.key(pid)
+    in_child = root is not None and root.pid is not None and root.pid != pid
+    if kind == "deadlock" and len({p.pid for p, _ in chain.cycle}) == 1:
         kind = "thread-deadlock"
         if not chain.sure and all(e.what == "a lock" for _, e in chain.cycle):
-            return kind, _group_deadlock(graph, pid), told.where
-    elif kind in ("blocked-io", "busy", "sleeping", "gil-held") and in_child:
+            sentence, location = _group_deadlock(graph, pid)
+            return kind, sentence, location
+    elif kind in ("blocked-io", "busy", "sleeping") and (in_child or child):
         kind = "child-stuck"
-    elif kind == "gil-held" and "spinning in C" in told.sentence:
-        kind = "gil-held-in-c"
+        if child and not in_child and root is not None:  # the child's own verdict: where it is stuck, and how
+            sentence = f"stuck in {root.where or 'a system call'}, {root.doing}"
+    elif kind == "gil-held":
+        others = len([k for k in graph.parties if k.split("/")[0] == mine]) - 1
+        sentence += ("; the other thread cannot run Python" if others == 1 else
+                     f"; the other {others} threads cannot run Python" if others > 1 else "")
+        if "spinning in C" in sentence:
+            kind = "gil-held-in-c"
+    elif kind == "idle" and not (chain.steps and "child processes" in chain.steps[0][1].what):
+        kind = "idle-python"
+        if child and root is not None and root.pid == pid:
+            sentence = root.doing or sentence
     elif kind == "idle" and chain.steps and "child processes" in chain.steps[0][1].what:
-        kids = [e.holder for e in graph.out(chain.steps[0][0].key) if e.holder]
-        states = "; ".join(f"{graph.parties[k].label}: {graph.parties[k].doing or 'waits'}" for k in kids[:4])
-        return ("waiting-on-children", f"{chain.steps[0][0].label} waits for its {len(kids)} child process"
-                f"{'es' if len(kids) != 1 else ''} in {chain.steps[0][1].what.split(' in ', 1)[-1]}; none is stuck in code "
-                f"of its own ({states})", told.where)
+        first, edge = chain.steps[0]
+        kids = [graph.parties[e.holder] for e in graph.out(first.key) if e.holder]
+        states = "; ".join(f"{k.label}: {k.doing or 'waits'}" for k in kids[:4])
+        return ("waiting-on-children", f"waiting for its {len(kids)} child process{'es' if len(kids) != 1 else ''} "
+                f"in {edge.at or edge.what}; none is stuck in code of its own ({states})", told.location)
     elif kind in ("nobody", "unknown-wait") and chain.steps and chain.steps[-1][1].what == "a lock":
         kind = "lock-wait"
-    return kind, told.sentence, told.where
+    elif kind == "unknown-wait" and len(chain.steps) == 1 and "child processes" in chain.steps[0][1].what:
+        edge = chain.steps[0][1]
+        return ("waiting-on-children", f"waiting for its child processes in {edge.at or edge.what}; none was captured "
+                "and no exit of one was recorded", told.location)
+    return kind, sentence, told.location
 
 
-def _best(found: list[waitfor.Chain]) -> waitfor.Chain:
-    return found[0]
-
-
-def _group_deadlock(graph: Graph, pid: int) -> str:
-    """Threads that each wait for a lock, none running: a deadlock whose locks the stacks do not name."""
+def _group_deadlock(graph: Graph, pid: int) -> tuple[str, str | None]:
+    """Threads that each wait for a lock, none running: a deadlock whose locks the stacks do not name
+    (listed in the order they were started: thread ids grow)."""
     prefix = process_graph.key(pid)
-    waiting = [graph.parties[k] for k, edges in graph.edges.items()
+    waiting = [(k, graph.parties[k]) for k, edges in graph.edges.items()
                if k.split("/")[0] == prefix and any(e.what == "a lock" for e in edges)]
-    named = [f"{p.label.removeprefix('thread ')} ({p.where.replace(' (', ', ', 1) if p.where else '?'}" for p in waiting]
-    return ("deadlock between threads " + (", ".join(named[:-1]) + " and " + named[-1] if len(named) > 1 else named[0])
-            + ", each waiting for a lock and none running (which lock each holds is not in the stacks)")
+    waiting.sort(key=lambda kp: int(kp[0].rsplit("/t", 1)[1]) if "/t" in kp[0] else pid)
+    named = [f"{p.label.removeprefix('thread ')} ({p.where.replace(' (', ', ', 1) if p.where else '?)'}" for _, p in waiting]
+    text = "deadlock between threads " + (", ".join(named[:-1]) + " and " + named[-1] if len(named) > 1 else named[0])
+    return text, waiting[0][1].location if waiting else None
 
 
 def judge_evidence(pdir: Path, ev: evidence.Evidence, known: dict[str, Any] | None = None,
@@ -151,7 +165,7 @@ def judge_evidence(pdir: Path, ev: evidence.Evidence, known: dict[str, Any] | No
                                               f"runs; {stream_deadlock.WHAT_TO_LOOK_AT}")
         return verdict("waiting-on-gpu", f"host blocked in {call}{gpu_busy}")
     if graph is not None and pid is not None:
-        told = graph_verdict(graph, pid)
+        told = graph_verdict(graph, pid, child=bool(proc.get("role")) and proc.get("parent") is not None)
         if told is not None:
             kind, detail, where = told
             return verdict(kind, detail, where or location)
@@ -214,7 +228,8 @@ def analyze(incident: Path) -> Analysis:
                        f"{', '.join(str(v.rank) for v in lost)}: {lost[0].detail}, so the one that did not join is there.")
         elif odd is not None:
             culprits.append(Culprit(odd.rank, odd.pid, f"{odd.verdict}: {odd.detail}", odd.location))
-            summary = (f"{_who(odd)} is the odd one out: {odd.detail} at {odd.location or 'an unknown place'}, "
+            at = "" if odd.verdict in _LEADS_WITH_ITSELF else f" at {odd.location or 'an unknown place'}"
+            summary = (f"{_who(odd)} is the odd one out: {odd.detail}{at}, "
                        f"while the other ranks are {Counter(v.verdict for v in ranks if v is not odd).most_common(1)[0][0]}.")
         elif len(ranks) > 1 and len({v.verdict for v in ranks}) == 1 and ranks[0].verdict == "in-collective":
             summary = (f"Every rank here waits in the same collective ({ranks[0].collective}): the cause is outside "

@@ -39,8 +39,11 @@ class Party:
     label: str  # how a person names it: "thread fetcher", "worker 2 (pid 17537)", "rank 1"
     state: str = WAITS
     where: str | None = None  # "fetch_config (join_chain_pipe.py:28)": its innermost frame of the program's own
-    doing: str | None = None  # for a live or gone party: "is blocked reading a pipe", "was killed by SIGKILL at 10:02:03"
+    doing: str | None = None  # for a live party, what it does: "reading a pipe", "sleeping"; for a gone one, how it went
     culprit: str | None = None  # the function to blame when this party is the root (the code, not the wait)
+    location: str | None = None  # ``where`` with the file's whole path (the verdict's location)
+    pid: int | None = None  # the process it is (or is a thread of)
+    main: bool = False  # the process's main thread (or the process itself)
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class Edge:
     unknown: str | None = None  # with no holder and no ``nobody``: why it cannot be known
     how: str = ""  # the evidence: "native frames", "introspection", "pipe ends in /proc/*/fd", ...
     sure: bool = True  # False where it is inferred (by elimination, by name)
+    at: str | None = None  # where the waiter waits, as a person says it: "Queue.get (train.py:15)"
 
 
 @dataclass
