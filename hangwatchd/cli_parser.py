@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 Command = Callable[[argparse.Namespace], int]
+DEFAULT_LIMIT = 100  # incidents `hangwatchd incidents` lists without --limit
 
 
 # -- the parser ------------------------------------------------------------
@@ -76,6 +77,40 @@ def _duration(text: str) -> float:
         return parse_duration(float(text) if _is_number(text) else text)
     except Invalid as exc:
         raise argparse.ArgumentTypeError(f"{text!r}: expected {exc}") from None
+
+
+_AGE = re.compile(r"([0-9]+(?:\.[0-9]*)?)\s*(s|m|h|d|w)?")
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400, None: 1}
+
+
+def _since(text: str) -> float:
+    """argparse type for --since: a Unix time from an age ("90m", "2h", "7d": that long ago) or a
+    time in ISO 8601 ("2026-11-29", "2026-11-29T19:00", "...Z", "...+02:00"), UTC unless it says."""
+    import time
+
+    age = _AGE.fullmatch(text.strip())
+    if age:
+        return time.time() - float(age.group(1)) * _AGE_UNITS[age.group(2)]
+    import datetime
+
+    try:
+        when = datetime.datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a time (2026-11-29T19:00, UTC unless it names a zone) "
+                                         "or an age (90m, 2h, 7d)") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return when.timestamp()
+
+
+def _limit(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number, 0 for no limit")
+    return n
 
 
 def _is_number(text: str) -> bool:
@@ -166,13 +201,23 @@ def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
 
     i = _command(sub, "incidents", commands["incidents"], "stored incidents, newest first",
                  "List the incidents in the state dir, newest first: id, time, reason, job, pids and a one-line summary. "
+                 "A listing cut at its --limit ends with how many more there are and the command for the next page. "
                  "With --store, list the job incidents of a shared store across nodes.",
-                 ["hangwatchd incidents", "hangwatchd incidents --state-dir /var/lib/hangwatchd --json",
+                 ["hangwatchd incidents", "hangwatchd incidents --since 2h --job llama",
+                  "hangwatchd incidents --limit 0 --since 2026-11-29 --json",
                   "hangwatchd incidents --store s3://hangwatchd-incidents/prod --job llama"],
                  [dirs, as_json])
     i.add_argument("--store", metavar="s3://BUCKET/PREFIX",
                    help="list job incidents across nodes from this shared store (default: this node's state dir)")
     i.add_argument("--job", help="only this job's incidents, here or with --store (default: every job)")
+    i.add_argument("--limit", type=_limit, metavar="N",
+                   help=f"at most N incidents, the newest; 0 for every one (default: {DEFAULT_LIMIT})")
+    i.add_argument("--since", type=_since, metavar="TIME",
+                   help="only incidents from TIME on: a time (2026-11-29T19:00, UTC unless it names a zone) or an "
+                        "age (90m, 2h, 7d) (default: any time)")
+    i.add_argument("--before", metavar="ID",
+                   help="only incidents older than incident ID: the next page of a listing that ended at ID "
+                        "(default: from the newest)")
 
     sh = _command(sub, "show", commands["show"], "the report of one incident",
                   "Print one incident: the verdict, each process's capture steps and stacks, the analysis across "
