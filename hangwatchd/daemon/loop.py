@@ -41,6 +41,7 @@ from ..detect.stack import BLOCKING, IDLE
 from ..fleet.agent import Agent
 from ..host.notify import notify, watchdog_interval
 from ..host.user_limits import Budgets, UserLimits
+from ..incidents import heal
 from ..incidents.retention import Retention
 from ..incidents.spool import SPOOL_DIR, Spool
 from ..incidents.store import Store, StoreWriteError
@@ -139,7 +140,7 @@ class Daemon:
         cfg = self.config
         Path(cfg.runtime_dir).mkdir(parents=True, exist_ok=True)
         self.lock.acquire()  # first: a second daemon must not touch the first one's store or files
-        full = self.store.open()
+        full = heal.open_healed(self.store, self.metrics, lambda: self.stopping)  # a corrupt or lost index rebuilt
         if full:
             log.error("store_write_failed", error=full)
         sandbox.configure(sandbox.Limits(cfg.symbolize_cpu_seconds, int(cfg.symbolize_memory_mb), cfg.symbolize_timeout))
