@@ -107,6 +107,7 @@ class Daemon:
         self.workers.act = act.Acting(Path(cfg.runtime_dir), cfg.on_hang, cfg.abort_grace, self.metrics)
         self.sampler = Sampler(cfg.pyspy_timeout, cfg.pyspy_samples_per_uid, self.limits, self._wake, self.metrics)
         self.lock = InstanceLock(Path(cfg.runtime_dir))
+        self.state_lock = InstanceLock(Path(cfg.state_dir), "state dir", "--state-dir", says=str(cfg.runtime_dir))
         self.node_health = NodeHealth(Path(cfg.runtime_dir), self.metrics)  # GPU faults (XIDs), health.json
         # New GPU processes within seconds, found on a thread of its own (watch/discovery.py).
         self.discovery = Discovery(cfg.discover_devices, cfg.discover_interval, self._wake) if cfg.discover else None
@@ -140,6 +141,9 @@ class Daemon:
         cfg = self.config
         Path(cfg.runtime_dir).mkdir(parents=True, exist_ok=True)
         self.lock.acquire()  # first: a second daemon must not touch the first one's store or files
+        unlocked = self.state_lock.acquire()  # and one daemon per state dir, whatever its runtime dir
+        if unlocked:
+            log.error("state_dir_not_locked", error=unlocked)
         full = heal.open_healed(self.store, self.metrics, lambda: self.stopping)  # a corrupt or lost index rebuilt
         if full:
             log.error("store_write_failed", error=full)
@@ -239,6 +243,7 @@ class Daemon:
             sandbox.stop()  # the symboliser's helpers and their temporary directory, before systemd kills them
             self.status.remove()
             self.node_health.stop()
+            self.state_lock.release()
             self.lock.release()
         return 0
 
