@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -37,6 +36,8 @@ class _Formatter(argparse.HelpFormatter):
         return _fill_defaults(super()._expand_help(action))
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
+        import textwrap  # here: only help is filled, and every command would pay for it
+
         return "\n".join(line if not line or line.startswith("  ") else
                          textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent)
                          for line in text.splitlines())

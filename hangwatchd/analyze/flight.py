@@ -7,8 +7,6 @@ a class, so a hostile file is refused, not executed.
 
 from __future__ import annotations
 
-import io
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,9 +14,17 @@ from typing import Any
 MAX_BYTES = 256 << 20
 
 
-class _PlainData(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name}: the trace must be plain data")
+def _plain_data(raw: bytes) -> Any:
+    """Unpickle plain data only. pickle is imported here, when a trace is read: `hangwatchd show`
+    of an incident without one (most) does not pay for it."""
+    import io
+    import pickle
+
+    class PlainData(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name}: the trace must be plain data")
+
+    return PlainData(io.BytesIO(raw)).load()
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,7 @@ def read(path: Path) -> tuple[FlightRecord | None, str | None]:
 def parse(raw: bytes) -> tuple[FlightRecord | None, str | None]:
     """``read`` of bytes already read (never raises, never runs code)."""
     try:
-        data = _PlainData(io.BytesIO(raw)).load()
+        data = _plain_data(raw)
     except Exception as exc:  # a hostile or torn pickle can raise nearly anything; it is only data we could not read
         return None, f"not a flight-recorder trace ({type(exc).__name__}: {str(exc)[:100]})"
     if not isinstance(data, dict):
