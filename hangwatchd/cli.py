@@ -428,8 +428,9 @@ COMMANDS = {"daemon": cmd_daemon, "run": cmd_run, "status": cmd_status, "inciden
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser(COMMANDS)
-    args = parser.parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(COMMANDS, only=given[0] if given and given[0] in COMMANDS else None)
+    args = parser.parse_args(given)
     try:
         return int(args.func(args))
     except Exception as exc:
