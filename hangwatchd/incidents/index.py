@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    import sqlite3  # imported where the index is opened: `show ID` of a whole id never opens it
 
 INDEX = "index.sqlite"
 INCIDENTS = "incidents"
+WHOLE_ID = re.compile(r"[0-9]{8}T[0-9]{6}Z-[0-9a-f]{6}")  # store.new_id's: names its directory alone
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS incidents (
@@ -83,6 +87,8 @@ def reading(index: Path) -> Iterator[sqlite3.Connection]:
     """The index for reading, also where it cannot be written: by a user who may not write
     the state dir (``hangwatchd incidents`` as the owner of an incident), or on a full disk.
     Read-only, and where SQLite cannot make its shared-memory file, an immutable snapshot."""
+    import sqlite3
+
     db: sqlite3.Connection | None = None
     if os.access(index.parent, os.W_OK):
         db = sqlite3.connect(index, timeout=10, isolation_level=None)
@@ -119,6 +125,8 @@ class Index:
         from ``since`` (a Unix time) on, of ``job``, older than incident ``before``. A user who is
         not root sees the incidents they may open (their own, see ``permissions``).
         StoreError when the index cannot be read."""
+        import sqlite3
+
         if not self.path.exists():
             self._missing()
             return Page([], 0)
@@ -167,10 +175,16 @@ class Index:
                 "processes": json.loads(r[6]), "summary": r[7], "pending": r[8] or 0, "dir": str(self.dir / r[0])}
 
     def find(self, prefix: str) -> Path | None:
-        """The directory of a listed incident, by id or unique prefix (the index's own order, so
-        any stored incident, however old). StoreError when the index cannot be read."""
+        """The directory of a stored incident, by id or unique prefix: a whole id names its
+        directory (stored once its incident.json is there); a prefix is looked up in the index,
+        by its own order, so any stored incident, however old. StoreError when the index cannot
+        be read."""
         if not prefix or "/" in prefix or prefix.startswith(".") or "\0" in prefix:
             return None
+        if WHOLE_ID.fullmatch(prefix) and (self.dir / prefix / "incident.json").is_file():
+            return self._readable(self.dir / prefix)
+        import sqlite3
+
         if not self.path.exists():
             self._missing()
             return None
@@ -181,9 +195,10 @@ class Index:
                     (prefix, prefix + "\U0010ffff"))]
         except sqlite3.Error as exc:
             raise unreadable(self.path, exc) from None
-        if len(ids) != 1:
-            return None
-        path = self.dir / ids[0]
+        return self._readable(self.dir / ids[0]) if len(ids) == 1 else None
+
+    @staticmethod
+    def _readable(path: Path) -> Path | None:
         if os.geteuid() != 0 and not os.access(path, os.R_OK | os.X_OK):
             return None  # another user's: not theirs to know of
         return path
