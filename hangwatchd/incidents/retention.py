@@ -106,12 +106,13 @@ def enforce(store: Store, limits: Limits, now: float | None = None, stop: thread
 
 
 def _drop_dump(dump: Path) -> int:
-    """Remove a raw dump, leaving a note where it was; the bytes the note takes."""
+    """Remove a raw dump, leaving a note where it was; the bytes the note added."""
     dump.unlink(missing_ok=True)
     note = dump.parent / DUMP_NOTE
+    before = footprint.allocated(str(note))
     with open(note, "a") as f:
         f.write("the raw dump was removed by retention; symbolized.json keeps what it said\n")
-    return footprint.allocated(str(note))
+    return footprint.allocated(str(note)) - before
 
 
 def drop_stale_driver_logs(directory: Path, now: float | None = None) -> None:

@@ -256,12 +256,17 @@ class Store:
             pass  # a row left 'capturing' is never listed; adopt() or recover() settles it
 
     def adopt(self, src: Path, row: dict[str, Any]) -> Path:
-        """Store a report assembled elsewhere (the spool): copy it in, then index it, all or nothing."""
+        """Store a report assembled elsewhere (the spool): copy it in, then index it, all or nothing.
+        Again after a crash cut it short: a copy already indexed (heal finishes a lost index's
+        drafts) is the report stored; one that is not is replaced."""
         incident_id = row["id"]
         partial = self.dir / f".partial-{incident_id}"
         final = self.dir / incident_id
+        if final.is_dir() and self._indexed(incident_id):
+            return final
         try:
             shutil.rmtree(partial, ignore_errors=True)
+            shutil.rmtree(final, ignore_errors=True)  # not indexed: a copy a crash left behind
             shutil.copytree(src, partial, symlinks=True)
             permissions.restrict(partial, row.get("uids") or [])
             partial.replace(final)

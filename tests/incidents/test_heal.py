@@ -107,3 +107,26 @@ def test_the_index_is_made_to_match_the_directories(tmp_path: Path) -> None:
     assert not recovered["complete"] and recovered["summary"] == "interrupted by a daemon restart"
     assert (store.dir / "20261129T192301Z-abcdef" / "77" / "proc.json").exists()
     assert heal.reconcile(store) == heal.Healed(None, None, 0, 0)
+
+
+def test_a_report_the_spool_was_storing_when_the_daemon_died_is_stored_once(tmp_path: Path) -> None:
+    """The crash between adopt's copy and its index row left a draft with the report: heal makes it
+    an incident at the next start, and the spool's flush then finds it stored instead of failing."""
+    import shutil
+
+    from hangwatchd.incidents.spool import Spool
+
+    store = Store(tmp_path / "state")
+    store.open()
+    spool = Spool(tmp_path / "run" / "spool")
+    draft = spool.begin("heartbeat", "train", [9])
+    (draft.path / "9").mkdir()
+    (draft.path / "9" / "pyspy.json").write_text("{}")
+    kept = spool.keep(draft, {"id": draft.id, "time": draft.time, "reason": "heartbeat", "job": "train",
+                              "complete": True, "processes": [{"pid": 9}]}, "blocked (no beat)")
+    assert kept is not None
+    shutil.copytree(kept, store.dir / f".partial-{draft.id}")  # where adopt had got to
+    assert heal.reconcile(store).indexed == 1
+    assert spool.flush(store) == [draft.id] and spool.pending() == []
+    (inc,) = store.list()
+    assert inc["id"] == draft.id and (Path(inc["dir"]) / "9" / "pyspy.json").exists()
