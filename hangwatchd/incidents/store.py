@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import permissions
-from .index import INCIDENTS, INDEX, SCHEMA, Index, Page, StoreError, corrupt, unreadable
+from .index import INCIDENTS, INDEX, REBUILT_AT_START, SCHEMA, Index, Page, StoreError, corrupt, unreadable
 
 if TYPE_CHECKING:
     from ..model import Incident
@@ -35,6 +35,8 @@ class StoreWriteError(StoreError):
 
 
 def _write_failure(root: Path, exc: BaseException) -> StoreWriteError:
+    if isinstance(exc, sqlite3.Error) and corrupt(exc):
+        return StoreWriteError(f"the incident index {root / INDEX} is corrupt ({exc}); {REBUILT_AT_START}")
     return StoreWriteError(f"cannot write to the state dir {root} ({exc}); is it full? (df {root})")
 
 

@@ -130,3 +130,17 @@ def test_a_report_the_spool_was_storing_when_the_daemon_died_is_stored_once(tmp_
     assert spool.flush(store) == [draft.id] and spool.pending() == []
     (inc,) = store.list()
     assert inc["id"] == draft.id and (Path(inc["dir"]) / "9" / "pyspy.json").exists()
+
+
+def test_capture_by_hand_on_a_corrupt_index_names_it_in_one_line(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    fill(state, 2, file_bytes=0)
+    not_a_database(state / "index.sqlite")
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        res = hangwatchd("capture", str(victim.pid), "--state-dir", str(state), "--runtime-dir", str(tmp_path / "run"))
+    finally:
+        stop(victim)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    (line,) = res.stderr.strip().splitlines()
+    assert f"the incident index {state / 'index.sqlite'} is corrupt" in line and "restart" in line
