@@ -4,10 +4,8 @@ How fast a pass is over 10,000 incidents is bench/incidents_scale.py's to say.""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import sqlite3
 import threading
 import time
 from pathlib import Path
