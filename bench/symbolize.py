@@ -16,10 +16,17 @@ against cold. Without cuda-gdb (the CPU box) the baseline is `python -c pass`, a
 fresh interpreter, in the same run, and the target is the fresh command's wall time.
 The daemon's own path (a limited child forked from a warm fork server) is shown beside
 it, labelled, never compared with a fresh cuda-gdb.
+
+Issue 33: NCCL's hang dumps hold ~39,000 sections (each lane's registers, predicates and
+backtrace) and took 3.5x the time and memory of the others. Without such a dump here, the
+default run makes one from the cpp_hang fixture (tests/cudacore/section_heavy.py: 392 warps,
+39,621 sections, padded to 123 MB like the real ones) and measures it against cpp_hang itself,
+the same way in the same run: within HEAVY_RATIO of its time, under HEAVY_MB peak RSS.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -34,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from hangwatchd.cudacore import sandbox  # noqa: E402
 from hangwatchd.cudacore.cudagdb import find_cuda_gdb  # noqa: E402
 from hangwatchd.cudacore.source import raw_path  # noqa: E402
+from tests.cudacore.section_heavy import section_heavy  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from _figures import Figure, Spread, judged, report  # noqa: E402
@@ -42,6 +50,8 @@ FIXTURES = ROOT / "tests" / "fixtures" / "gpu"
 RUNS = 5
 TARGET = 2.0  # issue 21: hangwatchd symbolize at least twice as fast as cuda-gdb, fresh against fresh
 CPU_S = 0.5  # without cuda-gdb: the whole fresh command's wall time, warm
+HEAVY_RATIO = 2.0  # issue 33: a section-heavy dump within twice the time of the small one it was made from
+HEAVY_MB = 25.0  # ... and under this peak RSS
 
 
 def cuda_gdb_argv(tool: str, dump: Path) -> list[str]:
@@ -67,16 +77,27 @@ def drop_bytecode() -> None:
         shutil.rmtree(cache, ignore_errors=True)
 
 
+# Each command is started by a bare interpreter that times it: a child's peak RSS as the
+# kernel reports it is at least its parent's peak when it was started (exec keeps the larger),
+# and this bench's own peak (the modules it imports, a dump it made) is no command's.
+STARTER = """
+import os, sys, time
+start = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.argv[1], sys.argv[1:])
+_, status, usage = os.wait4(pid, 0)
+print(time.perf_counter() - start, usage.ru_maxrss, os.waitstatus_to_exitcode(status))
+"""
+
+
 def once(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
     """Wall seconds and peak RSS (MB) of one fresh process; exits the bench when it fails."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
-    took = time.perf_counter() - start
-    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{argv[0]} failed on {argv[-1]}: {err[-500:]}")
-    return took, usage.ru_maxrss / 1024
+    res = subprocess.run([sys.executable, "-c", STARTER, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    took, maxrss, code = res.stdout.split()[-3:]
+    if int(code) != 0:
+        raise SystemExit(f"{argv[0]} failed on {argv[-1]}: {res.stderr.decode(errors='replace')[-500:]}")
+    return float(took), int(maxrss) / 1024
 
 
 def cold_and_warm(argv: list[str], dump: Path, env: dict[str, str], ours: bool) -> tuple[float, Spread, float]:
@@ -104,6 +125,24 @@ def child(path: Path) -> Spread:
     return Spread(tuple(times))
 
 
+def heavy_figure(tmp: Path, env: dict[str, str], small: Spread, small_mb: float) -> Figure:
+    """A dump shaped like NCCL's (40,000 sections) against the fixture it was made from."""
+    small_dump = (tmp / "cpp_hang.nvcudmp").read_bytes()
+    made = section_heavy(small_dump)
+    raw = tmp / "nccl_like.nvcudmp"
+    raw.write_bytes(made.data)
+    made = dataclasses.replace(made, data=b"")  # this bench's memory is nobody's measure, but keep it small
+    _cold, warm, mb = cold_and_warm(ours_argv(raw), raw, env, ours=False)
+    ratio = warm.best / small.best
+    noise = ratio * (warm.spread / warm.best + small.spread / small.best)
+    ok, noisy = judged(ratio, noise, HEAVY_RATIO)
+    return Figure(f"section-heavy, like NCCL's (made from cpp_hang: {made.warps} warps, {made.sections} sections, "
+                  f"{raw.stat().st_size / 1e6:.1f} MB)",
+                  f"fresh `hangwatchd symbolize --json`: warm {warm.text()}, {mb:.0f} MB peak RSS: {ratio:.2f}x the time",
+                  f"cpp_hang ({int.from_bytes(small_dump[0x3C:0x3E], 'little')} sections) in the same run: warm {small.text()}, {small_mb:.0f} MB peak RSS",
+                  f"within {HEAVY_RATIO:g}x the time, < {HEAVY_MB:g} MB", ok and mb < HEAVY_MB, noisy and mb < HEAVY_MB)
+
+
 def dumps(args: list[str]) -> list[tuple[str, Path]]:
     if args:
         return [((Path(a).parent.name if Path(a).name.startswith("coredump.") else Path(a).name.split(".")[0])[:20], Path(a))
@@ -124,6 +163,7 @@ def main() -> None:
     bare = cold_and_warm([sys.executable, "-c", "pass"], Path(sys.executable).resolve(), env, ours=False)[1]
     sandbox.start()
     figures = []
+    measured: dict[str, tuple[Spread, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for label, src in dumps(args):
             raw = Path(tmp) / f"{label}.nvcudmp"
@@ -131,6 +171,7 @@ def main() -> None:
                 shutil.copyfileobj(fin, fout, 1 << 20)
             what = f"{label} ({raw.stat().st_size / 1e6:.1f} MB)"
             cold, warm, mb = cold_and_warm(ours_argv(raw), raw, env, ours=True)
+            measured[label] = (warm, mb)
             daemon = child(raw)
             figure = (f"fresh `hangwatchd symbolize --json`: warm {warm.text()}, cold {cold:.3f} s, {mb:.0f} MB peak RSS; "
                       f"(the daemon's forked child: {daemon.best:.3f} s)")
@@ -151,6 +192,8 @@ def main() -> None:
                 ok, noisy = judged(warm.best, warm.spread, CPU_S)
                 figures.append(Figure(what, figure, f"cuda-gdb not here; a bare fresh `python -c pass`: {bare.text()}",
                                       f"fresh `symbolize` within {CPU_S:g} s (warm)", ok, noisy))
+        if not args:
+            figures.append(heavy_figure(Path(tmp), env, *measured["cpp_hang"]))
     sandbox.stop()
     ok = report(name, figures, note=f"best of {RUNS} warm runs after one cold run, each side the same way",
                 command="python bench/symbolize.py" + (f" --name {name}" if name != "symbolize" else "") + (" DUMP..." if args else ""))

@@ -3,32 +3,37 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .cli_parser import build_parser, show_target
+from .cli_parser import DEFAULT_LIMIT, build_parser, show_target
 
 # What each kind of user error is, by the module that raises it: looked up only in modules
 # a command has imported (one that was never imported raised nothing), so that no command
 # pays for the others' imports (`symbolize` must not load structlog, prometheus_client or the store).
 USAGE_ERRORS = (("hangwatchd.cudacore.errors", "CoreDumpError"), ("hangwatchd.config", "ConfigError"),
                 ("hangwatchd.metrics", "AddressError"))
-FAILURES = (("hangwatchd.incidents.store", "StoreError"),)
+FAILURES = (("hangwatchd.incidents.index", "StoreError"),)
+SPOOL = ("spool", ".row.json")  # the daemon's spool dir and its rows (incidents.spool), looked at before importing it
 
 
 def _loaded(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ...]:
     return tuple(getattr(sys.modules[m], n) for m, n in names if m in sys.modules)
 
 
-def client_runtime_dir() -> Path:
-    from .config import client_runtime_dir as runtime_dir
+# config's, named here without importing it (its settings cost `hangwatchd incidents` a third
+# of its run); tests/test_cli.py holds them equal.
+RUNTIME_DIR_ENV, DEFAULT_RUNTIME_DIR = "HANGWATCHD_RUNTIME_DIR", "/run/hangwatchd"
 
-    return runtime_dir()
+
+def client_runtime_dir() -> Path:
+    """Where the running daemon's runtime dir is, as a workload finds it (config.client_runtime_dir)."""
+    return Path(os.environ.get(RUNTIME_DIR_ENV) or DEFAULT_RUNTIME_DIR)
 
 
 class UsageError(Exception):
@@ -47,6 +52,8 @@ def _print_json(obj: object) -> None:
 # -- symbolize -------------------------------------------------------------
 
 def cmd_symbolize(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from .cudacore.symbolize import symbolize
 
     result = symbolize(args.dump, chains=args.chains)
@@ -213,6 +220,8 @@ def _analyze_store(args: argparse.Namespace) -> int:
 # -- check -----------------------------------------------------------------
 
 def cmd_check(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from . import check, config
 
     dirs, daemon = _daemon_dirs(args)
@@ -314,12 +323,25 @@ def _daemon_dirs(args: argparse.Namespace) -> tuple[dict[str, str | None], dict[
             "dump_dir": getattr(args, "dump_dir", None) or theirs.get("dump_dir")}, info
 
 
-def _store(args: argparse.Namespace) -> Any:
-    from . import config
-    from .incidents.store import Store
+def _index(args: argparse.Namespace) -> Any:
+    """The incident index of the state dir asked for: --state-dir, else the running daemon's,
+    else the default. A state dir that does not exist is bad usage, said in one line."""
+    from .incidents.index import Index
 
-    state_dir = _daemon_dirs(args)[0]["state_dir"] or config.Config().state_dir
-    return Store(state_dir)
+    state_dir = _daemon_dirs(args)[0]["state_dir"]
+    if not state_dir:
+        from . import config  # the default: only where neither a flag nor a running daemon says
+
+        state_dir = config.Config().state_dir
+    if not os.path.isdir(state_dir):
+        why = "does not exist" if not os.path.lexists(state_dir) else "is not a directory"
+        raise UsageError(f"state dir {state_dir} {why}; pass --state-dir with the daemon's state dir "
+                         "('hangwatchd status' names it)")
+    return Index(state_dir)
+
+
+def _runtime_dir(args: argparse.Namespace) -> Path:
+    return Path(args.runtime_dir) if getattr(args, "runtime_dir", None) else client_runtime_dir()
 
 
 def _store_incidents(args: argparse.Namespace) -> int:
@@ -339,45 +361,74 @@ def _store_incidents(args: argparse.Namespace) -> int:
         return 0
     sys.stdout.write(tables.job_incidents(items))
     return 0
-def _list(store: Any) -> list[dict[str, Any]]:
-    from .incidents.store import StoreError
-
+def _waiting(args: argparse.Namespace) -> list[Path]:
+    """Reports the daemon keeps in its spool while the state dir has no room, oldest first."""
+    spool_dir = _runtime_dir(args) / SPOOL[0]
     try:
-        return store.list()  # type: ignore[no-any-return]
-    except StoreError as exc:  # a full or broken disk: one line, not a traceback
-        raise Failure(str(exc)) from None
+        if not any(n.endswith(SPOOL[1]) for n in os.listdir(spool_dir)):
+            return []  # none: the spool's module (and the daemon's imports) not loaded for nothing
+    except OSError:
+        return []
+    from .incidents.spool import Spool
 
-
-def _pending(args: argparse.Namespace) -> Any:
-    """The daemon's spool of reports waiting for room in the state dir."""
-    from .incidents.spool import SPOOL_DIR, Spool
-
-    return Spool((Path(args.runtime_dir) if getattr(args, "runtime_dir", None) else client_runtime_dir()) / SPOOL_DIR)
+    return Spool(spool_dir).pending()
 
 
 def cmd_incidents(args: argparse.Namespace) -> int:
-    from .report import tables
-
     if args.store:
+        if args.since is not None or args.before or args.limit is not None:
+            raise UsageError("incidents --store: --limit, --since and --before page this node's incidents; "
+                             "with --store give --job JOB or nothing")
         return _store_incidents(args)
-    store = _store(args)
-    items = [i for i in _list(store) if not args.job or i.get("job") == args.job]
-    waiting = _pending(args).pending()
-    note = (f"{len(waiting)} incidents wait for room in {store.root} (kept in {waiting[0].parent}); "
+    index = _index(args)
+    limit = DEFAULT_LIMIT if args.limit is None else args.limit or None
+    page = index.page(limit, args.since, args.job, args.before)
+    waiting = _waiting(args)
+    note = (f"{len(waiting)} incidents wait for room in {index.root} (kept in {waiting[0].parent}); "
             "they are listed once it has room") if waiting else ""
-    if note and not items and not args.json:
-        print(f"no incidents stored in {store.root}; {note}")
+    if note and not page.items and not args.json:
+        print(f"no incidents stored in {index.root}; {note}")
         return 0
     if note:  # on stderr: --json and the table stay what they are
         print(f"hangwatchd: {note}", file=sys.stderr)
+    more = _more(args, page) if page.more else ""
     if args.json:
-        _print_json(items)
+        _print_json(page.items)
+        if more:
+            print(f"hangwatchd: {more}", file=sys.stderr)
         return 0
-    if not items:
-        print(f"no incidents in {store.root}" + (f" for job {args.job}" if args.job else ""))
+    if not page.items:
+        print(f"no incidents in {index.root}" + (f" for job {args.job}" if args.job else "")
+              + (" in that time" if args.since is not None else "") + (f" before {args.before}" if args.before else ""))
         return 0
-    sys.stdout.write(tables.incidents(items))
+    from .report import tables
+
+    sys.stdout.write(tables.incidents(page.items))
+    if more:
+        print(more)
     return 0
+
+
+def _more(args: argparse.Namespace, page: Any) -> str:
+    """What a listing cut at its limit left out, and the command for the next page."""
+    again = ["hangwatchd incidents", "--before", page.items[-1]["id"]]
+    since = None
+    if args.since is not None:  # as a time, not an age: the next page is the same list, however much later
+        import datetime
+
+        since = datetime.datetime.fromtimestamp(args.since, datetime.timezone.utc).isoformat()
+    for flag, value in (("--state-dir", args.state_dir), ("--runtime-dir", args.runtime_dir), ("--job", args.job),
+                        ("--since", since), ("--limit", args.limit)):
+        if value is not None:
+            again += [flag, _quoted(str(value))]
+    return (f"{page.more} older incident{'s' if page.more != 1 else ''} not listed (newest first, "
+            f"{len(page.items)} shown); the next: {' '.join(again)}")
+
+
+def _quoted(text: str) -> str:
+    import shlex
+
+    return shlex.quote(text)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -385,14 +436,14 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.id is None:
         raise UsageError("show: give the incident's ID ('hangwatchd incidents' lists them); "
                          "usage: hangwatchd show ID [--html [FILE]]")
-    store = _store(args)
-    _list(store)  # an unreadable index says so in one line
-    path = store.path_of(args.id)
-    if path is None and _pending(args).find(args.id):
-        raise Failure(f"incident {args.id} waits for room in the state dir {store.root} (its report is kept in "
-                      f"{_pending(args).find(args.id)}); it is stored, and shown here, once the disk has room")
+    index = _index(args)
+    path = index.find(args.id)
     if path is None:
-        raise UsageError(f"no incident '{args.id}' in {store.root}; 'hangwatchd incidents' lists them")
+        waiting = next((p for p in _waiting(args) if p.name.startswith(args.id)), None)
+        if waiting is not None:
+            raise Failure(f"incident {args.id} waits for room in the state dir {index.root} (its report is kept in "
+                          f"{waiting}); it is stored, and shown here, once the disk has room")
+        raise UsageError(f"no incident '{args.id}' in {index.root}; 'hangwatchd incidents' lists them")
     return _print_incident(args, path)
 
 
@@ -451,8 +502,9 @@ def _not_here(command: str, exc: ModuleNotFoundError) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser(COMMANDS)
-    args = parser.parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(COMMANDS, only=given[0] if given and given[0] in COMMANDS else None)
+    args = parser.parse_args(given)
     if sys.version_info < (3, 11) and args.command not in JOB_SIDE_COMMANDS:
         import platform
 

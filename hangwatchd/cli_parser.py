@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import re
-import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 Command = Callable[[argparse.Namespace], int]
+DEFAULT_LIMIT = 100  # incidents `hangwatchd incidents` lists without --limit
 
 
 # -- the parser ------------------------------------------------------------
@@ -36,6 +36,8 @@ class _Formatter(argparse.HelpFormatter):
         return _fill_defaults(super()._expand_help(action))
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
+        import textwrap  # here: only help is filled, and every command would pay for it
+
         return "\n".join(line if not line or line.startswith("  ") else
                          textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent)
                          for line in text.splitlines())
@@ -78,6 +80,40 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r}: expected {exc}") from None
 
 
+_AGE = re.compile(r"([0-9]+(?:\.[0-9]*)?)\s*(s|m|h|d|w)?")
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400, None: 1}
+
+
+def _since(text: str) -> float:
+    """argparse type for --since: a Unix time from an age ("90m", "2h", "7d": that long ago) or a
+    time in ISO 8601 ("2026-11-29", "2026-11-29T19:00", "...Z", "...+02:00"), UTC unless it says."""
+    import time
+
+    age = _AGE.fullmatch(text.strip())
+    if age:
+        return time.time() - float(age.group(1)) * _AGE_UNITS[age.group(2)]
+    import datetime
+
+    try:
+        when = datetime.datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a time (2026-11-29T19:00, UTC unless it names a zone) "
+                                         "or an age (90m, 2h, 7d)") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return when.timestamp()
+
+
+def _limit(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number, 0 for no limit")
+    return n
+
+
 def _is_number(text: str) -> bool:
     try:
         float(text)
@@ -94,9 +130,21 @@ def show_target(args: argparse.Namespace) -> tuple[str | None, str | None]:
     return args.id, args.html
 
 
-def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
-    """The whole command line; ``commands`` maps each subcommand's name to the function that runs it."""
+class _Skipped:
+    """A subcommand not asked for: its flags are not made (``build_parser``'s ``only``)."""
+
+    def add_argument(self, *_args: object, **_kw: object) -> None:
+        pass
+
+
+def build_parser(commands: Mapping[str, Command], only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; ``commands`` maps each subcommand's name to the function that runs it.
+    ``only``: the subcommand the arguments name, the one parser made with its flags (the others
+    cost `hangwatchd incidents` 2 ms of its 40); None for all, as help and bad usage need."""
     from . import __version__
+
+    def command(name: str, *args: Any, **kw: Any) -> Any:
+        return _command(sub, name, *args, **kw) if only in (None, name) else _Skipped()
 
     p = _Parser(
         prog="hangwatchd", formatter_class=_Formatter,
@@ -120,7 +168,7 @@ def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
     config_file.add_argument("--config", metavar="FILE", help="TOML config file, every key optional; see "
                              "config/hangwatchd.toml (default: none, the built-in defaults)")
 
-    d = _command(sub, "daemon", commands["daemon"], "run the watchdog in the foreground (a systemd Type=notify service)",
+    d = command("daemon", commands["daemon"], "run the watchdog in the foreground (a systemd Type=notify service)",
                  "Watch every registered (and, with discover = true, every GPU) process; declare a hang when its "
                  "heartbeat or its stack stops; capture, explain and store an incident; serve /metrics. "
                  "Flags override the config file. Runs until SIGTERM.",
@@ -145,7 +193,7 @@ def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
     d.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                    help=f"the least severe events logged (default: {_default('log_level')})")
 
-    r = _command(sub, "run", commands["run"], "run a workload watched: hangwatchd run [options] -- CMD ...",
+    r = command("run", commands["run"], "run a workload watched: hangwatchd run [options] -- CMD ...",
                  "Start CMD with the CUDA coredump and PyTorch flight-recorder variables set (they only work when "
                  "set before CUDA starts) and register it with the daemon. CMD's exit status is this command's.",
                  ["hangwatchd run --heartbeat-timeout 5m -- python train.py",
@@ -168,23 +216,33 @@ def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
                                          f"else {_default('runtime_dir')})")
     r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]", help="the workload and its arguments")
 
-    _command(sub, "status", commands["status"], "every watched process: job, rank, state, last beat, timeout",
+    command("status", commands["status"], "every watched process: job, rank, state, last beat, timeout",
              "Ask the running daemon (through its runtime dir) what it watches: each process's job, rank, state, "
              "last beat, timeout (and where it came from) and incident.",
              ["hangwatchd status", "hangwatchd status --json | jq '.processes[] | select(.state != \"healthy\")'"],
              [dirs, as_json])
 
-    i = _command(sub, "incidents", commands["incidents"], "stored incidents, newest first",
+    i = command("incidents", commands["incidents"], "stored incidents, newest first",
                  "List the incidents in the state dir, newest first: id, time, reason, job, pids and a one-line summary. "
+                 "A listing cut at its --limit ends with how many more there are and the command for the next page. "
                  "With --store, list the job incidents of a shared store across nodes.",
-                 ["hangwatchd incidents", "hangwatchd incidents --state-dir /var/lib/hangwatchd --json",
+                 ["hangwatchd incidents", "hangwatchd incidents --since 2h --job llama",
+                  "hangwatchd incidents --limit 0 --since 2026-11-29 --json",
                   "hangwatchd incidents --store s3://hangwatchd-incidents/prod --job llama"],
                  [dirs, as_json])
     i.add_argument("--store", metavar="s3://BUCKET/PREFIX",
                    help="list job incidents across nodes from this shared store (default: this node's state dir)")
     i.add_argument("--job", help="only this job's incidents, here or with --store (default: every job)")
+    i.add_argument("--limit", type=_limit, metavar="N",
+                   help=f"at most N incidents, the newest; 0 for every one (default: {DEFAULT_LIMIT})")
+    i.add_argument("--since", type=_since, metavar="TIME",
+                   help="only incidents from TIME on: a time (2026-11-29T19:00, UTC unless it names a zone) or an "
+                        "age (90m, 2h, 7d) (default: any time)")
+    i.add_argument("--before", metavar="ID",
+                   help="only incidents older than incident ID: the next page of a listing that ended at ID "
+                        "(default: from the newest)")
 
-    sh = _command(sub, "show", commands["show"], "the report of one incident",
+    sh = command("show", commands["show"], "the report of one incident",
                   "Print one incident: the verdict, each process's capture steps and stacks, the analysis across "
                   "ranks. Each stored incident also holds this page as report.html.",
                   ["hangwatchd show 20261129T192301Z-854e77", "hangwatchd show 20261129T19 --html report.html",
@@ -198,7 +256,7 @@ def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
     sh.add_argument("--html", nargs="?", const="", metavar="FILE",
                     help="write one self-contained HTML page and print its path (default FILE: ./hangwatchd-ID.html)")
 
-    c = _command(sub, "capture", commands["capture"], "capture a process's evidence now, into a new incident",
+    c = command("capture", commands["capture"], "capture a process's evidence now, into a new incident",
                  "Run the capture steps on PID by hand, as the daemon does on a hang, and store an incident. "
                  "Without --gpu-dump the process keeps running.",
                  ["hangwatchd capture 4174", "hangwatchd capture --gpu-dump 4174"],
@@ -206,7 +264,7 @@ def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
     c.add_argument("pid", type=int, metavar="PID", help="the process to capture (yours, or any as root)")
     c.add_argument("--gpu-dump", action="store_true", help="also take a CUDA coredump (this ends the process)")
 
-    an = _command(sub, "analyze", commands["analyze"], "explain an incident directory: each rank's verdict, the rank that diverged",
+    an = command("analyze", commands["analyze"], "explain an incident directory: each rank's verdict, the rank that diverged",
                   "Read an incident directory (one subdirectory per process: pyspy.json, flight-recorder.pkl, "
                   "symbolized.json, ...) and say what each rank was doing and which one diverged. With --store and "
                   "--job, fetch the job's newest incident from every node and explain it as one.",
@@ -219,7 +277,7 @@ def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
                    help="analyse a job across nodes from this shared store, with --job (default: none, read DIR)")
     an.add_argument("--job", help="the job whose newest incident to fetch from every node, with --store (default: none)")
 
-    ck = _command(sub, "check", commands["check"], "can this node do the job? ptrace, py-spy, nvdisasm, NVML, dirs, port, inotify",
+    ck = command("check", commands["check"], "can this node do the job? ptrace, py-spy, nvdisasm, NVML, dirs, port, inotify",
                   "Check what the daemon needs on this node and say how to fix what is missing. "
                   "Exit status 1 when a required check fails.",
                   ["hangwatchd check", "hangwatchd check --config /etc/hangwatchd/hangwatchd.toml --json"],
@@ -228,7 +286,7 @@ def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
     ck.add_argument("--metrics-address", metavar="HOST:PORT",
                     help=f"the address to check is free (default: {_default('metrics_address')})")
 
-    h = _command(sub, "health", commands["health"], "is the node at fault? Node Problem Detector's custom plugin contract",
+    h = command("health", commands["health"], "is the node at fault? Node Problem Detector's custom plugin contract",
                  "One line on stdout and the exit status NPD's custom plugins use: 0 the node is fine, 1 the node is at "
                  "fault (a GPU that needs a reset or is lost, or hangwatchd cannot watch: not running, its loop stalled, "
                  "py-spy or ptrace unusable), 3 unknown. A job's own hang is never the node's fault: it is 0 here, and "
@@ -239,7 +297,7 @@ def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
     h.add_argument("--runtime-dir", help="the daemon's runtime dir (default: $HANGWATCHD_RUNTIME_DIR, "
                                          f"else {_default('runtime_dir')})")
 
-    s = _command(sub, "symbolize", commands["symbolize"], "explain a CUDA coredump: kernels, warps, exceptions, inline chains",
+    s = command("symbolize", commands["symbolize"], "explain a CUDA coredump: kernels, warps, exceptions, inline chains",
                  "Read a CUDA coredump (.nvcudmp) in pure Python: every kernel, every warp's PC grouped, each "
                  "exception with its source line and whole inline chain.",
                  ["hangwatchd symbolize core_node7.4174.nvcudmp", "hangwatchd symbolize --json dump.nvcudmp.zst | jq .exceptions"],

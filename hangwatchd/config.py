@@ -254,6 +254,8 @@ KEYS: dict[str, Key] = {
     "max_state_bytes": Key(50 * 2**30, parse_size, "the state dir's size bound (\"50GiB\", \"500MB\" or bytes): oldest dumps go first, then oldest incidents"),
     "dump_max_age_days": Key(7.0, _days, "raw GPU dumps older than this are deleted (their reports are kept)"),
     "incident_max_age_days": Key(90.0, _days, "incidents older than this are deleted, report and index entry too"),
+    "retention_interval": Key(600.0, _seconds, "seconds between retention passes (one also at start, and as soon as new "
+                              "incidents take the state dir past max_state_bytes)"),
     "max_registrations_per_uid": Key(64, _count, "processes one non-root user may have watched at once; more registrations are refused"),
     "pyspy_samples_per_uid": Key(4.0, _factor, "py-spy samples per second the daemon takes of one non-root user's processes (bursts of 2 s worth)"),
     "captures_per_uid": Key(1, _count, "captures (hangs and dumps) of one non-root user's processes in flight at once; more wait"),
@@ -320,6 +322,7 @@ class Config:
     max_state_bytes: int = KEYS["max_state_bytes"].default
     dump_max_age_days: float = KEYS["dump_max_age_days"].default
     incident_max_age_days: float = KEYS["incident_max_age_days"].default
+    retention_interval: float = KEYS["retention_interval"].default
     max_registrations_per_uid: int = KEYS["max_registrations_per_uid"].default
     pyspy_samples_per_uid: float = KEYS["pyspy_samples_per_uid"].default
     captures_per_uid: int = KEYS["captures_per_uid"].default

@@ -32,6 +32,7 @@ HANG_REASONS = ("heartbeat", "stack")  # the detectors that declare a hang (dete
 # as, and OTHER for a code this table does not know: a closed set, so the label cannot grow.
 EXCEPTION_TYPES = tuple(dict.fromkeys((*EXCEPTIONS.values(), "UNREADABLE", "OTHER")))
 # The XIDs the daemon listens for (NVML's critical error events), by number; any other is "other".
+INDEX_REBUILD_REASONS = ("corrupt", "missing")  # why an incident index was rebuilt at start (incidents/heal.py)
 XID_LABELS = ("13", "31", "43", "48", "63", "64", "74", "79", "94", "95", "109", "119", "other")
 
 
@@ -87,6 +88,7 @@ class Metrics:
     last_incident: Gauge
     jobs_aborted: Counter
     xid_errors: Counter
+    index_rebuilds: Counter
     const: dict[str, str]
     # (reason, job) -> the incident id its series carries now: one series each, the latest.
     _last: dict[tuple[str, str], str] = field(default_factory=dict)
@@ -177,6 +179,9 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
                              names, registry=reg),
         xid_errors=Counter("hangwatchd_gpu_xid_errors_total", "XID errors NVML reported, by GPU index and XID "
                            "(\"other\": one outside the critical set).", labels("gpu", "xid"), registry=reg),
+        index_rebuilds=Counter("hangwatchd_index_rebuilds_total", "Incident indexes rebuilt from the incident "
+                               "directories as the daemon started, by why: corrupt (moved aside and kept) or missing "
+                               "(lost while incidents were stored).", labels("reason"), registry=reg),
         const=const,
     )
     # Every series an alert reads, present at 0 from the start, so increase() sees the first event.
@@ -190,6 +195,8 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
     for step in STEP_NAMES:
         m.step_failures.labels(**m.labels(step=step))
     m.jobs_aborted.labels(**const)
+    for why in INDEX_REBUILD_REASONS:
+        m.index_rebuilds.labels(**m.labels(reason=why))
     m.loop_duration.labels(**const)
     m.loop_cpu.labels(**const)
     m.store_write_failures.labels(**const)

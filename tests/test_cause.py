@@ -268,8 +268,8 @@ def test_the_odd_rank_out_and_a_process_that_was_gone_before_it_was_read(tmp_pat
     out = analyze(tmp_path / "odd")
     # Rank 2 alone waits for a lock, and no other thread of it could hold it: the lock is held by a
     # thread that is gone, or by its own stack further up; the others wait in the collective for it.
-    assert out.summary.startswith("Rank 2 is the odd one out: the main thread waits for a lock in save_checkpoint "
-                                  "(ckpt.py:7): no other live thread could hold it"), out.summary
+    assert out.summary.startswith("Rank 2 is the odd one out: the main thread waits in save_checkpoint (ckpt.py:7) "
+                                  "for a lock: no other live thread could hold it"), out.summary
     assert out.summary.endswith("while the other ranks are in-collective."), out.summary
     rank_dir(tmp_path / "gone", 21, None, None, state="Z (zombie)")
     (v,) = analyze(tmp_path / "gone").ranks

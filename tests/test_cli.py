@@ -119,3 +119,10 @@ def test_the_docs_list_every_command_and_its_flags() -> None:
     assert "hangwatchd --version" in block
     daemon_flags = set(re.findall(r"--[a-z-]+", _sections(hangwatchd("daemon", "--help").stdout)["options"].__str__())) - {"--help"}
     assert daemon_flags <= set(re.findall(r"--[a-z-]+", block)), daemon_flags - set(re.findall(r"--[a-z-]+", block))
+
+
+def test_the_command_line_finds_the_runtime_dir_as_the_config_says() -> None:
+    """cli names the runtime dir's default and variable without importing the config: the same ones."""
+    from hangwatchd import cli, config
+
+    assert (cli.RUNTIME_DIR_ENV, cli.DEFAULT_RUNTIME_DIR) == (config.RUNTIME_DIR_ENV, config.DEFAULT_RUNTIME_DIR)

@@ -35,8 +35,16 @@ def _waiter(p: Party, root: Party | None, edge: Edge) -> str:
     """The hung party as the sentence names it once the root has been said."""
     if root is not None and p.main and root.pid is not None and p.pid != root.pid \
             and p.label in ("the main thread", "thread MainThread"):
-        return "the training loop" if "_next_data" in (edge.at or "") else f"its parent (pid {p.pid})"
+        return "the training loop" if edge.call == "_next_data" else f"its parent (pid {p.pid})"
     return p.label
+
+
+def at(p: Party, e: Edge) -> str | None:
+    """Where a party waits, as a person says it: the library call and the program's line that made it
+    ("Queue.get (train.py:15)"), or its own frame ("main (app.py:40)") where the wait is its own."""
+    if e.call and p.where and " (" in p.where:
+        return f"{e.call} ({p.where.split(' (', 1)[1]}"
+    return e.call or p.where
 
 
 def _back(steps: tuple[tuple[Party, Edge], ...], root: Party | None) -> str:
@@ -46,7 +54,8 @@ def _back(steps: tuple[tuple[Party, Edge], ...], root: Party | None) -> str:
         return ""
     first, edge = steps[0]
     through = [p for p, _ in steps[1:]]
-    text = f"; {_waiter(first, root, edge)} waits for it" + (f" in {edge.at}" if edge.at else "")
+    where = at(first, edge)
+    text = f"; {_waiter(first, root, edge)} waits for it" + (f" in {where}" if where else "")
     if through:
         text += ", through " + ", ".join(_named(p) for p in through[:4]) + (" and more" if len(through) > 4 else "")
     return text
@@ -76,11 +85,13 @@ def tell(chain: Chain) -> Told:
             lead += ": nothing the evidence holds says what would wake it"
         return Told("idle", lead + _back(chain.steps, r), r, r.location, False, how)
     last, edge = chain.steps[-1]
-    where = f" in {edge.at}" if edge.at else (f" in {last.where}" if last.where else "")
+    where = f" in {last.where}" if last.where else ""
+    call = f" ({edge.call})" if edge.call else ""
     if chain.end == ENDS_NOBODY:
-        lead = f"{last.label} waits for {edge.what}{where}: {edge.nobody}"
+        lead = f"{last.label} waits{where} for {edge.what}{call}: {edge.nobody}"
         return Told("nobody", lead + _back(chain.steps[:-1], last), last, last.location, chain.sure, how)
-    lead = f"{last.label} waits for {edge.what}{where}; who could end it is not known: {edge.unknown or 'the evidence does not say'}"
+    lead = (f"{last.label} waits{where} for {edge.what}{call}; who could end it is not known: "
+            f"{edge.unknown or 'the evidence does not say'}")
     return Told("unknown-wait", lead + _back(chain.steps[:-1], last), last, last.location, False, how)
 
 

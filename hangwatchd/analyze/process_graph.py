@@ -107,7 +107,7 @@ def _add_process(g: Graph, p: Proc, by_pid: dict[int, Proc]) -> None:
         _edges_of(g, p, k, t, w, waits, by_pid)
     _children_edges(g, p, waits, by_pid)
     for k, (t, w) in waits.items():  # where each wait is, said once for all its edges
-        g.edges[k] = [dataclasses.replace(e, at=e.at or tw.at(w, t)) for e in g.out(k)]
+        g.edges[k] = [dataclasses.replace(e, call=e.call or tw.call_of(w)) for e in g.out(k)]
 
 
 def _others(waits: dict[str, tuple[Thread, tw.Wait]], k: str) -> dict[str, tuple[Thread, tw.Wait]]:
@@ -177,7 +177,7 @@ def _thread_edges(g: Graph, k: str, w: tw.Wait, waits: dict[str, tuple[Thread, t
     """A wait on something another thread of the process ends; without introspection the
     candidates are the threads that could: for a lock, those not idle; for a join or something to be
     set, those alive and not waiting for work. Each is followed; none at all is a dead end."""
-    what = f"{_WHAT.get(w.kind, w.kind)} in {w.call}" if w.call and w.kind not in (tw.LOCK,) else _WHAT.get(w.kind, w.kind)
+    what = _WHAT.get(w.kind, w.kind)
     pool = _pool_of(waits[k][0])
     others = _others(waits, k)
     if w.kind == tw.FUTURE and pool is not None:
@@ -306,7 +306,7 @@ def _children_edges(g: Graph, p: Proc, waits: dict[str, tuple[Thread, tw.Wait]],
                                                for x in dicts(w.blocked.get("peers")))
         if not child_wait or io_from_kids:
             continue
-        what = f"its child processes in {w.call}" if w.call else "its child processes"
+        what = "its child processes"
         for x in gone:
             g.wait(Edge(k, what, x, how="the kernel's record of process exits"))
         for c in kids:

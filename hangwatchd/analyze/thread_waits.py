@@ -107,18 +107,15 @@ def where(f: Frame | None, full: bool = False) -> str | None:
     return f"{name} ({os.path.basename(_file(f)) or '?'})"
 
 
-def at(w: Wait, t: Thread) -> str | None:
-    """Where a wait is, as a person says it: the library call and the program's line that made it
-    ("Queue.get (train.py:15)"), or the program's frame where the wait is its own."""
-    mine = user_frame(t)
-    if w.call and w.kind not in (LOCK, SLEEP, IO, RUNNING, UNKNOWN, GIL) and mine is not None:
-        return f"{w.call} ({os.path.basename(_file(mine))}:{mine.get('line')})"
-    return where(mine)
-
-
 def function(f: Frame | None) -> str | None:
     """The function's own name, without its class (``Registry._evict`` -> ``_evict``)."""
     return _short_name(f).rsplit(".", 1)[-1] if f else None
+
+
+def call_of(w: Wait) -> str | None:
+    """The library call a wait is in, where it is one (not a lock taken in the program's own code,
+    a sleep, a read: those are the program's frame itself)."""
+    return w.call if w.call and w.kind not in (LOCK, SLEEP, IO, RUNNING, UNKNOWN, GIL) else None
 
 
 def _natives_above_python(t: Thread) -> list[str]:

@@ -89,13 +89,13 @@ def graph_verdict(graph: Graph, pid: int, child: bool = False) -> tuple[str, str
         kids = [graph.parties[e.holder] for e in graph.out(first.key) if e.holder]
         states = "; ".join(f"{k.label}: {k.doing or 'waits'}" for k in kids[:4])
         return ("waiting-on-children", f"waiting for its {len(kids)} child process{'es' if len(kids) != 1 else ''} "
-                f"in {edge.at or edge.what}; none is stuck in code of its own ({states})", told.location)
+                f"in {chain_text.at(first, edge) or edge.what}; none is stuck in code of its own ({states})", told.location)
     elif kind in ("nobody", "unknown-wait") and chain.steps and chain.steps[-1][1].what == "a lock":
         kind = "lock-wait"
     elif kind == "unknown-wait" and len(chain.steps) == 1 and "child processes" in chain.steps[0][1].what:
-        edge = chain.steps[0][1]
-        return ("waiting-on-children", f"waiting for its child processes in {edge.at or edge.what}; none was captured "
-                "and no exit of one was recorded", told.location)
+        first, edge = chain.steps[0]
+        return ("waiting-on-children", f"waiting for its child processes in {chain_text.at(first, edge) or edge.what}; "
+                "none was captured and no exit of one was recorded", told.location)
     return kind, sentence, told.location
 
 

@@ -55,7 +55,7 @@ class Edge:
     unknown: str | None = None  # with no holder and no ``nobody``: why it cannot be known
     how: str = ""  # the evidence: "native frames", "introspection", "pipe ends in /proc/*/fd", ...
     sure: bool = True  # False where it is inferred (by elimination, by name)
-    at: str | None = None  # where the waiter waits, as a person says it: "Queue.get (train.py:15)"
+    call: str | None = None  # the library call the waiter waits in, as a person says it: "Queue.get", "Thread.join"
 
 
 @dataclass

@@ -9,9 +9,11 @@ rows we decode and the cubins we are asked for.
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import struct
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from . import layout as L
@@ -29,6 +31,24 @@ MAX_LANES = 4 << 20
 MAX_LANES_PER_WARP = 64
 
 SHT_STRTAB = 3
+NAME_MAX = 4096  # bytes of a string read from a string table (names of sections and devices: the driver's are short)
+SMALL = 16 << 20  # bytes of a table read whole (copied); bigger ones are read row by row in the mapping
+
+# The sections whose contents we decode; a dump's other sections (registers, predicates,
+# backtraces, parameters, constant banks of every lane and warp) are checked, never read.
+_READ = frozenset((L.SHT_DEV_TABLE, L.SHT_CTX_TABLE, L.SHT_MOD_TABLE, L.SHT_RELF_IMG, L.SHT_GRID_TABLE,
+                   L.SHT_SM_TABLE, L.SHT_CTA_TABLE, L.SHT_WP_TABLE, L.SHT_LN_TABLE, L.SHT_META_DATA, SHT_STRTAB))
+HEADERS_AT_ONCE = 4096  # section headers read (256 KiB) and checked together
+
+
+def _columns(table: bytes) -> tuple[Sequence[int], Sequence[int], Sequence[int], Sequence[int]]:
+    """Type, offset, size and link of each of a run of ELF's 64-byte section headers, as
+    strided views over their bytes: no object per header (a dump may have a million)."""
+    if sys.byteorder == "little":
+        words, quads = memoryview(table).cast("I"), memoryview(table).cast("Q")
+        return words[1::16], quads[3::8], quads[4::8], words[10::16]
+    rows = list(SHDR.iter_unpack(table))
+    return [r[1] for r in rows], [r[4] for r in rows], [r[5] for r in rows], [r[6] for r in rows]
 
 
 @dataclass(frozen=True)
@@ -66,7 +86,7 @@ class Grid:
     host_tid: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # a dump holds tens of thousands
 class Lane:
     lane: int
     pc: int
@@ -151,7 +171,9 @@ class _Parser:
         self.path = path
         self.buf = buf
         self.size = len(buf)  # type: ignore[arg-type]
-        self.sections: list[Section] = []
+        self.sections: dict[int, Section] = {}  # made when first needed: see section()
+        self.shoff = self.shentsize = self.shnum = 0  # the section header table: where, each header's size, how many
+        self.names_at = (0, 0)  # the section name table: offset, size
         self.strtab: Section | None = None
         self.notes: list[str] = []
         self.rows_left = MAX_ROWS
@@ -167,11 +189,8 @@ class _Parser:
     # -- the ELF frame ---------------------------------------------------
 
     def parse(self) -> CoreDump:
-        self._read_sections()
+        by_type = self._read_sections()
         dump = CoreDump(self.path, self.size, notes=self.notes, _buf=self.buf)
-        by_type: dict[int, list[Section]] = {}
-        for s in self.sections:
-            by_type.setdefault(s.type, []).append(s)
         devtbls = by_type.get(L.SHT_DEV_TABLE, [])
         if len(devtbls) != 1:
             raise self.fail(f"has {len(devtbls)} device tables, expected 1; not a complete CUDA coredump")
@@ -184,10 +203,16 @@ class _Parser:
             dump.meta = self._meta(metas[0])
         return dump
 
-    def _read_sections(self) -> None:
+    def _read_sections(self) -> dict[int, list[Section]]:
+        """Check every section header against the file; return the sections we read, by type.
+
+        A hung NCCL kernel leaves 39,000 sections and more (the registers, predicates and
+        backtrace of every lane), of which we read a few hundred. The headers are checked a
+        run at a time, field by field over their bytes; a Section (and its name) is made only
+        for the tables we decode, and the sections they link to."""
         if self.size < EHDR.size:
             raise self.fail(f"only {self.size} bytes, too short to be a CUDA coredump")
-        ident, e_type, machine, _v, _entry, _phoff, shoff, _flags, _ehsize, _phentsize, _phnum, shentsize, shnum, shstrndx = EHDR.unpack_from(self.buf, 0)  # type: ignore[arg-type]
+        ident, e_type, machine, _v, _entry, _phoff, shoff, _flags, _ehsize, _phentsize, _phnum, shentsize, shnum, shstrndx = EHDR.unpack(self._read(0, EHDR.size))
         if ident[:4] != b"\x7fELF":
             raise self.fail("not an ELF file, so not a CUDA coredump")
         if ident[4] != 2 or ident[5] != 1:
@@ -202,7 +227,7 @@ class _Parser:
         if shoff == 0 or shoff + shentsize > self.size:
             raise self.fail("section header table lies outside the file; the dump is truncated")
         if shnum == 0 or shstrndx == 0xFFFF:
-            first = SHDR.unpack_from(self.buf, shoff)  # type: ignore[arg-type]
+            first = SHDR.unpack(self._read(shoff, SHDR.size))
             shnum = shnum or first[5]
             if shstrndx == 0xFFFF:
                 shstrndx = first[6]
@@ -213,35 +238,83 @@ class _Parser:
             raise self.fail(
                 f"claims {shnum} sections at offset {shoff} but the file ends at {self.size}; the dump is truncated"
             )
-        raw = [SHDR.unpack_from(self.buf, shoff + i * shentsize) for i in range(shnum)]  # type: ignore[arg-type]
         if shstrndx >= shnum:
             raise self.fail(f"section name table index {shstrndx} is past the {shnum} sections; the file is damaged")
-        names = raw[shstrndx]
+        self.shoff, self.shentsize, self.shnum = shoff, shentsize, shnum
+        names = self._header(shstrndx)
         self._check_range(names[4], names[5], "section name table")
-        names_off, names_size = names[4], names[5]
-        for i, (nm, typ, _flg, addr, off, size, link, info, _align, entsize) in enumerate(raw):
-            if typ != SHT_NOBITS and i:
-                self._check_range(off, size, f"section {i}")
-            if link >= shnum:
-                raise self.fail(f"section {i} links to section {link}, past the {shnum} sections; the file is damaged")
-            name = self._cstr(names_off, names_size, nm)
-            self.sections.append(Section(i, name, typ, addr, off, size, link, info, entsize))
-        for s in self.sections:
-            if s.type == SHT_STRTAB and s.index != shstrndx:
+        self.names_at = (names[4], names[5])
+        by_type: dict[int, list[Section]] = {}
+        for i, typ in self._wanted():
+            s = self.section(i)
+            by_type.setdefault(typ, []).append(s)
+            if typ == SHT_STRTAB and i != shstrndx:
                 self.strtab = s
+        return by_type
+
+    def _wanted(self) -> list[tuple[int, int]]:
+        """(index, type) of each section we read, once every header is checked: its bytes lie
+        in the file, its link names a section. A run of headers that fails is gone through
+        one by one, to name the first that does, as the file lists them."""
+        wanted = []
+        for first in range(0, self.shnum, HEADERS_AT_ONCE):
+            n = min(HEADERS_AT_ONCE, self.shnum - first)
+            if self.shentsize == SHDR.size:
+                types, offsets, sizes, links = _columns(self._read(self.shoff + first * SHDR.size, n * SHDR.size))
+            else:  # headers padded to another size (a damaged or exotic file): one at a time
+                rows = [self._header(first + j) for j in range(n)]
+                types, offsets, sizes, links = ([r[k] for r in rows] for k in (1, 4, 5, 6))
+            if max(map(operator.add, offsets, sizes)) > self.size or max(links) >= self.shnum:
+                for j, (typ, off, size, link) in enumerate(zip(types, offsets, sizes, links)):
+                    i = first + j
+                    if typ != SHT_NOBITS and i:
+                        self._check_range(off, size, f"section {i}")
+                    if link >= self.shnum:
+                        raise self.fail(f"section {i} links to section {link}, past the {self.shnum} sections; "
+                                        "the file is damaged")
+            wanted += [(first + j, typ) for j, typ in enumerate(types) if typ in _READ]
+        return wanted
+
+    def _header(self, i: int) -> tuple[int, ...]:
+        return SHDR.unpack(self._read(self.shoff + i * self.shentsize, SHDR.size))
+
+    def section(self, i: int) -> Section:
+        """Section ``i`` (its header checked already), made when first asked for."""
+        s = self.sections.get(i)
+        if s is None:
+            nm, typ, _flg, addr, off, size, link, info, _align, entsize = self._header(i)
+            s = Section(i, self._name(nm), typ, addr, off, size, link, info, entsize)
+            self.sections[i] = s
+        return s
 
     def _check_range(self, off: int, size: int, what: str) -> None:
         if off + size > self.size:
             raise self.fail(f"{what} claims bytes {off}..{off + size} but the file ends at {self.size}; the dump is truncated or lies about its sizes")
 
+    def _read(self, offset: int, size: int) -> bytes:
+        """Bytes of the dump (already checked to lie in it), read through the file where the
+        buffer can (see source.Mapping): the mapping is left for the cubins. A page touched
+        there maps its neighbours too (fault-around; a whole large folio on ext4 and XFS), so
+        the headers and tables of a 123 MB dump, read through it, kept megabytes resident."""
+        pread = getattr(self.buf, "pread", None)
+        return pread(offset, size) if pread else bytes(self.buf[offset : offset + size])  # type: ignore[index]
+
+    def _name(self, at: int) -> str:
+        """A section's name, read alone from the name table (a table of 40,000 names is never
+        read whole: only the sections we make need theirs)."""
+        return self._cstr(*self.names_at, at)
+
     def _cstr(self, base: int, limit: int, at: int) -> str:
+        """The string at ``at`` in the string table at ``base`` (``limit`` bytes), cut at NAME_MAX."""
         if at >= limit:
             return ""
-        start = base + at
-        end = self.buf.find(b"\0", start, base + limit)  # type: ignore[attr-defined]
-        if end < 0:
-            end = base + limit
-        return bytes(self.buf[start:end]).decode("utf-8", "replace")  # type: ignore[index]
+        window = 128
+        while True:  # strings are short; a longer one is read again, twice as far
+            got = self._read(base + at, min(window, limit - at))
+            end = got.find(b"\0")
+            if end >= 0 or len(got) < window or window >= NAME_MAX:
+                return got[: end if end >= 0 else len(got)].decode("utf-8", "replace")
+            window *= 2
 
     def _string(self, at: int | None) -> str:
         if at is None or self.strtab is None:
@@ -263,10 +336,13 @@ class _Parser:
             self.note(f"the dump's tables claim more than {MAX_ROWS} rows; {s.name or 'a table'} and what follows were read only in part")
             count = max(self.rows_left, 0)
         self.rows_left -= count
+        if count * entsize <= SMALL:
+            data = self._read(s.offset, count * entsize)
+            return [lay.decode(data, i * entsize, entsize) for i in range(count)]
         return [lay.decode(self.buf, s.offset + i * entsize, entsize) for i in range(count)]  # type: ignore[arg-type]
 
     def _parent(self, s: Section, expected: int, rows: int | None = None) -> Section:
-        parent = self.sections[s.link]
+        parent = self.section(s.link)
         if parent.type != expected:
             raise self.fail(f"{s.name} links to {parent.name or parent.index}, which is not the table it belongs to; the file is damaged")
         if rows is not None and s.info >= rows:
@@ -334,7 +410,7 @@ class _Parser:
                     sm_exc.append(SmException(s.info, r["smId"] or 0, r["exception"], pc))
         ctas: dict[tuple[int, int], tuple[int, int, int, tuple[int, int, int]]] = {}
         for s in by_type.get(L.SHT_CTA_TABLE, []):
-            smtbl = self._parent(s, L.SHT_SM_TABLE, self._count(self.sections[s.link]))
+            smtbl = self._parent(s, L.SHT_SM_TABLE, self._count(self.section(s.link)))
             if (smtbl.index, s.info) not in sm_ids:
                 continue  # its SM row lay past the row cap
             sm = sm_ids[(smtbl.index, s.info)]
@@ -346,7 +422,7 @@ class _Parser:
             lane_tables[(s.link, s.info)] = s
         warps = []
         for s in by_type.get(L.SHT_WP_TABLE, []):
-            self._parent(s, L.SHT_CTA_TABLE, self._count(self.sections[s.link]))
+            self._parent(s, L.SHT_CTA_TABLE, self._count(self.section(s.link)))
             if (s.link, s.info) not in ctas:
                 continue  # its CTA row lay past the row cap
             device, sm, grid_id, block = ctas[(s.link, s.info)]
@@ -380,7 +456,7 @@ class _Parser:
         self.lanes_left -= count
         # The hot loop of a big dump: one precompiled struct over the whole section.
         row = struct.Struct(f"<QQIIIII{entsize - 36}x")
-        data = self.buf[s.offset : s.offset + count * entsize]  # type: ignore[index]
+        data = self._read(s.offset, count * entsize)
         return tuple(
             Lane(ln, pc, (tx, ty, tz), exc)
             for pc, _phys, ln, tx, ty, tz, exc in row.iter_unpack(data)

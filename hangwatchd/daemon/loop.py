@@ -11,8 +11,9 @@ Who does what: ``registrations`` admits and forgets processes, ``detect``
 judges them (``machine``, with stack samples from ``sampler``),
 ``capture_workers`` runs each hang through ``make_incident`` (capture,
 analyse, store) and each exception dump through ``dump_ingest`` on worker
-threads, ``retention`` keeps the store to its limits and ``status_file`` says
-what is watched. The loop owns the ``Watchlist`` and calls them in turn.
+threads, ``retention`` keeps the store to its limits (on a thread of its own,
+told by the store what it stored) and ``status_file`` says what is watched.
+The loop owns the ``Watchlist`` and calls them in turn.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from ..detect.stack import BLOCKING, IDLE
 from ..fleet.agent import Agent
 from ..host.notify import notify, watchdog_interval
 from ..host.user_limits import Budgets, UserLimits
-from ..incidents import retention
+from ..incidents import heal
+from ..incidents.retention import Retention
 from ..incidents.spool import SPOOL_DIR, Spool
 from ..incidents.store import Store, StoreWriteError
 from ..metrics import Metrics, create, serve
@@ -75,7 +77,8 @@ class Daemon:
     def __post_init__(self) -> None:
         cfg = self.config
         self.metrics = self.metrics or create(node=cfg.node)
-        self.store = Store(cfg.state_dir)
+        self.retention = Retention(cfg)  # its own thread and schedule; the store tells it what it stored
+        self.store = Store(cfg.state_dir, on_stored=self.retention.stored)
         self.fleet = Agent(cfg.store, cfg.node, Path(cfg.state_dir), cfg.store_poll_interval, cfg.job_incident_window,
                            cfg.store_spool_max, self._wake, self._count_sends) if cfg.store else None
         self.status = StatusFile(Path(cfg.runtime_dir))
@@ -104,6 +107,7 @@ class Daemon:
         self.workers.act = act.Acting(Path(cfg.runtime_dir), cfg.on_hang, cfg.abort_grace, self.metrics, cfg.abort_on_request)
         self.sampler = Sampler(cfg.pyspy_timeout, cfg.pyspy_samples_per_uid, self.limits, self._wake, self.metrics)
         self.lock = InstanceLock(Path(cfg.runtime_dir))
+        self.state_lock = InstanceLock(Path(cfg.state_dir), "state dir", "--state-dir", says=str(cfg.runtime_dir))
         self.node_health = NodeHealth(Path(cfg.runtime_dir), self.metrics)  # GPU faults (XIDs), health.json
         # New GPU processes within seconds, found on a thread of its own (watch/discovery.py).
         self.discovery = Discovery(cfg.discover_devices, cfg.discover_interval, self._wake) if cfg.discover else None
@@ -137,7 +141,10 @@ class Daemon:
         cfg = self.config
         Path(cfg.runtime_dir).mkdir(parents=True, exist_ok=True)
         self.lock.acquire()  # first: a second daemon must not touch the first one's store or files
-        full = self.store.open()
+        unlocked = self.state_lock.acquire()  # and one daemon per state dir, whatever its runtime dir
+        if unlocked:
+            log.error("state_dir_not_locked", error=unlocked)
+        full = heal.open_healed(self.store, self.metrics, lambda: self.stopping)  # a corrupt or lost index rebuilt
         if full:
             log.error("store_write_failed", error=full)
         sandbox.configure(sandbox.Limits(cfg.symbolize_cpu_seconds, int(cfg.symbolize_memory_mb), cfg.symbolize_timeout))
@@ -202,6 +209,7 @@ class Daemon:
                 signal.signal(s, h)
             raise
         try:
+            self.retention.start()  # after prepare: a daemon that cannot start removes nothing
             self.workers.flush_spool()
             self.rescan()
             self._scan_dumps()
@@ -215,6 +223,7 @@ class Daemon:
                      metrics=self.metrics_address, pid=os.getpid())
             self.loop()
         finally:
+            self.retention.stop()  # a pass under way notices within a second
             self.status.stop()  # its thread says nothing after STOPPING=1
             notify("STOPPING=1")
             log.info("daemon_stopping", captures_in_flight=len(self.workers.captures))
@@ -234,6 +243,7 @@ class Daemon:
             sandbox.stop()  # the symboliser's helpers and their temporary directory, before systemd kills them
             self.status.remove()
             self.node_health.stop()
+            self.state_lock.release()
             self.lock.release()
         return 0
 
@@ -245,12 +255,11 @@ class Daemon:
         ping_every = watchdog_interval()
         next_ping = now
         next_status = now
-        next_retention = now
         next_spool = now + SPOOL_RETRY_EVERY
         guard = self.guard
         while not self.stopping:
             now = time.monotonic()
-            timers = [next_rescan, next_status, next_retention, next_spool, self.next_dump_scan, self.watched.next_due()]
+            timers = [next_rescan, next_status, next_spool, self.next_dump_scan, self.watched.next_due()]
             if ping_every:
                 timers.append(next_ping)
             timeout = max(LOOP_TICK, min(timers) - now)
@@ -302,9 +311,6 @@ class Daemon:
             if now >= next_status or self.status_dirty:
                 guard("status", self._write_status)
                 next_status = now + STATUS_EVERY
-            if now >= next_retention and not self.workers.captures:
-                self.workers.submit(retention.enforce, self.store, self.config)
-                next_retention = now + retention.RETENTION_EVERY
             if ping_every and now >= next_ping:
                 if self.workers.healthy(now):  # the loop runs (we are in it), no capture is past its own deadline
                     notify("WATCHDOG=1")

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..model import ProcessId
+if TYPE_CHECKING:
+    from ..model import ProcessId
 
 PROC = Path("/proc")
 MAX_CMDLINE = 16 << 10  # bytes of a command line kept: a user's 1 MiB argument costs the daemon no more
@@ -62,15 +64,22 @@ def start_time(pid: int) -> int | None:
 
 
 def identify(pid: int) -> ProcessId | None:
+    from ..model import ProcessId  # here: `hangwatchd incidents` asks running() and pays for no records
+
     st = start_time(pid)
     return ProcessId(pid, st) if st is not None else None
 
 
 def alive(proc: ProcessId) -> bool:
     """True while this very process lives (not a later one given the same pid)."""
-    rest = _stat(proc.pid)
+    return running(proc.pid, proc.start_time)
+
+
+def running(pid: int, started: int) -> bool:
+    """True while the process ``pid`` that started at ``started`` (clock ticks since boot) lives."""
+    rest = _stat(pid)
     try:
-        return rest is not None and int(rest[19]) == proc.start_time and rest[0] not in (b"Z", b"X")
+        return rest is not None and int(rest[19]) == started and rest[0] not in (b"Z", b"X")
     except (IndexError, ValueError):
         return False
 

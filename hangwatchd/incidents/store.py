@@ -11,45 +11,23 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import socket
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import structlog
-
-from ..model import Incident
 from . import permissions
+from .index import INCIDENTS, INDEX, REBUILT_AT_START, SCHEMA, Index, Page, StoreError, corrupt, unreadable
 
-log = structlog.get_logger("hangwatchd.store")
+if TYPE_CHECKING:
+    from ..model import Incident
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS incidents (
-    id TEXT PRIMARY KEY,
-    time REAL NOT NULL,
-    host TEXT NOT NULL,
-    reason TEXT NOT NULL,
-    job TEXT,
-    status TEXT NOT NULL,          -- capturing | complete | incomplete
-    processes TEXT NOT NULL,       -- JSON list of pids
-    summary TEXT
-);
-CREATE INDEX IF NOT EXISTS incidents_time ON incidents(time);
-CREATE TABLE IF NOT EXISTS ingested (   -- exception dumps already made into incidents, across restarts
-    name TEXT PRIMARY KEY,
-    time REAL NOT NULL
-);
-"""
-
-
-class StoreError(Exception):
-    """The state dir cannot be used: the message says which and what to do."""
+__all__ = ["COMING", "LATE_DIR", "REMOVING", "Draft", "Store", "StoreError", "StoreWriteError", "new_id"]
 
 
 class StoreWriteError(StoreError):
@@ -57,6 +35,8 @@ class StoreWriteError(StoreError):
 
 
 def _write_failure(root: Path, exc: BaseException) -> StoreWriteError:
+    if isinstance(exc, sqlite3.Error) and corrupt(exc):
+        return StoreWriteError(f"the incident index {root / INDEX} is corrupt ({exc}); {REBUILT_AT_START}")
     return StoreWriteError(f"cannot write to the state dir {root} ({exc}); is it full? (df {root})")
 
 
@@ -71,14 +51,9 @@ class Draft:
     spooled: bool = False  # assembled in the runtime dir's spool: the state dir had no room
 
 
-def _allocated(path: str | os.PathLike[str]) -> int:
-    try:
-        return os.lstat(path).st_blocks * 512
-    except OSError:
-        return 0
-
-
 def new_id(now: float) -> str:
+    import secrets  # here: the commands that only read the store never make an id
+
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + secrets.token_hex(3)
 
 
@@ -119,13 +94,22 @@ def _add_pending_column(db: sqlite3.Connection) -> None:
 
 COMING = "; still coming: "  # what an index row's summary says while evidence is pending, before the list
 LATE_DIR = ".late-"  # incidents/.late-ID-PID-STEP: where a step still running after the store writes, unseen
+REMOVING = ".removing-"  # incidents/.removing-ID: an incident retention is deleting, out of the index already
+
+
+def late_owner(name: str) -> str:
+    """The incident a late dir's name (``.late-ID-PID-STEP``) belongs to."""
+    return name.removeprefix(LATE_DIR).rsplit("-", 2)[0]
 
 
 class Store:
-    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, state_dir: str | os.PathLike[str], on_stored: Callable[[str], None] | None = None) -> None:
+        """``on_stored(id)``: files were stored into incident ``id`` (it was committed, adopted from
+        the spool, or given late evidence); called on the thread that stored them."""
         self.root = Path(state_dir)
-        self.dir = self.root / "incidents"
-        self.index = self.root / "index.sqlite"
+        self.dir = self.root / INCIDENTS
+        self.index = self.root / INDEX
+        self.on_stored = on_stored
 
     def open(self) -> str | None:
         """Create the layout (or check it is usable) and the index.
@@ -138,6 +122,9 @@ class Store:
                 db.executescript(SCHEMA)
                 _add_pending_column(db)
         except (OSError, sqlite3.Error) as exc:
+            if isinstance(exc, sqlite3.Error) and corrupt(exc) and os.access(self.dir, os.W_OK):
+                # Moved aside and rebuilt at start (heal); one that went bad since must not stop the watching.
+                return f"the incident index {self.index} is corrupt ({exc}); reports wait in the spool until a restart rebuilds it"
             if self._readable() and os.access(self.dir, os.W_OK):
                 return f"state dir {self.root} cannot be written now ({exc}); reports wait in the spool until it can"
             raise StoreError(f"state dir {self.root} is not usable ({exc}); pass --state-dir with a writable directory") from None
@@ -159,32 +146,6 @@ class Store:
         try:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
-            yield db
-        finally:
-            db.close()
-
-    @contextmanager
-    def _reader(self) -> Iterator[sqlite3.Connection]:
-        """The index for reading, also where it cannot be written: by a user who may not write
-        the state dir (``hangwatchd incidents`` as the owner of an incident), or on a full disk.
-        Read-only, and where SQLite cannot make its shared-memory file, an immutable snapshot."""
-        db: sqlite3.Connection | None = None
-        if os.access(self.root, os.W_OK):
-            db = sqlite3.connect(self.index, timeout=10, isolation_level=None)
-            try:
-                db.execute("PRAGMA journal_mode=WAL")
-            except sqlite3.OperationalError:
-                db.close()
-                db = None
-        if db is None:
-            uri = self.index.absolute().as_uri()
-            db = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=10)
-            try:
-                db.execute("SELECT count(*) FROM sqlite_master").fetchone()
-            except sqlite3.OperationalError:  # no -shm to share (the daemon is between writes): a snapshot
-                db.close()
-                db = sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True, timeout=10)
-        try:
             yield db
         finally:
             db.close()
@@ -230,7 +191,12 @@ class Store:
         except sqlite3.Error as exc:
             final.replace(draft.path)  # not indexed: back to a draft, for the caller to keep elsewhere
             raise _write_failure(self.root, exc) from exc
+        self._stored(draft.id)
         return final
+
+    def _stored(self, incident_id: str) -> None:
+        if self.on_stored is not None:
+            self.on_stored(incident_id)
 
     # -- adding to a stored incident (evidence that came after it was stored) --
 
@@ -261,6 +227,8 @@ class Store:
                 shutil.rmtree(late, ignore_errors=True)
         except OSError as exc:
             raise _write_failure(self.root, exc) from exc
+        if moved:
+            self._stored(incident_id)
         return moved
 
     def amend(self, incident_id: str, incident: Incident, summary: str, analysis: dict[str, Any] | None = None) -> None:
@@ -290,12 +258,17 @@ class Store:
             pass  # a row left 'capturing' is never listed; adopt() or recover() settles it
 
     def adopt(self, src: Path, row: dict[str, Any]) -> Path:
-        """Store a report assembled elsewhere (the spool): copy it in, then index it, all or nothing."""
+        """Store a report assembled elsewhere (the spool): copy it in, then index it, all or nothing.
+        Again after a crash cut it short: a copy already indexed (heal finishes a lost index's
+        drafts) is the report stored; one that is not is replaced."""
         incident_id = row["id"]
         partial = self.dir / f".partial-{incident_id}"
         final = self.dir / incident_id
+        if final.is_dir() and self._indexed(incident_id):
+            return final
         try:
             shutil.rmtree(partial, ignore_errors=True)
+            shutil.rmtree(final, ignore_errors=True)  # not indexed: a copy a crash left behind
             shutil.copytree(src, partial, symlinks=True)
             permissions.restrict(partial, row.get("uids") or [])
             partial.replace(final)
@@ -312,6 +285,7 @@ class Store:
             if final.exists() and not self._indexed(incident_id):
                 shutil.rmtree(final, ignore_errors=True)
             raise _write_failure(self.root, exc) from exc
+        self._stored(incident_id)
         return final
 
     def _indexed(self, incident_id: str) -> bool:
@@ -376,6 +350,8 @@ class Store:
             touched.append(incident_id)
         for late in self.dir.glob(f"{LATE_DIR}*"):
             shutil.rmtree(late, ignore_errors=True)  # a step the stop cut short: what it wrote was never shown
+        for gone in self.dir.glob(f"{REMOVING}*"):
+            shutil.rmtree(gone, ignore_errors=True)  # retention had taken it out of the index already
         with self._db() as db:
             stopped = [r[0] for r in db.execute("SELECT id FROM incidents WHERE pending > 0").fetchall()]
         for incident_id in stopped:
@@ -407,83 +383,59 @@ class Store:
             summary = (row[0] or "").split(COMING)[0] if row else None
             db.execute("UPDATE incidents SET pending=0, summary=? WHERE id=?", (summary, incident_id))
 
-    # -- retention -------------------------------------------------------
+    # -- retention (retention.py decides what goes) -----------------------
 
-    def enforce_retention(self, max_bytes: float, dump_max_age: float, incident_max_age: float,
-                          now: float | None = None) -> list[str]:
-        """Bound the state dir: raw dumps go first (past their age, then oldest first while
-        over the size), then whole incidents (past their age, then oldest first). The index
-        and the reports outlive the dumps. Returns what was removed, for the log."""
-        now = time.time() if now is None else now
-        removed: list[str] = []
-        done = [i for i in self.list(limit=1_000_000)]
-        done.sort(key=lambda i: i["time"])  # oldest first
-        dumps = [(i, p) for i in done for p in Path(i["dir"]).glob("*/coredump.nvcudmp*")]
-        for inc, dump in dumps:
-            if now - inc["time"] > dump_max_age:
-                removed.append(self._drop_dump(dump))
-        for inc, dump in dumps:
-            if self._size() <= max_bytes:
-                break
-            if dump.exists():
-                removed.append(self._drop_dump(dump))
-        for inc in done:
-            if now - inc["time"] > incident_max_age or self._size() > max_bytes:
-                shutil.rmtree(inc["dir"], ignore_errors=True)
-                with self._db() as db:
-                    db.execute("DELETE FROM incidents WHERE id=?", (inc["id"],))
-                removed.append(inc["dir"])
-        return removed
-
-    def _drop_dump(self, dump: Path) -> str:
-        dump.unlink(missing_ok=True)
-        note = dump.parent / "cuda_dump-notes.txt"
-        with open(note, "a") as f:
-            f.write("the raw dump was removed by retention; symbolized.json keeps what it said\n")
-        return str(dump)
-
-    def _size(self) -> int:
-        """Bytes on disk of what the store owns: its incidents (root's, 0700) and its index.
-
-        Never the state dir as a whole (a world-writable dump dir there would count a user's
-        files), and allocated blocks, not apparent sizes (a sparse file costs what it uses)."""
-        total = 0
-        for path in (self.index, self.index.with_name(self.index.name + "-wal")):
-            total += _allocated(path)
-        for root, _dirs, files in os.walk(self.dir):  # links are not followed
-            for name in files:
-                total += _allocated(os.path.join(root, name))
-        return total
-
-    # -- reading ---------------------------------------------------------
-
-    def list(self, limit: int = 1000) -> list[dict[str, Any]]:
-        """Incidents newest first; never one still being captured. StoreError when the index cannot be read."""
-        if not self.index.exists():
-            return []
+    def retention_rows(self) -> dict[str, tuple[float, str, int]]:
+        """Every index row, as retention weighs it: id -> (time, status, evidence pending).
+        StoreError when the index cannot be read."""
         try:
-            with self._reader() as db:
-                # An index no daemon of this version has opened yet has no pending column: none is pending.
-                pending = "pending" if any(r[1] == "pending" for r in db.execute("PRAGMA table_info(incidents)")) else "0"
-                rows = db.execute(
-                    f"SELECT id, time, host, reason, job, status, processes, summary, {pending} FROM incidents "
-                    "WHERE status != 'capturing' ORDER BY time DESC, id DESC LIMIT ?", (limit,)).fetchall()
+            with self._db() as db:
+                return {r[0]: (r[1], r[2], r[3] or 0)
+                        for r in db.execute("SELECT id, time, status, pending FROM incidents")}
         except sqlite3.Error as exc:
-            raise StoreError(f"cannot read the incident index {self.index} ({exc}); "
-                             f"if the disk is full, free space there (df {self.root})") from None
-        return [
-            {"id": r[0], "time": r[1], "host": r[2], "reason": r[3], "job": r[4], "complete": r[5] == "complete",
-             "processes": json.loads(r[6]), "summary": r[7], "pending": r[8] or 0, "dir": str(self.dir / r[0])}
-            for r in rows
-            # A user sees the incidents they may open (their own): see incident_access.
-            if os.geteuid() == 0 or os.access(self.dir / r[0], os.R_OK | os.X_OK)
-        ]
+            raise unreadable(self.index, exc) from None
+
+    @contextmanager
+    def removing(self) -> Iterator[Callable[[str], None]]:
+        """A function that removes one stored incident, through one connection for them all:
+        out of the index first (a listed incident always has its directory), then out of sight
+        in one rename (``.removing-ID``, cleared at start if a crash cuts it short), then deleted.
+        StoreWriteError when the index cannot take it."""
+        db: sqlite3.Connection | None = None
+
+        def remove(incident_id: str) -> None:
+            nonlocal db
+            try:
+                if db is None:
+                    db = sqlite3.connect(self.index, timeout=10, isolation_level=None)
+                    db.execute("PRAGMA synchronous=NORMAL")
+                db.execute("DELETE FROM incidents WHERE id=?", (incident_id,))
+            except sqlite3.Error as exc:
+                raise _write_failure(self.root, exc) from exc
+            gone = self.dir / f"{REMOVING}{incident_id}"
+            try:
+                os.rename(self.dir / incident_id, gone)
+            except FileNotFoundError:
+                return
+            shutil.rmtree(gone, ignore_errors=True)
+
+        try:
+            yield remove
+        finally:
+            if db is not None:
+                db.close()
+
+    # -- reading (the index: index.py) ----------------------------------
+
+    def list(self, limit: int | None = None, since: float | None = None, job: str | None = None) -> list[dict[str, Any]]:
+        """Incidents newest first, all of them unless limited; never one still being captured.
+        StoreError when the index cannot be read."""
+        return Index(self.root).page(limit, since, job).items
+
+    def page(self, limit: int | None = None, since: float | None = None, job: str | None = None,
+             before: str | None = None) -> Page:
+        return Index(self.root).page(limit, since, job, before)
 
     def path_of(self, incident_id: str) -> Path | None:
         """The directory of a listed incident, by id or unique prefix."""
-        if "/" in incident_id or incident_id.startswith("."):
-            return None
-        matches = [i["id"] for i in self.list() if i["id"].startswith(incident_id)]
-        if len(matches) != 1:
-            return None
-        return self.dir / matches[0]
+        return Index(self.root).find(incident_id)

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 from ..host import procfs
-from ..model import ProcessId
 
 DAEMON_FILE = "daemon.json"  # who the daemon is and where it keeps things
 STATUS_FILE = "status.json"  # every watched process, rewritten on each change
@@ -34,10 +33,10 @@ def daemon_info(runtime_dir: Path) -> dict[str, Any] | None:
     if info is None:
         return None
     try:
-        me = ProcessId(int(info.get("pid") or 0), int(info.get("start_time") or 0))
+        pid, started = int(info.get("pid") or 0), int(info.get("start_time") or 0)
     except (TypeError, ValueError):
         return None
-    return info if procfs.alive(me) else None
+    return info if procfs.running(pid, started) else None
 
 
 def status(runtime_dir: Path) -> dict[str, Any] | None:
