@@ -110,8 +110,8 @@ def _cycle(chain: Chain, how: tuple[str, ...]) -> Told:
     first = parties[0][0]
     if len(parties) == 1:
         p, e = parties[0]
-        return Told("deadlock", f"{p.label} deadlocks on itself in {p.where or 'its own code'}: it waits for {e.what} "
-                                "it already holds further up its own stack", p, p.location, chain.sure, how)
+        return Told("deadlock", f"{p.label} deadlocks on itself in {p.where or 'its own code'}: it waits for {e.what}",
+                    p, p.location, chain.sure, how)
     parts = [f"{_named(p)}, waiting for {e.what} held by {parties[(i + 1) % len(parties)][0].label}"
              for i, (p, e) in enumerate(parties)]
     text = "deadlock between " + (", ".join(parts[:-1]) + " and " + parts[-1])

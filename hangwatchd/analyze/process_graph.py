@@ -138,7 +138,8 @@ def _edges_of(g: Graph, p: Proc, k: str, t: Thread, w: tw.Wait, waits: dict[str,
         if w.holds_gil and w.c_function:
             _set(g, k, LIVE, f"holding the GIL while sleeping in C in {w.c_function}")
         else:
-            _set(g, k, LIVE, f"sleeping{loop}")
+            long = tw.sleep_seconds(tw.user_frame(t))
+            _set(g, k, LIVE, f"sleeping{' (' + long + ')' if long else ''}{loop}")
         return
     if w.kind == tw.IO:
         _io_edges(g, p, k, w, waits, by_pid, loop)
@@ -182,12 +183,42 @@ def _thread_edges(g: Graph, k: str, w: tw.Wait, waits: dict[str, tuple[Thread, t
     others = _others(waits, k)
     if w.kind == tw.FUTURE and pool is not None:
         mates = [x for x, (tt, ww) in others.items() if _pool_of(tt) == pool]
-        if mates and all(others[x][1].kind == tw.FUTURE for x in mates):
-            for x in mates:
-                g.wait(Edge(k, f"a future queued behind it in the same pool ({pool})", x, how="thread names and frames",
-                            sure=False))
+        if all(others[x][1].kind == tw.FUTURE for x in mates):
+            n = len(mates) + 1
+            g.wait(Edge(k, "a future's result", None,
+                        f"its work is queued behind it in the same pool, {pool}, whose {'every one of its ' + str(n) + ' workers' if n > 1 else 'only worker'} "
+                        "waits like this: pool starvation, no worker is left to run what they wait for",
+                        how="the pool's thread names and frames", sure=False))
+            return
+    if w.kind == tw.LOCK:
+        interrupted = _finalizer_interrupting(waits[k][0])
+        if interrupted is not None and not any(not _idle_worker(tt, ww) for tt, ww in others.values()):
+            fin, outer = interrupted
+            g.wait(Edge(k, f"a lock that {tw.where(outer)}, which the finalizer {tw.where(fin)} interrupted on the "
+                           "same thread, most likely holds (a finalizer runs on whatever thread frees the object)",
+                        k, how="a __del__ frame in the waiting thread's stack, and no other thread that could hold the lock",
+                        sure=False))
+            return
+        outer = _same_object_further_up(waits[k][0], w)
+        if outer is not None:
+            g.wait(Edge(k, f"a lock of the object that its own frame {tw.where(outer)}, further up its stack, works on and holds",
+                        k, how="py-spy's locals: the same self in an outer frame of the same thread", sure=False))
+            return
+    if w.kind == tw.JOIN and w.obj is not None:
+        joined = next((x for x, (tt, _) in others.items() if tw.thread_object(tt) == w.obj), None)
+        if joined is not None:
+            g.wait(Edge(k, "a thread to end", joined, how="py-spy's locals: the Thread object joined"))
             return
     candidates = [x for x, (tt, ww) in others.items() if not _idle_worker(tt, ww) and ww.kind != tw.UNKNOWN]
+    if w.obj is not None and w.kind != tw.JOIN:
+        # Who else holds the very object waited on (py-spy's locals), and does not wait on it too:
+        # the threads that can set, put or notify it.
+        holding = [x for x, (tt, ww) in others.items() if w.obj in tw.local_addrs(tt) and ww.obj != w.obj]
+        if holding:
+            for x in holding:
+                g.wait(Edge(k, _WHAT.get(w.kind, w.kind), x, how="py-spy's locals: a thread that holds the object waited on",
+                            sure=False))
+            return
     if w.kind == tw.FUTURE:
         workers = [x for x, (tt, ww) in others.items() if _pool_of(tt) is not None]
         candidates = workers or candidates
@@ -203,10 +234,38 @@ def _thread_edges(g: Graph, k: str, w: tw.Wait, waits: dict[str, tuple[Thread, t
                                   " (which one cannot be read from outside the process)", sure=False))
 
 
+def _finalizer_interrupting(t: Thread) -> tuple[tw.Frame, tw.Frame] | None:
+    """A ``__del__`` on the thread's stack (innermost first) and the program's frame it interrupted."""
+    pys = tw.python_frames(t)
+    for i, f in enumerate(pys):
+        if str(f.get("name") or "").endswith("__del__"):
+            outer = next((o for o in pys[i + 1:] if tw.is_user_frame(o)), None)
+            return (f, outer) if outer is not None else None
+    return None
+
+
+def _same_object_further_up(t: Thread, w: tw.Wait) -> tw.Frame | None:
+    """An outer frame of the same thread working on the object whose lock it waits for (the same
+    ``self``): a non-reentrant lock taken a second time by the thread that holds it."""
+    pys = tw.python_frames(t)
+    if not pys or w.frame is None:
+        return None
+    inner = tw.local_addr(pys[0], "self") or tw.local_addr(w.frame, "self")
+    if inner is None:
+        return None
+    start = next((i for i, f in enumerate(pys) if f is w.frame), 0)
+    return next((f for f in pys[start + 1:] if tw.local_addr(f, "self") == inner), None)
+
+
 def _pool_of(t: Thread) -> str | None:
-    name = str(t.get("thread_name") or "")
-    if name.startswith("ThreadPoolExecutor-"):
-        return name.rsplit("_", 1)[0]
+    """Which ThreadPoolExecutor a thread is a worker of: its work queue (``_worker``'s local, from
+    py-spy's locals), else its name's prefix; None for a thread that is not a pool's worker."""
+    for f in tw.python_frames(t):
+        if str(f.get("filename") or "").endswith("concurrent/futures/thread.py") and str(f.get("name") or "").endswith("_worker"):
+            queue = tw.local_addr(f, "work_queue")
+            name = str(t.get("thread_name") or "")
+            prefix = name.rsplit("_", 1)[0] if "_" in name else name
+            return f"{prefix} (its work queue at {hex(queue)})" if queue is not None else prefix or "a thread pool"
     return None
 
 
@@ -217,7 +276,7 @@ def _io_edges(g: Graph, p: Proc, k: str, w: tw.Wait, waits: dict[str, tuple[Thre
     obj = _object_text(b)
     if w.holds_gil:
         c = f" in {w.c_function}" if w.c_function else ""
-        _set(g, k, LIVE, f"holding the GIL while blocked {verb} {obj}{c}".replace("  ", " "))
+        _set(g, k, LIVE, f"holding the GIL while blocked {verb + ' ' + obj if obj else 'in ' + str(w.call) + '()'}{c}")
         return
     peers = [x for x in dicts(b.get("peers"))]
     kind = b.get("kind")

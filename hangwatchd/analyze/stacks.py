@@ -31,25 +31,51 @@ def read_threads(process_dir: Path) -> tuple[list[dict[str, Any]] | None, tuple[
 
     Never raises: the files come from a capture of a process someone else runs, or by hand.
     """
-    problems = []
-    for name in ("pyspy-native.json", "pyspy.json"):
-        path = process_dir / name
-        try:
-            data = read_json(path, MAX_STACK_BYTES)
-        except FileNotFoundError:
+    problems: list[str] = []
+    found = _read_one(process_dir, "pyspy-native.json", problems)
+    if found is None:
+        return _read_one(process_dir, "pyspy.json", problems), tuple(problems)
+    plain = _read_one(process_dir, "pyspy.json", [])
+    if plain:
+        _attach_locals(found, plain)
+    return found, tuple(problems)
+
+
+def _attach_locals(native: list[dict[str, Any]], plain: list[dict[str, Any]]) -> None:
+    """The plain dump's local variables (``py-spy --locals``) put on the native dump's Python frames,
+    thread by thread and frame by frame where both name the same function at the same line."""
+    by_tid = {t.get("os_thread_id"): t for t in plain if t.get("os_thread_id") is not None}
+    for t in native:
+        other = by_tid.get(t.get("os_thread_id"))
+        if other is None:
             continue
-        except Unreadable as exc:
-            why = f"not py-spy's JSON ({exc.detail})" if exc.kind == "not_json" else str(exc)
-            problems.append(f"{path.parent.name}/{name}: {why}")
-            continue
-        if not isinstance(data, list):
-            problems.append(f"{path.parent.name}/{name}: not a list of threads")
-            continue
-        threads = [_thread(t) for t in data if isinstance(t, dict)]
-        if len(threads) < len(data):
-            problems.append(f"{path.parent.name}/{name}: {len(data) - len(threads)} entries are not threads, skipped")
-        return threads, tuple(problems)
-    return None, tuple(problems)
+        theirs = [f for f in other["frames"] if f.get("locals")]
+        for f in t["frames"]:
+            for i, g in enumerate(theirs):
+                if g.get("name") == f.get("name") and g.get("line") == f.get("line") and g.get("filename") == f.get("filename"):
+                    f["locals"] = g["locals"]
+                    del theirs[: i + 1]
+                    break
+
+
+def _read_one(process_dir: Path, name: str, problems: list[str]) -> list[dict[str, Any]] | None:
+    """One stack file's threads; None (and a line in ``problems`` unless it is absent) when it has none."""
+    path = process_dir / name
+    try:
+        data = read_json(path, MAX_STACK_BYTES)
+    except FileNotFoundError:
+        return None
+    except Unreadable as exc:
+        why = f"not py-spy's JSON ({exc.detail})" if exc.kind == "not_json" else str(exc)
+        problems.append(f"{path.parent.name}/{name}: {why}")
+        return None
+    if not isinstance(data, list):
+        problems.append(f"{path.parent.name}/{name}: not a list of threads")
+        return None
+    threads = [_thread(t) for t in data if isinstance(t, dict)]
+    if len(threads) < len(data):
+        problems.append(f"{path.parent.name}/{name}: {len(data) - len(threads)} entries are not threads, skipped")
+    return threads
 
 
 def _thread(t: dict[str, Any]) -> dict[str, Any]:
@@ -65,8 +91,24 @@ def _thread(t: dict[str, Any]) -> dict[str, Any]:
                 f[key] = str(f[key])
         if not isinstance(f.get("line"), int) or isinstance(f.get("line"), bool):
             f["line"] = 0
+        if "locals" in f:
+            f["locals"] = _locals(f["locals"])
         clean.append(f)
     return {**t, "frames": clean, "thread_name": t.get("thread_name") if isinstance(t.get("thread_name"), str) else None}
+
+
+MAX_LOCALS = 64
+
+
+def _locals(value: Any) -> list[dict[str, Any]]:
+    """py-spy's local variables of a frame: name, address, whether an argument, repr (each cut)."""
+    out = []
+    for v in value[:MAX_LOCALS] if isinstance(value, list) else []:
+        if isinstance(v, dict) and isinstance(v.get("name"), str):
+            addr = v.get("addr")
+            out.append({"name": v["name"][:100], "addr": addr if isinstance(addr, int) and not isinstance(addr, bool) else None,
+                        "arg": v.get("arg") is True, "repr": v["repr"][:300] if isinstance(v.get("repr"), str) else None})
+    return out
 
 
 def load_threads(process_dir: Path) -> list[dict[str, Any]] | None:

@@ -64,6 +64,47 @@ class Wait:
     in_event_loop: bool = False  # the wait happens inside an asyncio event loop's callback (it blocks the loop)
     holds_gil: bool = False  # py-spy says this thread holds the GIL
     c_function: str | None = None  # RUNNING or blocked in C of the program's own (not the interpreter's): the C routine
+    obj: int | None = None  # the address of the object waited on (the thread joined, the queue, the event), from py-spy's locals
+
+
+def local_addr(f: Frame | None, name: str) -> int | None:
+    """The address of local variable ``name`` of frame ``f`` (``py-spy --locals``), where known."""
+    for v in (f or {}).get("locals") or []:
+        if isinstance(v, dict) and v.get("name") == name and isinstance(v.get("addr"), int):
+            return v["addr"]
+    return None
+
+
+def local_addrs(t: Thread) -> set[int]:
+    """Every object a thread's frames hold in a local variable (``py-spy --locals``)."""
+    return {v["addr"] for f in t.get("frames") or [] if isinstance(f, dict)
+            for v in f.get("locals") or [] if isinstance(v, dict) and isinstance(v.get("addr"), int)}
+
+
+def thread_object(t: Thread) -> int | None:
+    """The address of a thread's own ``threading.Thread`` object: ``self`` of its bootstrap frames."""
+    for f in python_frames(t):
+        if _file(f).endswith(_THREADING) and _short_name(f).startswith("Thread.") and \
+                _short_name(f).rsplit(".", 1)[-1] in ("_bootstrap_inner", "_bootstrap", "run"):
+            addr = local_addr(f, "self")
+            if addr is not None:
+                return addr
+    return None
+
+
+_DELAY_NAMES = re.compile(r"delay|sleep|backoff|wait|interval|seconds|secs|timeout|pause", re.I)
+
+
+def sleep_seconds(f: Frame | None) -> str | None:
+    """How long a frame sleeps, where a local variable named for it says (``delay = 180.0``)."""
+    for v in (f or {}).get("locals") or []:
+        if isinstance(v, dict) and _DELAY_NAMES.search(str(v.get("name") or "")):
+            try:
+                value = float(str(v.get("repr")))
+            except ValueError:
+                continue
+            return f"{v['name']} = {value:g} s"
+    return None
 
 
 def python_frames(t: Thread) -> list[Frame]:
@@ -129,20 +170,20 @@ def _natives_above_python(t: Thread) -> list[str]:
     return out
 
 
-def _library_call(pys: list[Frame]) -> tuple[str | None, str | None]:
+def _library_call(pys: list[Frame]) -> tuple[str | None, str | None, Frame | None]:
     """(kind, call) from the library frames a wait runs in; (None, None) when the innermost Python
     frame is the program's own. The call the program made decides (the outermost library frame
     under its own): a pool's map waits in an event, a queue's get in a condition, and the map, the
     get say what is waited for."""
     if not pys or is_user_frame(pys[0]):
-        return None, None
+        return None, None, None
     first_user = next((i for i, f in enumerate(pys) if is_user_frame(f)), len(pys))
     library = pys[:first_user]
     for f in reversed(library):  # outermost first
         found = _one_call(_short_name(f), _file(f))
         if found is not None:
-            return found
-    return None, None
+            return found[0], found[1], f
+    return None, None, None
 
 
 def _one_call(name: str, path: str) -> tuple[str, str] | None:
@@ -202,15 +243,16 @@ def classify(t: Thread, wchan: str | None = None, blocked: dict[str, Any] | None
     blocked = blocked if isinstance(blocked, dict) else {}
     loop = in_event_loop(t)
     gil = bool(t.get("owns_gil"))
+    lib_kind, lib_call, lib_frame = _library_call(pys)
 
     def wait(kind: str, call: str | None, how: str, **kw: Any) -> Wait:
-        return Wait(kind, frame, call, how, blocked, loop, gil, **kw)
+        obj = local_addr(lib_frame, "self") if lib_frame is not None and call == lib_call else None
+        return Wait(kind, frame, call, how, blocked, loop, gil, obj=obj, **kw)
 
     if t.get("active"):
         return wait(RUNNING, None, "py-spy saw it on the CPU", c_function=_own_c(t, natives) if not _runtime_native(t) else None)
     if any(_GIL_NATIVE.search(n) for n in natives[:6]):
         return wait(GIL, "the GIL", "native frames (take_gil)")
-    lib_kind, lib_call = _library_call(pys)
     syscall = blocked.get("syscall") or _call_from_text(blocked)
     # The descriptor or child a call blocks on is the most direct evidence there is.
     if syscall in _BLOCKING_CALLS or (not syscall and any(_IO_NATIVE.search(n) for n in natives[:3])):
@@ -228,7 +270,9 @@ def classify(t: Thread, wchan: str | None = None, blocked: dict[str, Any] | None
         return wait(CHILD, lib_call or "os.waitpid", "the system call" if syscall else "native frames")
     if syscall in ("nanosleep", "clock_nanosleep") or any(_SLEEP_NATIVE.search(n) for n in natives[:4]) \
             or (not natives and wchan in _WCHAN_SLEEP):
-        return wait(SLEEP, "time.sleep", "native frames" if natives else "the wait channel", c_function=_own_c(t, natives))
+        # time.sleep lets the GIL go: a sleeper that holds it sleeps in C (a library through ctypes.PyDLL, an extension).
+        c = _own_c(t, natives) or (next((n for n in natives if _SLEEP_NATIVE.search(n)), "sleep") + "()" if gil else None)
+        return wait(SLEEP, "time.sleep", "native frames" if natives else "the wait channel", c_function=c)
     if lib_kind is not None:
         return wait(lib_kind, lib_call, "library frames")
     if any(patterns.LOCK_NATIVE.search(n) for n in natives):

@@ -8,6 +8,7 @@ pyspy(-native).json, symbolized.json, nvml.json, flight-recorder.pkl.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -228,13 +229,13 @@ def analyze(incident: Path) -> Analysis:
                        f"{', '.join(str(v.rank) for v in lost)}: {lost[0].detail}, so the one that did not join is there.")
         elif odd is not None:
             culprits.append(Culprit(odd.rank, odd.pid, f"{odd.verdict}: {odd.detail}", odd.location))
-            at = "" if odd.verdict in _LEADS_WITH_ITSELF else f" at {odd.location or 'an unknown place'}"
+            at = "" if _says_where(odd) else f" at {odd.location or 'an unknown place'}"
             summary = (f"{_who(odd)} is the odd one out: {odd.detail}{at}, "
                        f"while the other ranks are {Counter(v.verdict for v in ranks if v is not odd).most_common(1)[0][0]}.")
         elif len(ranks) > 1 and len({v.verdict for v in ranks}) == 1 and ranks[0].verdict == "in-collective":
             summary = (f"Every rank here waits in the same collective ({ranks[0].collective}): the cause is outside "
                        "this node - a dead or slow peer on another node, or the network.")
-        elif ranks and ranks[0].verdict in _LEADS_WITH_ITSELF:
+        elif ranks and _says_where(ranks[0]):
             v = ranks[0]  # the detail names its own places: a stuck child and the parent's wait, two threads
             culprits.append(Culprit(v.rank, v.pid, f"{v.verdict}: {v.detail}", v.location))
             summary = (f"Rank {v.rank}: " if v.rank is not None else "" if v.verdict == "child-stuck" else f"{_who(v)}: ") + f"{v.detail}."
@@ -315,11 +316,17 @@ def _with_ras(views: list[ras.RasView], ranks: list[RankVerdict], summary: str,
 # Verdicts of a process that is merely where the hang shows, not why.
 _LIVE = frozenset({"in-collective", "waiting-on-gpu", "stream-deadlock", "lock-wait", "idle-python", "unknown",
                    "gpu-kernel-spinning", "waiting-on-children"})
-# Verdicts whose detail is a whole sentence of places: the root of a wait-for chain and how the hung
-# party reaches it (a stuck child and the parent's wait; a deadlock's threads; ...).
-_LEADS_WITH_ITSELF = frozenset({"child-stuck", "thread-deadlock", "gil-held-in-c", "deadlock", "gone", "nobody",
-                                "sleeping", "busy", "gil-held", "blocked-io", "idle", "unknown-wait", "lock-wait",
-                                "waiting-on-children"})
+def _says_where(v: RankVerdict) -> bool:
+    """The verdict's detail is a whole sentence of places (the root of a wait-for chain and how the
+    hung party reaches it; a stuck child and the parent's wait): it is said as it is, not followed by
+    'at LOCATION'."""
+    if v.verdict in ("child-stuck", "thread-deadlock", "gil-held-in-c"):
+        return True
+    if not v.location or " (" not in v.location:
+        return False
+    name, _, rest = v.location.partition(" (")
+    short = f"({os.path.basename(rest.rsplit(':', 1)[0])}:{rest.rsplit(':', 1)[-1]}"
+    return short in v.detail or short.replace("(", ", ", 1) in v.detail
 
 
 def _odd_one_out(ranks: list[RankVerdict]) -> RankVerdict | None:

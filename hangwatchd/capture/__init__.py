@@ -22,7 +22,7 @@ def make_steps(config: Config) -> list[tuple[Step, float]]:
     factories: dict[str, Callable[[], tuple[Step, float]]] = {
         "proc": lambda: (ProcStep(node=config.node), 5.0),
         "progress": lambda: (ProgressStep(), 5.0),
-        "pyspy": lambda: (PySpyStep(native=config.pyspy_native), config.pyspy_timeout),
+        "pyspy": lambda: (PySpyStep(native=config.pyspy_native, locals=True), config.pyspy_timeout),
         "children": lambda: (ChildrenStep(native=config.pyspy_native, node=config.node), config.pyspy_timeout),
         "nvml": lambda: (NvmlStep(), config.nvml_timeout),
         "nccl_ras": lambda: (NcclRasStep(), config.nccl_ras_timeout),
