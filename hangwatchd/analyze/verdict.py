@@ -232,9 +232,13 @@ def analyze(incident: Path) -> Analysis:
             at = "" if _says_where(odd) else f" at {odd.location or 'an unknown place'}"
             summary = (f"{_who(odd)} is the odd one out: {odd.detail}{at}, "
                        f"while the other ranks are {Counter(v.verdict for v in ranks if v is not odd).most_common(1)[0][0]}.")
+        elif len(ranks) > 1 and len({v.verdict for v in ranks}) == 1 and ranks[0].verdict == "in-collective" \
+                and (apart := _apart(ranks, found)) is not None:
+            summary, culprits = apart
         elif len(ranks) > 1 and len({v.verdict for v in ranks}) == 1 and ranks[0].verdict == "in-collective":
-            summary = (f"Every rank here waits in the same collective ({ranks[0].collective}): the cause is outside "
-                       "this node - a dead or slow peer on another node, or the network.")
+            summary = (f"Every rank here waits in the same collective ({ranks[0].collective}) at the same place, "
+                       "with the same arguments: the cause is outside this node - a dead or slow peer on another node, "
+                       "or the network.")
         elif ranks and _says_where(ranks[0]):
             v = ranks[0]  # the detail names its own places: a stuck child and the parent's wait, two threads
             culprits.append(Culprit(v.rank, v.pid, f"{v.verdict}: {v.detail}", v.location))
@@ -257,6 +261,78 @@ def analyze(incident: Path) -> Analysis:
     summary = gpu_events.explain(incident, ranks, summary, meta)  # an XID on a rank's GPU near its stop comes first
     return account(incident, meta, Analysis(summary, tuple(culprits), tuple(ranks), tuple(collectives), rests_on, unreadable,
                                             tuple(kid_verdicts)))
+
+
+def _apart(ranks: list[RankVerdict], found: list[evidence.Evidence]) -> tuple[str, list[Culprit]] | None:
+    """Ranks that all wait in a collective, but not the same one: a different collective, the same one
+    called from another place, or with another source or destination (py-spy's locals). The ranks in
+    the minority are the ones that never reached the collective the others wait in; where the ranks
+    split evenly, each side never reached the other's, and both are named."""
+    def site(v: RankVerdict, ev: evidence.Evidence) -> tuple[str, str, str]:
+        return (v.collective or "?", v.location or "?", _collective_args(ev))
+
+    keyed = [(v, site(v, ev)) for v, ev in zip(ranks, found) if v.rank is not None]
+    groups: dict[tuple[str, str, str], list[RankVerdict]] = {}
+    for v, k in keyed:
+        groups.setdefault(k, []).append(v)
+    if len(groups) < 2:
+        return None
+    names = {k[0] for k in groups}
+    places = {k[1] for k in groups}
+    order = sorted(groups.items(), key=lambda kv: (-len(kv[1]), min(v.rank or 0 for v in kv[1])))
+
+    def who(vs: list[RankVerdict]) -> str:
+        return f"rank{'s' if len(vs) > 1 else ''} {', '.join(str(v.rank) for v in sorted(vs, key=lambda v: v.rank or 0))}"
+
+    def what(k: tuple[str, str, str]) -> str:
+        where = f"{k[0]} at {_short_where(k[1])}"
+        return where + (f" with {k[2]}" if k[2] and len(names) == 1 and len(places) == 1 else "")
+
+    (top, most), rest = order[0], order[1:]
+    if len(names) == 1 and len(places) == 1:  # the same call, made with different peers: a mismatch
+        sides = "; ".join(f"{who(vs)} with {k[2]}" for k, vs in sorted(order, key=lambda kv: -min(v.rank or 0 for v in kv[1])))
+        odd = [v for _, vs in rest for v in vs] if len(most) > max(len(vs) for _, vs in rest) else [v for _, vs in order for v in vs]
+        summary = (f"Ranks disagree in {top[0]} at {_short_where(top[1])}: {sides}: a mismatch, each waits for a "
+                   "peer that is not in the same exchange.")
+        return summary, [Culprit(v.rank, v.pid, f"{top[0]} with {site(v, ev)[2]}", v.location)
+                         for v, ev in zip(ranks, found) if v in odd]
+    if len(most) > max(len(vs) for _, vs in rest):  # a majority: the others left the collective it waits in
+        odd = [v for _, vs in rest for v in vs]
+        summary = (f"{who(odd).capitalize()} never entered {top[0]} that {who(most)} wait{'s' if len(most) == 1 else ''} in "
+                   f"at {_short_where(top[1])}: " + "; ".join(f"{who(vs)} {'is' if len(vs) == 1 else 'are'} in {what(k)} instead"
+                                                            for k, vs in rest) + ".")
+        culprits = [Culprit(v.rank, v.pid, f"never entered {top[0]} at {_short_where(top[1])}", v.location) for v in odd]
+        return summary, culprits
+    # An even split: each side waits in what the other never reached.
+    sides = "; ".join(f"{who(vs)} in {what(k)}" for k, vs in sorted(order, key=lambda kv: -min(v.rank or 0 for v in kv[1])))
+    differ = ("different collectives" if len(names) > 1 else "the same collective called from different places"
+              if len(places) > 1 else f"{top[0]} with different arguments")
+    first = sorted(order, key=lambda kv: -min(v.rank or 0 for v in kv[1]))
+    lead = f"{who(first[0][1]).capitalize()} never entered {first[1][0][0]} that {who(first[1][1])} wait{'s' if len(first[1][1]) == 1 else ''} in, and the other way round"
+    summary = f"{lead}: the ranks wait in {differ}: {sides}."
+    culprits = [Culprit(v.rank, v.pid, f"waits in {what(k)}", v.location) for k, vs in first for v in vs]
+    return summary, culprits
+
+
+_COLLECTIVE_ARGS = ("src", "dst", "group_src", "group_dst", "op")
+
+
+def _collective_args(ev: evidence.Evidence) -> str:
+    """The arguments that decide who meets whom in the innermost collective frame (py-spy's locals):
+    ``src=1``; "" where the stacks hold none."""
+    for t in th.ordered(list(ev.threads)):
+        for f in t.get("frames") or []:
+            if patterns.first([str(f.get("name") or "")], patterns.COLLECTIVE) and f.get("locals"):
+                args = [f"{v['name']}={v['repr']}" for v in f["locals"]
+                        if v.get("name") in _COLLECTIVE_ARGS and v.get("repr") not in (None, "None")]
+                return ", ".join(args)
+    return ""
+
+
+def _short_where(location: str) -> str:
+    """``fn (/a/b/x.py:9)`` as ``fn (x.py:9)``."""
+    name, _, rest = location.partition(" (")
+    return f"{name} ({os.path.basename(rest)}" if rest else location
 
 
 def _who(v: RankVerdict) -> str:

@@ -18,6 +18,9 @@ from ..model import Registration
 from .base import StepFailed
 
 
+RETRIES = 3  # more reads of a process whose threads moved under py-spy's read, within the run's deadline
+
+
 @dataclass
 class PySpyStep:
     native: bool = True
@@ -45,7 +48,15 @@ class PySpyStep:
             except untrusted.Refused as exc:
                 raise StepFailed(f"not read: {exc}") from None
             argv = [tool, "dump", "--json", "--pid", str(pid)] + (["--native"] if native else ["--locals"] if self.locals else [])
-            res = subproc.run_by(argv, start + timeout * 2 / 3 if native else deadline)
+            until = start + timeout * 2 / 3 if native else deadline
+            res = subproc.run_by(argv, until)
+            for _ in range(RETRIES):
+                # py-spy reads the interpreter's threads while they move: a process starting or ending
+                # threads (a torch rank's pools) fails a read now and then; a read a moment later works.
+                if res.ok or res.timed_out or b"Failed to get stack traces" not in res.stderr or time.monotonic() > until - 0.5:
+                    break
+                time.sleep(0.1)
+                res = subproc.run_by(argv, until)
             label = "py-spy --native" if native else "py-spy"
             if res.timed_out:
                 errors.append(f"{label} was killed at its deadline ({res.seconds:.1f} s of the step's {timeout:g} s)"
