@@ -82,7 +82,7 @@ class ChildrenStep:
             row["error"] = "captured as a process of its own"
             return row, None
         row["dir"] = str(pid)
-        data = facts(reg, self.node)
+        data = facts(reg, self.node, min(end, time.monotonic() + 2.0))  # py-spy keeps the rest
         state = str(data.get("state") or "")
         threads: list[dict[str, Any]] = []
         left = end - time.monotonic()
