@@ -33,16 +33,18 @@ class ProcStep:
         p = target.process
         if not procfs.alive(p):
             raise StepFailed(f"pid {p.pid} started at {p.start_time} is gone")
-        data = facts(target, self.node, time.monotonic() + timeout * 0.8)
+        data = facts(target, self.node, time.monotonic() + timeout * 0.8)  # the rest: writing it
         if not procfs.alive(p):
             raise StepFailed(f"pid {p.pid} exited while it was being read")
         write_json(outdir / "proc.json", data)
         return ("proc.json",)
 
 
-def facts(target: Registration, node: str | None, end: float | None = None) -> dict[str, object]:
+def facts(target: Registration, node: str | None, end: float | None = None, since: float | None = None) -> dict[str, object]:
     """What /proc says of a process: identity, job and rank, status, threads, what each is blocked
-    on and who holds the other end, its sockets, its CPU; the waits cut at ``end`` (time.monotonic())."""
+    on and who holds the other end, its sockets, its CPU; the waits cut at ``end`` (time.monotonic()).
+    ``since``: the scan of the node's descriptors may be one begun then or later (the children of
+    one step share one); by default one begun now."""
     end = time.monotonic() + 2.0 if end is None else end
     p = target.process
     status = procfs.status(p.pid)
@@ -68,11 +70,11 @@ def facts(target: Registration, node: str | None, end: float | None = None) -> d
         "parent": procfs.parent(p.pid),
         "schedstat": procfs.schedstat(p.pid),
     }
-    data.update(waits(p.pid, target.uid, data["threads"], end))  # type: ignore[arg-type]
+    data.update(waits(p.pid, target.uid, data["threads"], end, since))  # type: ignore[arg-type]
     return data
 
 
-def waits(pid: int, uid: int | None, threads: list[dict[str, Any]], end: float) -> dict[str, Any]:
+def waits(pid: int, uid: int | None, threads: list[dict[str, Any]], end: float, since: float | None = None) -> dict[str, Any]:
     """``blocked_on`` (the main thread's wait: the system call and the descriptor behind it), each
     thread's own ``blocked_on`` (a running thread has none), with the other end of each wait
     (``socket``, ``peers``), and ``io``: the process's listening sockets and unread bytes.
@@ -80,7 +82,7 @@ def waits(pid: int, uid: int | None, threads: list[dict[str, Any]], end: float) 
     reader = Waits(pid, uid)
     main = reader.of(None)
     complete = True
-    with Looker(end) as looker:
+    with Looker(end, since) as looker:
         for t in threads:
             if time.monotonic() > end:
                 complete = False

@@ -4,7 +4,8 @@ at a glance (``io``: what it listens on, what holds bytes nobody has read).
 
 The holders of an object are found by one scan of every process's descriptors on the node
 (``/proc/*/fd``: pipes and sockets by inode, anything else by the path the kernel shows), shared
-for a moment by the captures that ask at once, cut at the caller's deadline and capped in size;
+by the questions of one step (a hung process's children all use the scan made after their step
+began), cut at the caller's deadline and capped in size;
 a cut scan says so (``peers_complete``), since "nobody writes this pipe" is only true of a whole
 scan. Every read is of /proc and the kernel's socket tables; no user's file is opened, and a
 process or descriptor that vanishes while we look is skipped.
@@ -30,7 +31,6 @@ from .sock_diag import UnixDiag, UnixSocket
 
 MAX_PEERS = 64  # holders listed for one object
 MAX_SCAN_FDS = 1 << 18  # descriptors looked at in one scan of the node (the rest: an incomplete scan)
-SNAPSHOT_TTL = 2.0  # seconds a complete scan serves other captures
 MAX_IO_SOCKETS = 256  # sockets of one process described for ``io``
 
 _FAMILIES = {"TCP": "tcp", "TCPV6": "tcp6", "UDP": "udp", "UDPV6": "udp6"}
@@ -44,7 +44,7 @@ class Snapshot:
     sockets: dict[int, list[int]] = field(default_factory=dict)
     paths: dict[str, list[int]] = field(default_factory=dict)
     complete: bool = True
-    taken: float = 0.0
+    started: float = 0.0  # time.monotonic() when the scan began
 
 
 def _inode(target: str) -> int | None:
@@ -57,7 +57,7 @@ def _inode(target: str) -> int | None:
 
 def scan(end: float) -> Snapshot:
     """Read every process's descriptor table, until ``end`` (time.monotonic()) or ``MAX_SCAN_FDS``."""
-    snap = Snapshot()
+    snap = Snapshot(started=time.monotonic())
     me, seen = os.getpid(), 0
     try:
         entries = os.listdir(PROC)
@@ -93,7 +93,6 @@ def scan(end: float) -> Snapshot:
                     snap.sockets.setdefault(ino, []).append(packed)
             elif target.startswith("/"):
                 snap.paths.setdefault(target, []).append(packed)
-    snap.taken = time.monotonic()
     return snap
 
 
@@ -101,14 +100,15 @@ _recent: Snapshot | None = None
 _lock = threading.Lock()
 
 
-def snapshot(end: float) -> Snapshot:
-    """A scan of the node no older than ``SNAPSHOT_TTL``: the captures of one hang (a process and
-    its children) share one. Waits for a scan under way no longer than ``end``."""
+def snapshot(end: float, not_before: float) -> Snapshot:
+    """A whole scan of the node begun at ``not_before`` or later (time.monotonic()): it saw every
+    descriptor that was open then and still is. The questions of one step share it; a scan under
+    way is waited for no longer than ``end``."""
     global _recent
     if not _lock.acquire(timeout=max(0.0, end - time.monotonic())):
         return Snapshot(complete=False)
     try:
-        if _recent is not None and time.monotonic() - _recent.taken < SNAPSHOT_TTL:
+        if _recent is not None and _recent.started >= not_before:
             return _recent
         snap = scan(end)
         _recent = snap if snap.complete else None
@@ -149,8 +149,11 @@ class Looker:
     """One capture's look at the other ends: the node's scan, the socket tables and the netlink
     sockets of each network namespace, read at most once and shared by every question."""
 
-    def __init__(self, end: float) -> None:
+    def __init__(self, end: float, not_before: float | None = None) -> None:
+        """``end``: the deadline of every read; ``not_before``: the scan of the node may be one
+        begun then or later (by default, one begun now)."""
         self.end = end
+        self.not_before = time.monotonic() if not_before is None else not_before
         self.tables = Tables(end)
         self._snap: Snapshot | None = None
         self._diag: dict[int, UnixDiag] = {}
@@ -171,7 +174,7 @@ class Looker:
     @property
     def snap(self) -> Snapshot:
         if self._snap is None:
-            self._snap = snapshot(self.end)
+            self._snap = snapshot(self.end, self.not_before)
         return self._snap
 
     def diag(self, pid: int) -> UnixDiag | None:
