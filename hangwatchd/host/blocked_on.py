@@ -139,6 +139,7 @@ class Waits:
         self.pid = pid
         self.owner_uid = owner_uid
         self._targets: dict[int, str] | None = None
+        self._epoll: dict[int, list[tuple[int, str | None]] | None] = {}  # a pool's threads share one set
 
     def targets(self) -> dict[int, str]:
         if self._targets is None:
@@ -217,7 +218,10 @@ class Waits:
         found: list[tuple[int, str | None]] | None = None
         source = name.split("_")[0] if name in _EPOLL else "poll" if name in _POLL else "select"
         if name in _EPOLL:
-            found = epoll_set(self.pid, _int32(args[0]))
+            epfd = _int32(args[0])
+            if epfd not in self._epoll:
+                self._epoll[epfd] = epoll_set(self.pid, epfd)
+            found = self._epoll[epfd]
         elif name in _POLL and len(args) > 1:
             found = self._poll_set(args[0], args[1])
         elif name in _SELECT and len(args) > 2:

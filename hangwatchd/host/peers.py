@@ -337,7 +337,7 @@ class Looker:
                 others = [listening] if listening else []
             peers = []
             for other in others:
-                peers += self.holders(self.snap.sockets.get(other, []), pid)
+                peers += self.holders(self.snap.sockets.get(other, []), pid, ino=other)
             peers = peers[:MAX_PEERS]
         return info, peers
 
