@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -271,3 +272,39 @@ def test_the_exits_step_is_not_applicable_without_a_listener(tmp_path: Path) -> 
     with pytest.raises(StepNotApplicable, match="not recorded here: the exits step is not among capture_steps"):
         ExitsStep(listener=off).run(Registration(process=me, uid=0), tmp_path, 1.0)
     assert not (tmp_path / "exits.json").exists()
+
+
+def test_a_pool_worker_killed_while_its_parent_waits_in_map_is_in_the_parents_capture(listener: ProcExits, tmp_path: Path) -> None:
+    """The case the step exists for: multiprocessing.Pool replaces a SIGKILLed worker and map()
+    waits for its task for ever. The parent's capture names the dead worker and its signal."""
+    code = textwrap.dedent("""
+        import multiprocessing as mp, os, sys, time
+        def work(i):
+            if i == 0:
+                print("worker", os.getpid(), flush=True)
+                time.sleep(600)
+            return i
+        if __name__ == "__main__":
+            with mp.get_context("fork").Pool(2) as pool:
+                pool.map(work, range(4), chunksize=1)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        worker = int(parent.stdout.readline().split()[1])
+        os.kill(worker, signal.SIGKILL)
+        me = procfs.identify(parent.pid)
+        assert me is not None
+        found: list[dict[str, object]] = []
+        end = time.monotonic() + 10
+        while not found and time.monotonic() < end:
+            found = [e for e in listener.exits_below(parent.pid, 0) if e["pid"] == worker]
+            time.sleep(0.05)
+        ExitsStep(listener=listener).run(Registration(process=me, uid=0), tmp_path, 2.0)
+        data = json.loads((tmp_path / "exits.json").read_text())
+        (dead,) = [e for e in data["exits"] if e["pid"] == worker]
+        assert (dead["signal"], dead["exit_code"], dead["ppid"], dead["depth"]) == ("SIGKILL", None, parent.pid, 1)
+        assert procfs.alive(me)  # and the parent still waits: the pool never gives up on the task
+    finally:
+        parent.kill()
+        parent.wait()
