@@ -150,7 +150,7 @@ def _one_of(*allowed: str) -> Callable[[Any], str]:
     return parse
 
 
-STEP_NAMES = ("proc", "progress", "pyspy", "children", "nvml", "nccl_ras", "flight_recorder", "cuda_dump")
+STEP_NAMES = ("proc", "progress", "pyspy", "children", "exits", "nvml", "nccl_ras", "flight_recorder", "cuda_dump")
 
 
 def _steps(v: Any) -> tuple[str, ...]:
@@ -222,6 +222,8 @@ KEYS: dict[str, Key] = {
     "rescan_interval": Key(30.0, _seconds, "seconds between full rescans of the registrations (inotify is the fast path)"),
     "capture_steps": Key(list(STEP_NAMES), _steps, "capture steps to run on a hung process, in order (cuda_dump is always last)"),
     "capture_timeout": Key(60.0, _seconds, "seconds the whole capture of one process may take"),
+    "exit_window": Key(600.0, _seconds, "seconds back from a capture whose exits of the hung process's descendants "
+                       "(with their exit status or signal) go into its exits.json; the daemon records exits as root"),
     "pyspy_timeout": Key(10.0, _seconds, "seconds one py-spy dump may take before it is killed"),
     "pyspy_native": Key(True, _bool, "also take native (C/C++/CUDA) frames with py-spy --native"),
     "learn_timeouts": Key(True, _bool, "learn a process's heartbeat timeout from its beats when it declared none"),
@@ -295,6 +297,7 @@ class Config:
     rescan_interval: float = KEYS["rescan_interval"].default
     capture_steps: tuple[str, ...] = tuple(KEYS["capture_steps"].default)
     capture_timeout: float = KEYS["capture_timeout"].default
+    exit_window: float = KEYS["exit_window"].default
     pyspy_timeout: float = KEYS["pyspy_timeout"].default
     pyspy_native: bool = KEYS["pyspy_native"].default
     learn_timeouts: bool = KEYS["learn_timeouts"].default

@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..config import Config
+from ..host.proc_exits import ProcExits
 from .base import Step, StepFailed, StepNotApplicable
 from .children import ChildrenStep
 from .cuda_dump import CudaDumpStep
+from .exits import ExitsStep
 from .flight_recorder import FlightRecorderStep
 from .nccl_ras import NcclRasStep
 from .nvml import NvmlStep
@@ -17,13 +19,15 @@ from .progress import ProgressStep
 from .pyspy import PySpyStep
 
 
-def make_steps(config: Config) -> list[tuple[Step, float]]:
-    """The configured steps with their timeouts: cheapest and least destructive first, the GPU dump last."""
+def make_steps(config: Config, exits: ProcExits | None = None) -> list[tuple[Step, float]]:
+    """The configured steps with their timeouts: cheapest and least destructive first, the GPU dump last.
+    ``exits``: the daemon's listener for process exits, which the exits step reads."""
     factories: dict[str, Callable[[], tuple[Step, float]]] = {
         "proc": lambda: (ProcStep(node=config.node), 5.0),
         "progress": lambda: (ProgressStep(), 5.0),
         "pyspy": lambda: (PySpyStep(native=config.pyspy_native, locals=True), config.pyspy_timeout),
         "children": lambda: (ChildrenStep(native=config.pyspy_native, node=config.node), config.pyspy_timeout),
+        "exits": lambda: (ExitsStep(listener=exits, window=config.exit_window), 2.0),
         "nvml": lambda: (NvmlStep(), config.nvml_timeout),
         "nccl_ras": lambda: (NcclRasStep(), config.nccl_ras_timeout),
         "flight_recorder": lambda: (FlightRecorderStep(), config.flight_recorder_timeout),

@@ -38,7 +38,8 @@ class ChildrenStep:
     node: str | None = None
 
     def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
-        end = time.monotonic() + timeout
+        begun = time.monotonic()
+        end = begun + timeout
         pid = target.process.pid
         if not procfs.alive(target.process):
             raise StepFailed(f"pid {pid} started at {target.process.start_time} is gone")
@@ -48,7 +49,7 @@ class ChildrenStep:
             raise StepNotApplicable(f"pid {pid} has no child processes of uid {target.uid}")
         kids = kids[: self.max_children]
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(PARALLEL, len(kids)), thread_name_prefix="child") as pool:
-            rows = list(pool.map(lambda c: self._one(target, c, outdir.parent, end), kids))
+            rows = list(pool.map(lambda c: self._one(target, c, outdir.parent, end, begun), kids))
         captured = [r for r, _ in (x for x in rows if x is not None)]
         _number_roles(captured)
         for row, data in (x for x in rows if x is not None):
@@ -67,7 +68,7 @@ class ChildrenStep:
                                               "more": max(0, len(procfs.descendants(pid, self.max_children + 1)) - self.max_children)})
         return ("children.json",)
 
-    def _one(self, parent: Registration, pid: int, where: Path, end: float) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+    def _one(self, parent: Registration, pid: int, where: Path, end: float, begun: float) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
         """The child's row in children.json and its proc.json (written once its role is numbered)."""
         me = procfs.identify(pid)
         if me is None:
@@ -82,7 +83,7 @@ class ChildrenStep:
             row["error"] = "captured as a process of its own"
             return row, None
         row["dir"] = str(pid)
-        data = facts(reg, self.node)
+        data = facts(reg, self.node, min(end, time.monotonic() + 2.0), since=begun)  # py-spy keeps the rest
         state = str(data.get("state") or "")
         threads: list[dict[str, Any]] = []
         left = end - time.monotonic()

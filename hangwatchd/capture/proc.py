@@ -1,13 +1,17 @@
-"""/proc facts: identity, job and rank, status, threads and where each sleeps in the kernel."""
+"""/proc facts: identity, job and rank, status, threads and what each waits for (and who holds the
+other end of it), the process's sockets at a glance, and the CPU the scheduler gave it."""
 
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..host import procfs
-from ..host.blocked_on import blocked_on
+from ..host.blocked_on import Waits
+from ..host.peers import Looker
 from ..model import Registration
 from ..workload.runtime_files import write_json
 from .base import StepFailed
@@ -29,15 +33,19 @@ class ProcStep:
         p = target.process
         if not procfs.alive(p):
             raise StepFailed(f"pid {p.pid} started at {p.start_time} is gone")
-        data = facts(target, self.node)
+        data = facts(target, self.node, time.monotonic() + timeout * 0.8)  # the rest: writing it
         if not procfs.alive(p):
             raise StepFailed(f"pid {p.pid} exited while it was being read")
         write_json(outdir / "proc.json", data)
         return ("proc.json",)
 
 
-def facts(target: Registration, node: str | None) -> dict[str, object]:
-    """What /proc says of a process: identity, job and rank, status, threads, what it is blocked on."""
+def facts(target: Registration, node: str | None, end: float | None = None, since: float | None = None) -> dict[str, object]:
+    """What /proc says of a process: identity, job and rank, status, threads, what each is blocked
+    on and who holds the other end, its sockets, its CPU; the waits cut at ``end`` (time.monotonic()).
+    ``since``: the scan of the node's descriptors may be one begun then or later (the children of
+    one step share one); by default one begun now."""
+    end = time.monotonic() + 2.0 if end is None else end
     p = target.process
     status = procfs.status(p.pid)
     env = procfs.environ(p.pid, IDENTITY_KEYS)
@@ -60,7 +68,32 @@ def facts(target: Registration, node: str | None) -> dict[str, object]:
         "environment": env,
         "threads": procfs.threads(p.pid),
         "parent": procfs.parent(p.pid),
-        # The main thread's wait: the system call and the descriptor (FIFO, pipe, socket, file) behind it.
-        "blocked_on": blocked_on(p.pid),
+        "schedstat": procfs.schedstat(p.pid),
     }
+    data.update(waits(p.pid, target.uid, data["threads"], end, since))  # type: ignore[arg-type]
     return data
+
+
+def waits(pid: int, uid: int | None, threads: list[dict[str, Any]], end: float, since: float | None = None) -> dict[str, Any]:
+    """``blocked_on`` (the main thread's wait: the system call and the descriptor behind it), each
+    thread's own ``blocked_on`` (a running thread has none), with the other end of each wait
+    (``socket``, ``peers``), and ``io``: the process's listening sockets and unread bytes.
+    Threads past ``end`` are left without one, and ``waits_complete`` says so."""
+    reader = Waits(pid, uid)
+    main = reader.of(None)
+    complete = True
+    with Looker(end, since) as looker:
+        for t in threads:
+            if time.monotonic() > end:
+                complete = False
+                break
+            if t.get("state") == "R":
+                continue
+            t["blocked_on"] = main if t.get("tid") == pid else reader.of(int(t["tid"]))
+        for w in [main] + [t["blocked_on"] for t in threads if t.get("tid") != pid and "blocked_on" in t]:
+            if time.monotonic() > end:
+                complete = False
+                break
+            looker.annotate(pid, w)
+        io = looker.io(pid, reader.targets()) if time.monotonic() < end else None
+    return {"blocked_on": main, "io": io, "waits_complete": complete and io is not None}

@@ -40,6 +40,7 @@ from ..detect.sampler import Sampler
 from ..detect.stack import BLOCKING, IDLE
 from ..fleet.agent import Agent
 from ..host.notify import notify, watchdog_interval
+from ..host.proc_exits import ProcExits
 from ..host.user_limits import Budgets, UserLimits
 from ..incidents import heal
 from ..incidents.retention import Retention
@@ -95,7 +96,8 @@ class Daemon:
                                            detach=self.selector.unregister, first_look=self._first_look, guard=self.guard,
                                            wake=self._wake)
         self.spool = Spool(Path(cfg.runtime_dir) / SPOOL_DIR, cfg.spool_bytes_per_uid)  # reports kept while the state dir is full
-        self.workers = CaptureWorkers(cfg, self.store, self.spool, make_steps(cfg), self.metrics,
+        self.exits = ProcExits(listen="exits" in cfg.capture_steps)  # processes that end, with their signal
+        self.workers = CaptureWorkers(cfg, self.store, self.spool, make_steps(cfg, self.exits), self.metrics,
                                       self.watched, self.registrations, self.fleet, self._wake)
         detector = HeartbeatDetector(cfg.startup_grace, cfg.learn_timeouts, cfg.learned_timeout_factor,
                                      cfg.learned_timeout_min, cfg.learned_timeout_max, int(cfg.learn_min_beats))
@@ -181,6 +183,7 @@ class Daemon:
             self.metrics_address = serve(self.metrics.registry, cfg.metrics_address)
         self.metrics.info.labels(**self.metrics.const).info({"version": __version__})
         self.node_health.start()  # before daemon.json: a daemon that clients see running has its health file
+        self.exits.start()  # as root on the host; elsewhere off, with one line saying why
         self.status.metrics_address = self.metrics_address
         self.status.write([])  # status.json exists whenever daemon.json does; its writer thread keeps it from here
         self.status.write_daemon(cfg.state_dir, cfg.dumps, self.metrics_address)  # last: clients find the daemon by it
@@ -243,6 +246,7 @@ class Daemon:
             sandbox.stop()  # the symboliser's helpers and their temporary directory, before systemd kills them
             self.status.remove()
             self.node_health.stop()
+            self.exits.stop()
             self.state_lock.release()
             self.lock.release()
         return 0

@@ -178,6 +178,44 @@ def fd_targets(pid: int) -> dict[int, str]:
     return out
 
 
+def fd_mode(pid: int, fd: int) -> str | None:
+    """How descriptor ``fd`` of ``pid`` was opened: "r", "w" or "rw" (``fdinfo``'s flags); None
+    when it is gone."""
+    try:
+        text = read_capped(PROC / str(pid) / "fdinfo" / str(fd), 4096)
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(b"flags:"):
+            try:
+                acc = int(line.split()[1], 8) & 3
+            except (IndexError, ValueError):
+                return None
+            return {os.O_RDONLY: "r", os.O_WRONLY: "w"}.get(acc, "rw")
+    return None
+
+
+def schedstat(pid: int) -> dict[str, int] | None:
+    """What the scheduler gave the process, summed over its threads (at most ``MAX_THREADS``):
+    ``cpu_ns`` on a CPU, ``wait_ns`` runnable but waiting for one, ``slices`` run. A thread that
+    ended took its share with it. None when the process is gone or the kernel keeps no schedstats."""
+    base = PROC / str(pid) / "task"
+    try:
+        tids = os.listdir(base)[:MAX_THREADS]
+    except OSError:
+        return None
+    cpu = wait = slices = 0
+    seen = 0
+    for tid in tids:
+        try:
+            fields = read_capped(base / tid / "schedstat", 256).split()
+            c, w, s = int(fields[0]), int(fields[1]), int(fields[2])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended while we looked
+        cpu, wait, slices, seen = cpu + c, wait + w, slices + s, seen + 1
+    return {"cpu_ns": cpu, "wait_ns": wait, "slices": slices} if seen else None
+
+
 def held_fifos(pid: int) -> list[tuple[int, str, os.stat_result]]:
     """FIFOs the process holds open for reading: (fd, path as the process sees it, the FIFO's stat).
 
