@@ -78,9 +78,12 @@ def test_a_worker_stuck_reading_a_fifo_leads_the_verdict_and_is_in_the_incident(
     assert k["role"].startswith("multiprocessing worker ") and k["blocked_on"]["path"] == str(shards / "shard-0042")
     assert k["blocked_on"]["syscall"] == "read" and k["blocked_on"]["wchan"]
     assert (path / str(stuck) / "pyspy.json").exists() and (path / str(stuck) / "pyspy-native.json").exists()
+    # The FIFO's write end is held by this test (the shards fixture), which never writes: the verdict
+    # names it, then how the parent reaches the stuck worker.
     assert inc["verdict"].startswith(
-        f"{k['role']} (pid {stuck}) is stuck in read_shard (loader.py:9), reading FIFO {shards}/shard-0042; "
-        f"its parent (pid {parent}) waits for it in Queue.get (train.py:15)")
+        f"{k['role']} (pid {stuck}) is stuck in read_shard (loader.py:9), reading FIFO {shards}/shard-0042, "
+        f"whose other end only pid {os.getpid()} (")
+    assert f"; its parent (pid {parent}) waits for it in Queue.get (train.py:15)" in inc["verdict"]
     # The parent's helper thread (multiprocessing's QueueFeederThread, in a condition wait) is not the story.
     assert "QueueFeederThread" not in inc["verdict"] and "lock" not in inc["verdict"]
     children = json.loads((path / str(parent) / "children.json").read_text())
@@ -114,8 +117,9 @@ def test_a_subprocess_that_is_no_python_program_is_named_by_what_it_is_blocked_o
         stop(work, group=True)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
-    assert out["verdict"].startswith(f"subprocess cat (pid {cat}) is stuck in a system call, reading FIFO {shards}/shard-0042; "
-                                     f"its parent (pid {work.pid}) waits for it in Popen.communicate (waits_on_cat.py:12)"), out["verdict"]
+    assert out["verdict"].startswith(f"subprocess cat (pid {cat}) is stuck in a system call, reading FIFO {shards}/shard-0042, "
+                                     f"whose other end only pid {os.getpid()} ("), out["verdict"]
+    assert f"; its parent (pid {work.pid}) waits for it in Popen.communicate (waits_on_cat.py:12)" in out["verdict"]
 
 
 def stack_hang(base: Path, argv: list[str], config: dict[str, object] = CONFIG) -> tuple[dict[str, Any], Path, int]:

@@ -26,9 +26,17 @@ class Told:
     how: tuple[str, ...]  # the evidence of each edge followed
 
 
-def _named(p: Party) -> str:
+def _label(p: Party, apart: bool = False) -> str:
+    """How a party is named; ``apart``: in a sentence about several processes, a thread says whose."""
+    if apart and p.pid is not None and not p.label.startswith(("pid ", "child ")) and f"pid {p.pid}" not in p.label:
+        return f"{p.label} of pid {p.pid}"
+    return p.label
+
+
+def _named(p: Party, apart: bool = False) -> str:
     """``thread coordinator (run_coordinator, app.py:34)``."""
-    return f"{p.label} ({p.where.replace(' (', ', ', 1)}" if p.where and p.where.endswith(")") else p.label
+    label = _label(p, apart)
+    return f"{label} ({p.where.replace(' (', ', ', 1)}" if p.where and p.where.endswith(")") else label
 
 
 def _waiter(p: Party, root: Party | None, edge: Edge) -> str:
@@ -112,7 +120,8 @@ def _cycle(chain: Chain, how: tuple[str, ...]) -> Told:
         p, e = parties[0]
         return Told("deadlock", f"{p.label} deadlocks on itself in {p.where or 'its own code'}: it waits for {e.what}",
                     p, p.location, chain.sure, how)
-    parts = [f"{_named(p)}, waiting for {e.what} held by {parties[(i + 1) % len(parties)][0].label}"
+    apart = len({p.pid for p, _ in parties}) > 1  # across processes: each party says whose it is
+    parts = [f"{_named(p, apart)}, waiting for {e.what} ({_label(parties[(i + 1) % len(parties)][0], apart)})"
              for i, (p, e) in enumerate(parties)]
     text = "deadlock between " + (", ".join(parts[:-1]) + " and " + parts[-1])
     return Told("deadlock", text + _back(chain.steps[:chain.cycle_from], first), first, first.location, chain.sure, how)

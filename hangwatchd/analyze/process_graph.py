@@ -153,6 +153,9 @@ def _edges_of(g: Graph, p: Proc, k: str, t: Thread, w: tw.Wait, waits: dict[str,
         what = "the asyncio event loop to wake it" if w.call == "the asyncio event loop" else f"I/O in {w.call}"
         _set(g, k, IDLE, f"waiting for {what}")
         return
+    forked = forked_from(p, by_pid)
+    if forked is not None and _lost_at_fork(g, p, k, t, w, waits, forked):
+        return
     if _waits_for_children(w):
         if not p.exits and not any(c.parent == p.pid and c.pid != p.pid for c in by_pid.values()):
             if p.role:  # a worker at its queue, with no children of its own: waiting for work
@@ -172,6 +175,47 @@ _WHAT = {tw.LOCK: "a lock", tw.JOIN: "a thread to end", tw.CONDITION: "a conditi
 # Who can end each kind of wait: a lock's holder, the thread joined, whoever sets or puts.
 _BY = {tw.LOCK: "held by", tw.JOIN: "", tw.CONDITION: "to be notified by", tw.EVENT: "to be set by",
        tw.QUEUE: "to be filled by", tw.FUTURE: "to be completed by", tw.SEMAPHORE: "held by", tw.BARRIER: ""}
+
+
+def forked_from(p: Proc, by_pid: dict[int, Proc]) -> Proc | None:
+    """The captured parent ``p`` was forked from (without an exec: the same command line), if any."""
+    parent = by_pid.get(p.parent) if p.parent is not None else None
+    if parent is None:
+        return None
+    mine, theirs = p.ev.proc.get("cmdline"), parent.ev.proc.get("cmdline")
+    return parent if isinstance(mine, list) and mine and mine == theirs else None
+
+
+def _lost_at_fork(g: Graph, p: Proc, k: str, t: Thread, w: tw.Wait, waits: dict[str, tuple[Thread, tw.Wait]],
+                  parent: Proc) -> bool:
+    """A wait in a fork child on what only a thread of the parent could end: a lock some thread of the
+    parent held at the fork (the child's copy stays locked: its holder was not copied), a pool or
+    executor whose threads were not copied. Adds the dead end and says True; False otherwise."""
+    others = [x for x, (tt, ww) in _others(waits, k).items() if not _idle_worker(tt, ww)]
+    threads = [tt for tt in parent.ev.threads if isinstance(tt, dict) and tt.get("thread_name") not in (None, "MainThread")
+               and not tw.is_helper_thread(tt)]
+    named = ", ".join(f"thread {tt.get('thread_name')}" + (f" ({tw.where(tw.user_frame(tt))})" if tw.user_frame(tt) else "")
+                      for tt in threads[:3])
+    if w.kind == tw.LOCK and not others:
+        why = (f"it was forked from pid {parent.pid} while another thread there held the lock, and that thread does not "
+               f"exist in this process (a fork copies only the thread that forks); the threads of pid {parent.pid} "
+               f"that could have held it: {named or 'none named'}")
+        g.wait(Edge(k, "a lock inherited locked at its fork", None, why, how="the process tree: a child with its parent's "
+                    "command line, forked; no thread of it could hold the lock", sure=False))
+        return True
+    if w.kind in (tw.FUTURE, tw.POOL) and not any(_pool_of(tt) or _pool_handler(tt) for tt, _ in _others(waits, k).values()):
+        kind = "thread pool" if w.kind == tw.FUTURE else "process pool"
+        why = (f"the {kind} it uses was started in pid {parent.pid} before the fork, and its threads do not exist in "
+               "this process (a fork copies only the thread that forks): nothing will ever run the work")
+        g.wait(Edge(k, f"the {kind}'s work", None, why, how="the process tree and its threads", sure=False))
+        return True
+    return False
+
+
+def _pool_handler(t: Thread) -> bool:
+    """A multiprocessing pool's handler thread (results, tasks, workers)."""
+    return any(str(f.get("name") or "").rsplit(".", 1)[-1] in ("_handle_workers", "_handle_tasks", "_handle_results")
+               for f in tw.python_frames(t))
 
 
 def _thread_edges(g: Graph, k: str, w: tw.Wait, waits: dict[str, tuple[Thread, tw.Wait]]) -> None:
@@ -294,29 +338,22 @@ def _io_edges(g: Graph, p: Proc, k: str, w: tw.Wait, waits: dict[str, tuple[Thre
                 _set(g, k, LIVE, f"{verb} {obj} whose other end only its own process holds, and no thread of it "
                                  f"{'writes' if reading else 'reads'} it: nobody will{loop}")
                 return
-        for x in outside[:8]:
-            pid = as_int(x.get("pid"))
-            if pid is None:
-                continue
-            other = key(pid)
-            if other not in g.parties:
-                g.add(Party(other, f"pid {pid} ({x.get('comm') or '?'})", WAITS if pid in by_pid else LIVE, None,
-                            None if pid in by_pid else "holds the other end (not captured)"))
-            g.wait(Edge(k, f"{'data from' if reading else 'room in'} {obj}", other, how="the pipe's ends in /proc/*/fd"))
+        captured = [x for x in outside if as_int(x.get("pid")) in by_pid]
+        if not captured:  # its other end is only in processes not captured: the reader is where the story stops
+            who = ", ".join(f"pid {x.get('pid')} ({x.get('comm') or '?'})" for x in outside[:3])
+            _set(g, k, LIVE, f"{verb} {obj}, whose other end only {who} holds{' (not captured)'}{loop}")
+            return
+        for x in captured[:8]:
+            g.wait(Edge(k, f"{'data from' if reading else 'room in'} {obj}", key(as_int(x.get("pid")) or 0),
+                        how="the pipe's ends in /proc/*/fd"))
         return
     sock = b.get("socket") if isinstance(b.get("socket"), dict) else None
     if kind == "socket" and sock is not None and peers:
         for x in peers[:8]:
             pid = as_int(x.get("pid"))
-            if pid is None:
-                continue
-            other = key(pid)
-            if pid == p.pid:
-                continue  # a peer inside this very process: its thread is among ours, found by its own wait
-            if other not in g.parties:
-                g.add(Party(other, f"pid {pid} ({x.get('comm') or '?'})", WAITS if pid in by_pid else LIVE, None,
-                            None if pid in by_pid else "holds the other end of the socket (not captured)"))
-            g.wait(Edge(k, f"{'data from' if reading else 'room in'} {obj}", other, how="the socket's peer (sock_diag, /proc/net)"))
+            if pid is None or pid == p.pid or pid not in by_pid:
+                continue  # a peer inside this very process is found by its own thread's wait; an uncaptured one is named below
+            g.wait(Edge(k, f"{'data from' if reading else 'room in'} {obj}", key(pid), how="the socket's peer (sock_diag, /proc/net)"))
         if g.out(k):
             return
     if not obj:  # no descriptor in the evidence: the call is all there is

@@ -108,7 +108,15 @@ def sleep_seconds(f: Frame | None) -> str | None:
 
 
 def python_frames(t: Thread) -> list[Frame]:
-    return [f for f in t.get("frames") or [] if isinstance(f, dict) and _is_python(f)]
+    """The thread's Python frames, innermost first; in a child that multiprocessing forked, only its
+    own: the frames below ``BaseProcess._bootstrap`` are its parent's, copied at the fork."""
+    out = []
+    for f in t.get("frames") or []:
+        if isinstance(f, dict) and _is_python(f):
+            out.append(f)
+            if _short_name(f) == "BaseProcess._bootstrap" and _MP in _file(f):
+                break
+    return out
 
 
 def _is_python(f: Frame) -> bool:
@@ -179,6 +187,12 @@ def _library_call(pys: list[Frame]) -> tuple[str | None, str | None, Frame | Non
         return None, None, None
     first_user = next((i for i, f in enumerate(pys) if is_user_frame(f)), len(pys))
     library = pys[:first_user]
+    # A forked child's stack goes on below multiprocessing's _bootstrap with the parent's frames (the
+    # fork's call site); those are not its wait. Nor is the exit machinery's finalizers' frame chain.
+    boot = next((i for i, f in enumerate(library) if _short_name(f).endswith("BaseProcess._bootstrap")), None)
+    if boot is not None:
+        library = library[:boot]
+    library = [f for f in library if not _file(f).endswith(("multiprocessing/util.py",))]
     for f in reversed(library):  # outermost first
         found = _one_call(_short_name(f), _file(f))
         if found is not None:
@@ -210,6 +224,8 @@ def _one_call(name: str, path: str) -> tuple[str, str] | None:
             return (MPQUEUE, "the pool's task queue") if last == "worker" else (POOL, shown)
         if "popen" in path or name.startswith("BaseProcess.join"):
             return CHILD, shown
+        if "queues.py" in path and last.startswith("_finalize"):
+            return None  # a queue's exit-time flush: the join of its feeder thread under it says what waits
         if "queues.py" in path or "connection.py" in path:
             return MPQUEUE, shown
         if "synchronize.py" in path:
@@ -256,7 +272,8 @@ def classify(t: Thread, wchan: str | None = None, blocked: dict[str, Any] | None
     syscall = blocked.get("syscall") or _call_from_text(blocked)
     # The descriptor or child a call blocks on is the most direct evidence there is.
     if syscall in _BLOCKING_CALLS or (not syscall and any(_IO_NATIVE.search(n) for n in natives[:3])):
-        if lib_kind in (CHILD, POOL, MPQUEUE):
+        writing = str(syscall or "").startswith(("write", "pwrite", "send"))
+        if lib_kind in (CHILD, POOL, MPQUEUE) and not writing:  # a write is blocked on its reader, not waiting for work
             return wait(lib_kind, lib_call, "library frames and the blocking descriptor")
         return wait(IO, _io_call(syscall, natives), "the system call and its descriptor" if syscall else "native frames",
                     c_function=_own_c(t, natives))
