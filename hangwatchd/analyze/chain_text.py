@@ -118,8 +118,8 @@ def _cycle(chain: Chain, how: tuple[str, ...]) -> Told:
     first = parties[0][0]
     if len(parties) == 1:
         p, e = parties[0]
-        return Told("deadlock", f"{p.label} deadlocks on itself in {p.where or 'its own code'}: it waits for {e.what}",
-                    p, p.location, chain.sure, how)
+        return Told("deadlock", f"{p.label} deadlocks on itself in {p.where or 'its own code'}: it waits for {e.what}"
+                    + _back(chain.steps[:chain.cycle_from], p), p, p.location, chain.sure, how)
     apart = len({p.pid for p, _ in parties}) > 1  # across processes: each party says whose it is
     parts = [f"{_named(p, apart)}, waiting for {e.what} ({_label(parties[(i + 1) % len(parties)][0], apart)})"
              for i, (p, e) in enumerate(parties)]

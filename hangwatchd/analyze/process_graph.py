@@ -334,6 +334,8 @@ def _io_edges(g: Graph, p: Proc, k: str, w: tw.Wait, waits: dict[str, tuple[Thre
             return
         if not outside:
             writers = [x for x, (_, ww) in _others(waits, k).items() if ww.kind == tw.IO and ww.call != w.call]
+            if not writers and _to_the_dead(g, p, k, obj, reading):
+                return
             if not writers:
                 _set(g, k, LIVE, f"{verb} {obj} whose other end only its own process holds, and no thread of it "
                                  f"{'writes' if reading else 'reads'} it: nobody will{loop}")
@@ -348,6 +350,8 @@ def _io_edges(g: Graph, p: Proc, k: str, w: tw.Wait, waits: dict[str, tuple[Thre
                         how="the pipe's ends in /proc/*/fd"))
         return
     sock = b.get("socket") if isinstance(b.get("socket"), dict) else None
+    if kind == "socket" and sock is not None and peers and _in_process_server(g, p, k, w, waits, sock, peers, obj):
+        return
     if kind == "socket" and sock is not None and peers:
         for x in peers[:8]:
             pid = as_int(x.get("pid"))
@@ -356,11 +360,57 @@ def _io_edges(g: Graph, p: Proc, k: str, w: tw.Wait, waits: dict[str, tuple[Thre
             g.wait(Edge(k, f"{'data from' if reading else 'room in'} {obj}", key(pid), how="the socket's peer (sock_diag, /proc/net)"))
         if g.out(k):
             return
+    if kind == "socket" and reading and _to_the_dead(g, p, k, obj, reading):
+        return
     if not obj:  # no descriptor in the evidence: the call is all there is
         _set(g, k, LIVE, f"blocked in {w.call}(){loop}")
         return
     text = b.get("text") if isinstance(b.get("text"), str) and not b.get("peers") and not b.get("socket") else None
     _set(g, k, LIVE, f"{text or verb + ' ' + obj}{_never(b, reading)}{loop}")
+
+
+def _in_process_server(g: Graph, p: Proc, k: str, w: tw.Wait, waits: dict[str, tuple[Thread, tw.Wait]],
+                       sock: dict[str, Any], peers: list[dict[str, Any]], obj: str) -> bool:
+    """A socket whose other end is in this very process: a server of its own. The thread that
+    serves it is found by its frames (socketserver, http.server, asyncio's serve_forever); a
+    connection still waiting in the listener's backlog waits for that thread to accept it, and
+    where that thread is the waiter itself, it waits for itself. Adds the edge; True when it did."""
+    if not all(as_int(x.get("pid")) == p.pid for x in peers):
+        return False
+    servers = [x for x, (tt, _) in waits.items() if _serves(tt)]
+    if not servers:
+        return False
+    where = sock.get("remote") or obj
+    if sock.get("peer_accepted") is False:
+        for x in servers:
+            what = (f"its own server at {where} to accept the connection it made, which waits in that server's backlog: "
+                    "it serves that server itself, one request at a time" if x == k else
+                    f"the server at {where} to accept its connection (it waits in the backlog)")
+            g.wait(Edge(k, what, x, how="the socket's peer is in the listener's backlog; the thread whose frames serve it",
+                        sure=False))
+        return True
+    for x in servers:
+        if x != k:
+            g.wait(Edge(k, f"a reply from its own server at {where}", x,
+                        how="the socket's peer is this process's; the thread whose frames serve connections", sure=False))
+    return bool(g.out(k))
+
+
+def _serves(t: Thread) -> bool:
+    """A thread that serves connections: its frames run a server's loop or a request's handler."""
+    return any(str(f.get("filename") or "").endswith(("socketserver.py", "http/server.py"))
+               or str(f.get("name") or "").endswith("serve_forever") for f in tw.python_frames(t))
+
+
+def _to_the_dead(g: Graph, p: Proc, k: str, obj: str, reading: bool) -> bool:
+    """A read nobody alive will answer, in a process whose child died badly: the child that would
+    have sent is the likelier end (a worker that crashed before it wrote; its end kept open by a
+    descriptor the parent leaked). Adds an inferred edge to each such child and says True."""
+    dead = _exited_children(g, p)
+    for x in dead:
+        g.wait(Edge(k, f"data on {obj}" if reading else f"room on {obj}", x,
+                    how="no live process holds the other end; a child of it died (the kernel's record of exits)", sure=False))
+    return bool(dead)
 
 
 def _never(b: dict[str, Any], reading: bool) -> str:
