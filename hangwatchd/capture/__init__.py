@@ -9,6 +9,7 @@ from .base import Step, StepFailed, StepNotApplicable
 from .children import ChildrenStep
 from .cuda_dump import CudaDumpStep
 from .flight_recorder import FlightRecorderStep
+from .introspect import IntrospectStep
 from .nccl_ras import NcclRasStep
 from .nvml import NvmlStep
 from .pipeline import capture_all, run_steps
@@ -24,6 +25,7 @@ def make_steps(config: Config) -> list[tuple[Step, float]]:
         "progress": lambda: (ProgressStep(), 5.0),
         "pyspy": lambda: (PySpyStep(native=config.pyspy_native), config.pyspy_timeout),
         "children": lambda: (ChildrenStep(native=config.pyspy_native, node=config.node), config.pyspy_timeout),
+        "introspect": lambda: (IntrospectStep(), config.introspect_timeout),
         "nvml": lambda: (NvmlStep(), config.nvml_timeout),
         "nccl_ras": lambda: (NcclRasStep(), config.nccl_ras_timeout),
         "flight_recorder": lambda: (FlightRecorderStep(), config.flight_recorder_timeout),

@@ -17,6 +17,7 @@ calls each task's ``get_loop()``).
 from __future__ import annotations
 
 import ast
+import collections
 import sys
 import types
 import weakref
@@ -126,8 +127,11 @@ def _future_detail(fut: object, ctx: waits.Context) -> dict[str, Any]:
                             "state": objects.text(attr(c, "_state"))} for c in children[:32]]
     callbacks = attr(fut, "_callbacks")
     if type(callbacks) is list:
-        out["callbacks"] = [objects.qualname(objects.code_of(cb[0] if type(cb) is tuple and cb else cb))
-                            for cb in callbacks[:8]]
+        fns = [cb[0] if type(cb) is tuple and cb else cb for cb in callbacks[:8]]
+        out["callbacks"] = [objects.callable_name(fn) for fn in fns]
+        # A task awaiting the future is woken by a callback bound to it: who waits on this future.
+        out["awaited_by"] = [objects.hex_id(attr(fn, "__self__")) for fn in fns
+                             if type(fn) is types.BuiltinMethodType and ctx.known.is_task(attr(fn, "__self__"))]
     return out
 
 
@@ -163,12 +167,14 @@ def task_awaits(frames: list[types.FrameType], leaf: object, waiter: object, ctx
             out = {"kind": "future", "id": objects.hex_id(target), "detail": _future_detail(target, ctx)}
         else:
             out = {"kind": "other", "id": objects.hex_id(target), "detail": {"type": objects.type_name(target)}}
-    out["expr"] = _await_expr(user, ctx) if user is not None else None
+    out["expr"] = _await_expr(user, ctx, out["kind"]) if user is not None else None
     out["where"] = waits.where(user) if user is not None else None
     return out
 
 
-def _await_expr(frame: types.FrameType, ctx: waits.Context) -> str | None:
+def _await_expr(frame: types.FrameType, ctx: waits.Context, kind: str | None) -> str | None:
+    """``lock`` of ``await lock.acquire()``, ``q`` of ``await q.get()``; the whole awaited expression
+    for the rest (``asyncio.sleep(10)``, ``fut``)."""
     fn = ctx.sources.function(frame.f_code)
     if fn is None:
         return None
@@ -179,7 +185,8 @@ def _await_expr(frame: types.FrameType, ctx: waits.Context) -> str | None:
     for a in fn.awaits:
         if a.lineno <= line <= (a.end_lineno or a.lineno):
             v = a.value
-            if isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute):
+            if kind in ("lock", "semaphore", "event", "condition", "queue", "io") and isinstance(v, ast.Call) \
+                    and isinstance(v.func, ast.Attribute):
                 return source.expr_text(v.func.value)
             return source.expr_text(v)
     return None
@@ -260,5 +267,19 @@ def describe(stacks: dict[int, list[types.FrameType]], ctx: waits.Context, holds
         tid = attr(lp, "_thread_id")
         out.append({"id": objects.hex_id(lp), "type": objects.type_name(lp), "thread": ident,
                     "running": type(tid) is int, "tasks": described, "more_tasks": max(0, len(mine) - MAX_TASKS),
-                    "blocked_by_callback": blocked_by(inner, lp)})
+                    "blocked_by_callback": blocked_by(inner, lp), "ready": ready(lp, ctx)})
+    return out
+
+
+def ready(loop: object, ctx: waits.Context) -> list[dict[str, Any]]:
+    """The callbacks queued to run next (``call_soon``, ``call_soon_threadsafe``), with the futures
+    their closures would complete: what a thread waiting on such a future waits for."""
+    queue = attr(loop, "_ready")
+    if type(queue) is not collections.deque:
+        return []
+    out = []
+    for handle in list(queue)[:16]:  # type: ignore[call-overload]
+        cb = attr(handle, "_callback")
+        futures = [objects.hex_id(v) for v in objects.closure_values(cb) if objects.is_a(v, ctx.known.future)]
+        out.append({"callback": objects.callable_name(cb), "futures": futures})
     return out

@@ -173,6 +173,34 @@ def qualname(code: types.CodeType | None, fn: object = None) -> str | None:
     return text(name)
 
 
+_BUILTINS = (types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType, types.MethodDescriptorType)
+
+
+def callable_name(fn: object) -> str | None:
+    """The qualified name of a callable: of its code, or of a C function (``Task.task_wakeup``)."""
+    code = code_of(fn)
+    if code is not None:
+        return qualname(code, fn.__func__ if type(fn) is types.MethodType else fn)  # type: ignore[attr-defined]
+    if any(type(fn) is t for t in _BUILTINS):
+        return text(fn.__qualname__)  # type: ignore[attr-defined]
+    return type_name(fn) if fn is not None else None
+
+
+def closure_values(fn: object) -> list[object]:
+    """What a Python function's closure cells hold (reading a cell runs nothing)."""
+    if type(fn) is types.MethodType:
+        fn = fn.__func__  # type: ignore[attr-defined]
+    if type(fn) is not types.FunctionType or fn.__closure__ is None:  # type: ignore[attr-defined]
+        return []
+    out = []
+    for cell in fn.__closure__:  # type: ignore[attr-defined]
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    return out
+
+
 def callable_info(fn: object) -> dict[str, object] | None:
     """{qualname, file, line, names} of the code a callable runs (names: the globals and attributes it uses)."""
     code = code_of(fn)

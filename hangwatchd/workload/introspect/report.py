@@ -188,6 +188,7 @@ def build(forked: dict[str, Any] | None) -> dict[str, Any]:
     _task_locks(report.get("asyncio") or [], locks)
     found = report.pop("pools", None) or ([], [])
     report["executors"], report["pools"] = found
+    _running_in(entries, report["executors"])
     _rlock_owners(locks)
     report["locks"] = locks.rows
     report["truncated"] = truncated
@@ -206,6 +207,19 @@ def _task_holds(frames: list[types.FrameType], ctx: waits.Context, locks: Locks)
         except Exception:  # noqa: BLE001
             continue
     return out
+
+
+def _running_in(entries: list[dict[str, Any]], executors: list[dict[str, Any]]) -> None:
+    """A future some thread waits on, run by a pool's worker: which worker (none: it is still queued)."""
+    runs = {}
+    for ex in executors:
+        for t in ex.get("threads") or []:
+            if t.get("running"):
+                runs[t["running"].get("future")] = t.get("ident")
+    for e in entries:
+        w = e.get("waits") or {}
+        if w.get("kind") == "future" and w.get("id"):
+            w.setdefault("detail", {})["running_in"] = runs.get(w["id"])
 
 
 def _task_locks(loops_: list[dict[str, Any]], locks: Locks) -> None:

@@ -171,7 +171,7 @@ def _detail(obj: object, kind: str | None, k: Known, live: set[int]) -> dict[str
     if kind == "condition":
         lock = attr(obj, "_lock")
         inner = kind_of(lock, k)
-        out = {"lock": objects.hex_id(lock), "lock_kind": inner, "waiters": _length(attr(obj, "_waiters"))}
+        out = {"lock": objects.hex_id(lock), "lock_kind": inner, "waiting": _length(attr(obj, "_waiters"))}
         out.update(lock_state(lock) if inner in ("lock", "rlock") else {})
         return out
     if kind == "semaphore":
@@ -190,13 +190,13 @@ def _detail(obj: object, kind: str | None, k: Known, live: set[int]) -> dict[str
             ev = attr(obj, "_event")
             return {"state": "FINISHED" if attr(ev, "_flag") is True else "PENDING", "job": objects.number(attr(obj, "_job")),
                     "left": objects.number(attr(obj, "_number_left")), "pool": objects.hex_id(attr(obj, "_pool"))}
-        return {"state": objects.text(attr(obj, "_state")), "waiters": _length(attr(obj, "_waiters"))}
+        return future_state(obj, k)
     if kind == "thread":
         return thread_state(obj, live)
     if kind == "process":
         return process_state(obj)
     if kind == "asyncio-lock":
-        return {"locked": attr(obj, "_locked") is True, "waiters": _length(attr(obj, "_waiters")) or 0}
+        return {"locked": attr(obj, "_locked") is True, "waiting": _length(attr(obj, "_waiters")) or 0}
     if kind == "asyncio-event":
         return {"is_set": attr(obj, "_value") is True}
     if kind == "asyncio-condition":
@@ -215,6 +215,24 @@ def _detail(obj: object, kind: str | None, k: Known, live: set[int]) -> dict[str
         except Exception:  # noqa: BLE001
             return {}
     return {}
+
+
+def future_state(fut: object, k: Known) -> dict[str, Any]:
+    """A concurrent.futures.Future: its state, and who will complete it where that shows in its
+    callbacks (run_coroutine_threadsafe's: the event loop, and so the thread, that must run)."""
+    out: dict[str, Any] = {"state": objects.text(attr(fut, "_state")), "waiting": _length(attr(fut, "_waiters"))}
+    callbacks = attr(fut, "_done_callbacks")
+    if type(callbacks) is list and callbacks:
+        out["callbacks"] = [objects.callable_name(cb) for cb in callbacks[:8]]
+        for cb in callbacks[:8]:
+            for v in objects.closure_values(cb):
+                if k.is_loop(v):
+                    tid = attr(v, "_thread_id")
+                    out["loop"] = objects.hex_id(v)
+                    out["loop_thread"] = tid if type(tid) is int else None
+                elif k.is_task(v):
+                    out["task"] = objects.hex_id(v)
+    return out
 
 
 def queue_state(obj: object, k: Known) -> dict[str, Any]:

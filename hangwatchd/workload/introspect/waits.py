@@ -144,6 +144,8 @@ def _api(frame: types.FrameType, module: str, ctx: Context) -> tuple[str, object
             return "process", me, {"via": "pool", "op": name}
         if name == "worker":
             return "queue", _local(frame, "inqueue"), {"idle_pool_worker": True}
+        if name == "_handle_tasks":
+            return "queue", _local(frame, "taskqueue"), {"pool_handler": True}
     elif module == "multiprocessing.process":
         if name == "join" and objects.is_a(me, k.mp_process):
             return "process", me, {}
