@@ -291,20 +291,27 @@ class Scope:
         return MISSING
 
 
-def evaluate(node: ast.AST, scope: Scope) -> object:
-    """The object a chain of names and attributes (``self._lock``, ``mod.LOCK``) names now, or MISSING."""
-    chain: list[str] = []
-    while isinstance(node, ast.Attribute):
-        chain.append(node.attr)
-        node = node.value
-    if not isinstance(node, ast.Name) or len(chain) > 16:
+def evaluate(node: ast.AST, scope: Scope, depth: int = 0) -> object:
+    """The object an expression of names, attributes and plain subscripts (``self._lock``,
+    ``mod.LOCK``, ``locks[i]``) names now, or MISSING. A subscript is read only from exactly a
+    list, tuple or dict, with an int or str key: C lookups that run nothing of the program's."""
+    if depth > 16:
         return MISSING
-    obj = scope.lookup(node.id)
-    for name in reversed(chain):
-        if obj is MISSING:
+    if isinstance(node, ast.Name):
+        return scope.lookup(node.id)
+    if isinstance(node, ast.Attribute):
+        base = evaluate(node.value, scope, depth + 1)
+        return MISSING if base is MISSING else objects.attr(base, node.attr, MISSING)
+    if isinstance(node, ast.Subscript):
+        base = evaluate(node.value, scope, depth + 1)
+        key = constant(node.slice, scope)
+        if not (type(key) is int or type(key) is str) or not any(type(base) is t for t in (list, tuple, dict)):
             return MISSING
-        obj = objects.attr(obj, name, MISSING)
-    return obj
+        try:
+            return base[key] if type(base) is not dict else base.get(key, MISSING)  # type: ignore[index, union-attr]
+        except (IndexError, TypeError):
+            return MISSING
+    return MISSING
 
 
 def constant(node: ast.AST, scope: Scope) -> object:
