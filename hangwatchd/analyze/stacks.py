@@ -9,7 +9,8 @@ from ..detect import patterns
 from .jsonfile import Unreadable, read_json
 
 # Where library code lives; a frame elsewhere is the user's own code.
-_LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ", "/hangwatchd/workload/client.py")
+_LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ", "/hangwatchd/workload/client.py",
+                    "/hangwatchd/workload/introspect/")  # the in-process reporter: its thread, its wrapper of every thread
 
 
 def is_user_frame(frame: dict[str, Any]) -> bool:

@@ -77,36 +77,35 @@ def install() -> None:
     global _original_bootstrap
     if _original_bootstrap is not None:
         return
-    _original_bootstrap = original = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
-
-    def _bootstrap_inner(self: threading.Thread) -> None:
-        began = time.time()
-        target = objects.MISSING
-        note: dict[str, Any] = {}
-        try:
-            target = objects.attr(self, "_target")
-            ident = threading.get_ident()
-            started_at[ident] = began
-            hook = objects.instance_dict(self) or {}
-            invoke = hook.get("_invoke_excepthook")
-            if invoke is not None:
-                def _invoke_excepthook(thread: threading.Thread) -> None:
-                    _note_exception(note)
-                    invoke(thread)  # type: ignore[operator]
-
-                self._invoke_excepthook = _invoke_excepthook  # type: ignore[attr-defined]
-            pools.watch_pools()
-        except Exception:  # noqa: BLE001 - recording must never keep a thread from running
-            pass
-        try:
-            original(self)
-        finally:
-            try:
-                _record_end(self, target, began, note)
-            except Exception:  # noqa: BLE001
-                pass
-
+    _original_bootstrap = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
     threading.Thread._bootstrap_inner = _bootstrap_inner  # type: ignore[attr-defined]
+
+
+def _bootstrap_inner(self: threading.Thread) -> None:
+    """Every thread's start and end (its one extra frame in a stack, under ``Thread._bootstrap_inner``)."""
+    began = time.time()
+    target = objects.MISSING
+    note: dict[str, Any] = {}
+    try:
+        target = objects.attr(self, "_target")
+        started_at[threading.get_ident()] = began
+        invoke = (objects.instance_dict(self) or {}).get("_invoke_excepthook")
+        if invoke is not None:
+            def _invoke_excepthook(thread: threading.Thread) -> None:
+                _note_exception(note)
+                invoke(thread)  # type: ignore[operator]
+
+            self._invoke_excepthook = _invoke_excepthook  # type: ignore[attr-defined]
+        pools.watch_pools()
+    except Exception:  # noqa: BLE001 - recording must never keep a thread from running
+        pass
+    try:
+        _original_bootstrap(self)
+    finally:
+        try:
+            _record_end(self, target, began, note)
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _note_exception(note: dict[str, Any]) -> None:
