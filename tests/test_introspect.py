@@ -761,3 +761,50 @@ def test_another_users_file_under_the_reports_name_is_never_read(base: Path, tmp
         IntrospectStep().run(target, tmp_path, 1.5)  # type: ignore[arg-type]
     planter.join()
     assert fake.asked() and not (tmp_path / "introspect.json").exists()
+
+
+def _pythons() -> list[Any]:
+    """Every Python 3.9+ on this machine the job side may meet: on PATH, and under ~/.pyenv."""
+    found = {}
+    candidates = [shutil.which(f"python3.{n}") for n in range(9, 15)]
+    candidates += sorted(str(p) for p in (Path.home() / ".pyenv" / "versions").glob("3.*/bin/python3"))
+    for c in candidates:
+        if not c:
+            continue
+        res = subprocess.run([c, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True,
+                             text=True, timeout=30)
+        version = res.stdout.strip()
+        if res.returncode == 0 and tuple(int(x) for x in version.split(".")) >= (3, 9):
+            found.setdefault(version, c)
+    if not found:
+        found["%d.%d" % sys.version_info[:2]] = sys.executable
+    return [pytest.param(found[v], v, id=v) for v in sorted(found, key=lambda v: tuple(int(x) for x in v.split(".")))]
+
+
+@pytest.mark.parametrize(("python", "version"), _pythons())
+def test_the_reporter_answers_on_every_python_the_job_side_supports(job: Any, python: str, version: str) -> None:
+    j = job("""
+        import asyncio, threading, time
+        journal_lock = threading.Lock()
+        def flush_once():
+            journal_lock.acquire()
+        t = threading.Thread(target=flush_once, name="flusher")
+        t.start()
+        t.join()
+        def stuck():
+            with journal_lock:
+                pass
+        threading.Thread(target=stuck, name="stuck", daemon=True).start()
+        async def main():
+            print("ready", flush=True)
+            await asyncio.get_running_loop().create_future()
+        asyncio.run(main())
+    """, python=python)
+    r = j.ask()
+    assert r["errors"] == [] and r["python"].startswith(version + ".")
+    w = thread(r, "stuck")["waits"]
+    assert w["kind"] == "lock" and w["expr"] == "journal_lock" and r["locks"][w["id"]]["holders"] == []
+    assert r["exited_threads"][0]["target"]["acquires"][0]["id"] == w["id"]
+    (loop,) = r["asyncio"]
+    (task,) = loop["tasks"]
+    assert loop["thread"] == thread(r, "MainThread")["ident"] and task["awaits"]["kind"] == "future"
