@@ -510,6 +510,25 @@ def test_without_introspect_there_is_no_reporter_and_the_step_says_so(tmp_path: 
         assert res.returncode == 0 and res.stdout.strip() == want, (flags, res.stdout, res.stderr)
 
 
+def test_register_installs_the_reporter_where_no_launcher_did(job: Any, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    registration_file.prepare_dirs(run)
+    j = job(f"""
+        import threading, time
+        import hangwatchd
+        assert hangwatchd.register(job="by-hand", runtime_dir={str(run)!r})
+        print("ready", flush=True)
+        threading.Event().wait()
+    """, introspect=False, env={"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}, stderr=subprocess.DEVNULL)
+    r = j.ask()
+    assert thread(r, "MainThread")["waits"]["kind"] == "event"
+    (own,) = (run / "pipes").iterdir()  # a directory of its own, only its user's
+    assert own.name.startswith(f"introspect-{j.proc.pid}-") and own.stat().st_mode & 0o777 == 0o700
+    j.proc.send_signal(signal.SIGINT)  # an exit that runs atexit: the FIFO, the report and the directory go
+    j.proc.wait(10)
+    assert not own.exists()
+
+
 def test_a_process_without_python_has_no_reporter(tmp_path: Path) -> None:
     p = subprocess.Popen(["sleep", "60"])
     try:

@@ -135,7 +135,7 @@ def register(
     os.environ[BEAT_FILE_ENV] = str(beat_file)
     _attach(str(beat_file))
     atexit.register(_unregister, path, beat_file, base, me)
-    introspect.install()
+    introspect.install(runtime_dir=str(base))
     return True
 
 

@@ -105,6 +105,13 @@ def collect(stacks: dict[int, list[types.FrameType]], waited: list[object], ctx:
             p = attr(obj, "_pool")
             if objects.is_a(p, k.mp_pool):
                 pools[id(p)] = p
+    seen_spaces: set[int] = set()
+    for frames in stacks.values():
+        for obj in _named(frames, seen_spaces):
+            if objects.is_a(obj, k.thread_pool) or objects.is_a(obj, k.process_pool):
+                executors[id(obj)] = obj
+            elif objects.is_a(obj, k.mp_pool):
+                pools[id(obj)] = obj
     for ident, frames in stacks.items():
         for f in frames:
             module = waits.module_of(f.f_code.co_filename)
@@ -125,6 +132,24 @@ def collect(stacks: dict[int, list[types.FrameType]], waited: list[object], ctx:
                 pools[id(me)] = me
     return ([_executor(ex, running, ctx) for ex in executors.values()],
             [_pool(p, ctx) for p in pools.values()])
+
+
+def _named(frames: list[types.FrameType], seen: set[int]) -> list[object]:
+    """What the program's innermost two frames name (their locals, their module's globals): a pool the
+    program holds but no thread of this process works for (one inherited through fork)."""
+    out: list[object] = []
+    own = [f for f in frames if not waits.is_machinery(waits.module_of(f.f_code.co_filename))][:2]
+    for f in own:
+        try:
+            spaces = [f.f_locals, f.f_globals]
+        except Exception:  # noqa: BLE001
+            continue
+        for space in spaces:
+            if id(space) in seen or type(space) is not dict:
+                continue
+            seen.add(id(space))
+            out.extend(list(space.values())[:1024])
+    return out
 
 
 def _executor(ex: object, running: dict[int, dict[str, Any]], ctx: waits.Context) -> dict[str, Any]:

@@ -136,9 +136,11 @@ def enabled() -> bool:
     return os.environ.get(ENABLE_ENV, "1").strip() not in ("0", "no", "false", "off")
 
 
-def install(directory: str | None = None) -> bool:
-    """Give this process a reporter (once; again after each fork, by itself). False when switched
-    off (HANGWATCHD_INTROSPECT=0) or when no directory can be had; never raises."""
+def install(directory: str | None = None, runtime_dir: str | None = None) -> bool:
+    """Give this process a reporter (once; again after each fork, by itself). ``directory``: where its
+    FIFO goes (else HANGWATCHD_INTROSPECT_DIR, else one of its own under ``runtime_dir``'s pipes/ or
+    the temp dir). False when switched off (HANGWATCHD_INTROSPECT=0) or when no directory can be
+    had; never raises."""
     global _current, _hooks_installed
     if not enabled():
         return False
@@ -146,7 +148,7 @@ def install(directory: str | None = None) -> bool:
         if installed():
             return True
         try:
-            where, own = _directory(directory)
+            where, own = _directory(directory, runtime_dir)
             if where is None:
                 return False
             rep = Reporter(where, own)
@@ -172,12 +174,12 @@ def _usable(path: str) -> bool:
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
-def _directory(asked: str | None) -> tuple[str | None, bool]:
+def _directory(asked: str | None, runtime_dir: str | None) -> tuple[str | None, bool]:
     """(directory, made for this process alone)."""
     for candidate in (asked, os.environ.get(DIR_ENV)):
         if candidate and _usable(candidate):
             return candidate, False
-    runtime = os.environ.get(RUNTIME_DIR_ENV) or DEFAULT_RUNTIME_DIR
+    runtime = runtime_dir or os.environ.get(RUNTIME_DIR_ENV) or DEFAULT_RUNTIME_DIR
     for parent in (os.path.join(runtime, "pipes"), os.environ.get("TMPDIR") or "/tmp"):
         for _ in range(8):
             path = os.path.join(parent, f"introspect-{os.getpid()}-{os.urandom(4).hex()}")

@@ -304,7 +304,7 @@ def evaluate(node: ast.AST, scope: Scope, depth: int = 0) -> object:
         return MISSING if base is MISSING else objects.attr(base, node.attr, MISSING)
     if isinstance(node, ast.Subscript):
         base = evaluate(node.value, scope, depth + 1)
-        key = constant(node.slice, scope)
+        key = constant(node.slice, scope, depth + 1)
         if not (type(key) is int or type(key) is str) or not any(type(base) is t for t in (list, tuple, dict)):
             return MISSING
         try:
@@ -314,10 +314,34 @@ def evaluate(node: ast.AST, scope: Scope, depth: int = 0) -> object:
     return MISSING
 
 
-def constant(node: ast.AST, scope: Scope) -> object:
-    """A literal, or a plain name's value: the seconds of ``time.sleep(delay)``."""
+def constant(node: ast.AST, scope: Scope, depth: int = 0) -> object:
+    """A literal, what an expression of names and attributes names, or small arithmetic on numbers
+    (``FIRST_DELAY_S * 2 ** attempt``): the seconds of a sleep, the descriptor of a read."""
+    if depth > 16:
+        return MISSING
     if isinstance(node, ast.Constant):
         return node.value
-    if isinstance(node, ast.Name):
-        return scope.lookup(node.id)
-    return MISSING
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        v = constant(node.operand, scope, depth + 1)
+        return -v if _small(v) else MISSING  # type: ignore[operator]
+    if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
+        a, b = constant(node.left, scope, depth + 1), constant(node.right, scope, depth + 1)
+        if not (_small(a) and _small(b)):
+            return MISSING
+        if isinstance(node.op, ast.Pow) and (abs(b) > 64 or abs(a) > 2 ** 32):  # type: ignore[arg-type]
+            return MISSING
+        try:
+            return _ARITHMETIC[type(node.op)](a, b)
+        except (ArithmeticError, ValueError):
+            return MISSING
+    return evaluate(node, scope, depth + 1)
+
+
+def _small(v: object) -> bool:
+    """An int of at most 64 bits or a float: arithmetic on it costs nothing."""
+    return (type(v) is int and v.bit_length() <= 64) or type(v) is float  # type: ignore[attr-defined]
+
+
+_ARITHMETIC = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+               ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
+               ast.Pow: lambda a, b: a ** b}

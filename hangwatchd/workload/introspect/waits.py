@@ -17,7 +17,10 @@ on its current line is what it waits for, not what it holds.
 
 from __future__ import annotations
 
+import _io
 import ast
+import builtins
+import io
 import os
 import select
 import threading
@@ -31,13 +34,18 @@ from .source import MISSING, Scope, Sources
 
 STDLIB = os.path.dirname(threading.__file__)
 # Modules whose frames are the machinery of waiting, not the program's own code.
-MACHINERY = frozenset({"threading", "queue", "selectors", "subprocess", "socket", "ssl", "socketserver"})
+MACHINERY = frozenset({"threading", "queue", "selectors", "subprocess", "socket", "ssl", "socketserver",
+                       "http.client", "urllib.request", "ftplib", "smtplib", "imaplib", "poplib"})
 MACHINERY_PACKAGES = ("concurrent.futures.", "multiprocessing.", "asyncio.")
 _SLEEP = time.sleep
 _IO = {id(f): n for n, f in (("read", os.read), ("readv", getattr(os, "readv", None)), ("write", os.write),
                              ("pread", getattr(os, "pread", None))) if f is not None}
 _WAITPID = {id(f) for f in (os.waitpid, getattr(os, "wait", None), getattr(os, "wait3", None),
                             getattr(os, "wait4", None), getattr(os, "waitid", None)) if f is not None}
+_OPEN = {id(f) for f in (builtins.open, io.open, _io.open, os.open)}
+# Files of the io module's own C types: their fileno() runs nothing of the program's.
+_FILES = (_io.FileIO, _io.BufferedReader, _io.BufferedWriter, _io.BufferedRandom, _io.BufferedRWPair, _io.TextIOWrapper)
+_FILE_OPS = frozenset({"read", "read1", "readline", "readlines", "readinto", "write", "writelines", "flush"})
 _SELECT = {id(f) for f in (select.select, getattr(select, "poll", None), getattr(select, "epoll", None)) if f is not None}
 _SOCKET_OPS = frozenset({"recv", "recv_into", "recvfrom", "recvfrom_into", "recvmsg", "accept", "connect", "send",
                          "sendall", "sendto", "sendmsg", "_accept"})
@@ -264,6 +272,9 @@ def _expr_at(frame: types.FrameType, api: str, ctx: Context) -> str | None:
 def _own_wait(frame: types.FrameType, ctx: Context) -> dict[str, Any]:
     """The program's own frame is innermost: the C call on its current line says what it waits on."""
     out: dict[str, Any] = {"kind": None, "id": None, "type": None, "expr": None, "detail": {}, "where": where(frame)}
+    text = ctx.sources.line(frame.f_code.co_filename, frame.f_lineno)
+    if text is not None:  # what the line says, where nothing more is known
+        out["expr"] = objects.text(text.strip())
     fn = ctx.sources.function(frame.f_code)
     if fn is None:
         return out
@@ -312,6 +323,13 @@ def _call_wait(call: ast.Call, scope: Scope, ctx: Context) -> dict[str, Any] | N
                 out = _wait("io" if kind == "socket" else kind, obj, {"op": m} if kind in ("queue", "socket") else {}, ctx)
                 out["expr"] = source.expr_text(f.value)
                 return out
+            if m in _FILE_OPS and any(type(obj) is t for t in _FILES):
+                try:
+                    fd = type(obj).fileno(obj)  # type: ignore[attr-defined]
+                except (OSError, ValueError):
+                    fd = None
+                return {"kind": "io", "id": objects.hex_id(obj), "type": objects.type_name(obj), "expr": source.expr_text(f.value),
+                        "detail": {"op": m, "fd": fd}}
     fobj = source.evaluate(f, scope)
     if fobj is MISSING:
         return None
@@ -327,6 +345,10 @@ def _call_wait(call: ast.Call, scope: Scope, ctx: Context) -> dict[str, Any] | N
         pid = source.constant(call.args[0], scope) if call.args else MISSING
         return {"kind": "process", "id": None, "type": None, "expr": source.expr_text(call),
                 "detail": {"op": "waitpid", "pid": objects.number(pid) if pid is not MISSING else None}}
+    if id(fobj) in _OPEN:
+        path = source.constant(call.args[0], scope) if call.args else MISSING
+        return {"kind": "io", "id": None, "type": None, "expr": source.expr_text(call),
+                "detail": {"op": "open", "path": objects.text(path, 400) if path is not MISSING else None}}
     if id(fobj) in _SELECT:
         return {"kind": "select", "id": None, "type": None, "expr": source.expr_text(call), "detail": {}}
     return None
