@@ -70,6 +70,8 @@ def own_pids(pid: int) -> set[int]:
 def find_reporter(pid: int, uid: int | None = None) -> Reporter:
     """The reporter's FIFO the process holds; NoReporter when it holds none, StepFailed for a
     process with no single uid (or not ``uid``)."""
+    if (procfs.state(pid) or "").startswith(("Z", "X")):
+        raise NoReporter(f"pid {pid} has exited (its parent has not reaped it): nothing to ask")
     owner = procfs.uid(pid)
     if owner is None or (uid is not None and owner != uid):
         raise StepFailed(f"pid {pid} has no single uid of its own (setuid, or gone): not asked for its user")
