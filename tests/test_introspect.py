@@ -827,3 +827,24 @@ def test_the_reporter_answers_on_every_python_the_job_side_supports(job: Any, py
     (loop,) = r["asyncio"]
     (task,) = loop["tasks"]
     assert loop["thread"] == thread(r, "MainThread")["ident"] and task["awaits"]["kind"] == "future"
+
+
+def test_a_report_of_too_many_deep_threads_is_cut_to_its_caps(job: Any) -> None:
+    j = job("""
+        import threading, time
+        go = threading.Event()
+        def deep(n):
+            return deep(n - 1) if n else go.wait()
+        for i in range(300):
+            threading.Thread(target=deep, args=(100,), name=f"deep-{i}", daemon=True).start()
+        time.sleep(1.0)
+        print("ready", flush=True)
+        go.wait()
+    """)
+    start = time.monotonic()
+    r = j.ask()
+    took = time.monotonic() - start
+    assert len(r["threads"]) == 256 and r["more_threads"] == 301 - 256 and r["truncated"]
+    assert all(len(t["frames"]) <= 64 for t in r["threads"]) and r["threads"][0]["main"]
+    assert len(json.dumps(r)) <= 2 << 20 and r["cost"]["cpu_s"] < 1.5, r["cost"]
+    print(f"300 threads 100 deep: {r['cost']['cpu_s'] * 1000:.0f} ms of CPU, {took * 1000:.0f} ms asked and read")

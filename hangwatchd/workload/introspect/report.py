@@ -191,7 +191,8 @@ def build(forked: dict[str, Any] | None) -> dict[str, Any]:
     _running_in(entries, report["executors"])
     _rlock_owners(locks)
     report["locks"] = locks.rows
-    report["truncated"] = truncated
+    # Anything left out: threads or frames over their caps, sections past the CPU budget.
+    report["truncated"] = truncated or report["more_threads"] > 0 or any(e["more_frames"] for e in entries)
     report["errors"] = errors
     report["cost"] = {"cpu_s": round(time.thread_time() - cpu0, 4), "wall_s": round(time.monotonic() - wall0, 4)}
     return report

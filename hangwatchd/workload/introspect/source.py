@@ -35,6 +35,8 @@ class Function:
         self.withs: list[ast.AST] = []
         self.calls: list[ast.Call] = []
         self.awaits: list[ast.Await] = []
+        self.guards: dict[int, ast.AST] = {}  # id of a call -> the if/while it is the test of
+        self.finals: list[ast.Try] = []  # try statements with a finally
         for n in own_nodes(node):
             if isinstance(n, (ast.With, ast.AsyncWith)):
                 self.withs.append(n)
@@ -42,6 +44,12 @@ class Function:
                 self.calls.append(n)
             elif isinstance(n, ast.Await):
                 self.awaits.append(n)
+            elif isinstance(n, ast.Try) and n.finalbody:
+                self.finals.append(n)
+            if isinstance(n, (ast.If, ast.While)) and isinstance(n.test, ast.Call):
+                self.guards[id(n.test)] = n
+        # acquire() and release() calls, in source order: most functions have none
+        self.locking = [c for c in self.calls if isinstance(c.func, ast.Attribute) and c.func.attr in ("acquire", "release")]
 
 
 def own_nodes(root: ast.AST) -> list[ast.AST]:
@@ -216,33 +224,33 @@ def open_acquires(fn: Function, line: int, unwound: bool = False) -> list[tuple[
     (the expression, its line). An acquire tested by an ``if`` counts only inside that if's body.
     ``unwound``: an exception left the frame at ``line``, running the ``finally`` blocks around
     it: an acquire released in one of those is not held."""
+    if not fn.locking:
+        return []
     taken: dict[str, tuple[ast.AST, int]] = {}
-    guarded: dict[int, ast.AST] = {}
     released: set[str] = set()
-    for n in own_nodes(fn.node):
-        if isinstance(n, (ast.If, ast.While)) and isinstance(n.test, ast.Call):
-            guarded[id(n.test)] = n
-        if unwound and isinstance(n, ast.Try) and n.finalbody and n.body[0].lineno <= line <= n.body[-1].end_lineno:  # type: ignore[operator]
-            for stmt in n.finalbody:
-                for c in ast.walk(stmt):
-                    if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == "release":
-                        released.add(expr_text(c.func.value))
-    for call in fn.calls:
+    if unwound:
+        for n in fn.finals:
+            if n.body[0].lineno <= line <= (n.body[-1].end_lineno or 0):
+                for stmt in n.finalbody:
+                    for c in ast.walk(stmt):
+                        if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == "release":
+                            released.add(expr_text(c.func.value))
+    for call in fn.locking:
         f = call.func
-        if not isinstance(f, ast.Attribute) or f.attr not in ("acquire", "release") or call.lineno > line:
+        if call.lineno > line:
             continue
-        key = expr_text(f.value)
-        if f.attr == "release":
+        key = expr_text(f.value)  # type: ignore[attr-defined]
+        if f.attr == "release":  # type: ignore[attr-defined]
             if call.lineno < line:
                 taken.pop(key, None)
             continue
         if call.lineno >= line:
             continue
-        guard = guarded.get(id(call))
+        guard = fn.guards.get(id(call))
         if guard is not None and not body_holds(guard, line):
             continue
         if key not in released:
-            taken[key] = (f.value, call.lineno)
+            taken[key] = (f.value, call.lineno)  # type: ignore[attr-defined]
     return list(taken.values())
 
 

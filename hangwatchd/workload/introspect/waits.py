@@ -227,7 +227,7 @@ def thread_wait(frames: list[types.FrameType], ctx: Context) -> dict[str, Any] |
         out = _wait(kind, obj, extra, ctx)
         if prefix < len(frames):  # the program's frame that called into the machinery
             out["where"] = where(frames[prefix])
-            out["expr"] = _expr_at(frames[prefix], frames[i].f_code.co_name, ctx)
+            out["expr"] = _expr_at(frames[prefix], frames[i].f_code.co_name, ctx) if kind != "asyncio-loop" else None
         else:  # machinery all the way down (an idle pool worker, Thread(target=event.wait))
             out["where"] = where(frames[i])
             out["expr"] = None
