@@ -150,17 +150,20 @@ def why_silent(pid: int, tid: int | None, timeout: float) -> str:
         return f"pid {pid} is stopped (state {state}): its reporter cannot run"
     if tid is None:
         return f"no report within {timeout:g} s: its reporter thread could not run Python (a thread holds the GIL in C)"
-    try:
-        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-            raw = f.read(4096)
-        tstate = raw[raw.rfind(b")") + 2:].split()[0].decode()
-        with open(f"/proc/{pid}/task/{tid}/syscall", "rb") as f:
-            call = f.read(256).split()[:1]
-    except (OSError, IndexError):
-        return f"no report within {timeout:g} s, and its reporter thread {tid} is gone"
-    if call and call[0] in (b"202", b"98"):  # futex: x86-64, arm64
-        return (f"no report within {timeout:g} s: its reporter thread {tid} woke and waits for the GIL, which another "
-                "thread holds without releasing it (a C call; py-spy's native stacks say which)")
+    tstate = "?"
+    for _ in range(10):  # a thread waiting for the GIL wakes every switch interval (5 ms) to ask again
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                raw = f.read(4096)
+            tstate = raw[raw.rfind(b")") + 2:].split()[0].decode()
+            with open(f"/proc/{pid}/task/{tid}/syscall", "rb") as f:
+                call = f.read(256).split()[:1]
+        except (OSError, IndexError):
+            return f"no report within {timeout:g} s, and its reporter thread {tid} is gone"
+        if call and call[0] in (b"202", b"98"):  # futex: x86-64, arm64
+            return (f"no report within {timeout:g} s: its reporter thread {tid} woke and waits for the GIL, which "
+                    "another thread holds without releasing it (a C call; py-spy's native stacks say which)")
+        time.sleep(0.01)
     if tstate == "R":
         return f"no report within {timeout:g} s: its reporter thread {tid} was still building it (running)"
     return f"no report within {timeout:g} s: its reporter thread {tid} is in state {tstate}"
