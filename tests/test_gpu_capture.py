@@ -43,7 +43,8 @@ def test_a_hung_process_goes_through_every_step_and_its_gpu_dump_is_explained(tm
     try:
         (inc,) = wait_for(d.settled, 30, "an incident")
         steps = steps_of(inc)
-        assert list(steps) == ["proc", "progress", "pyspy", "children", "nvml", "nccl_ras", "flight_recorder", "cuda_dump"]
+        assert list(steps) == ["proc", "progress", "pyspy", "children", "introspect", "nvml", "nccl_ras", "flight_recorder", "cuda_dump"]
+        assert steps["introspect"]["ok"], steps["introspect"]  # the workload is Python under hangwatchd run: its reporter answered
         assert steps["flight_recorder"]["ok"], steps["flight_recorder"]
         # no NCCL here: nothing listens on the RAS port hangwatchd run gave it, so n/a, and at once
         assert steps["nccl_ras"]["not_applicable"] and steps["nccl_ras"]["seconds"] < 0.5
