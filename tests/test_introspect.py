@@ -849,3 +849,25 @@ def test_a_report_of_too_many_deep_threads_is_cut_to_its_caps(job: Any) -> None:
     assert all(len(t["frames"]) <= 64 for t in r["threads"]) and r["threads"][0]["main"]
     assert len(json.dumps(r)) <= 2 << 20 and r["cost"]["cpu_s"] < 1.5, r["cost"]
     print(f"300 threads 100 deep: {r['cost']['cpu_s'] * 1000:.0f} ms of CPU, {took * 1000:.0f} ms asked and read")
+
+
+def test_a_program_that_closes_every_descriptor_never_loses_a_byte_to_the_reporter(job: Any) -> None:
+    j = job("""
+        import os, time
+        time.sleep(0.3)
+        os.closerange(3, 1024)  # daemonising: the reporter's FIFO goes, and its numbers are reused
+        r, w = os.pipe()
+        for fd in range(3, 12):
+            try:
+                os.fstat(fd)
+            except OSError:
+                os.dup2(r, fd)  # every low number is now a pipe of the program's
+        os.write(w, b"x" * 100)
+        time.sleep(0.5)
+        print(len(os.read(r, 1000)), flush=True)
+        print("ready", flush=True)
+        time.sleep(1000)
+    """)
+    assert j.lines[0] == "100"  # every byte for the program, none read by the reporter's thread
+    with pytest.raises(NoReporter):
+        j.ask()

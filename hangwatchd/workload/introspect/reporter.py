@@ -47,6 +47,7 @@ class Reporter:
         self.report = os.path.join(directory, REPORT.format(pid=self.pid))
         self.rfd = -1
         self.wfd = -1
+        self.inode: tuple[int, int] = (0, 0)
         self.ident: int | None = None
         self.answered = 0
 
@@ -60,15 +61,22 @@ class Reporter:
         self.rfd = os.open(self.fifo, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         self.wfd = os.open(self.fifo, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         os.set_blocking(self.rfd, True)
+        st = os.fstat(self.rfd)
+        self.inode = (st.st_dev, st.st_ino)
         _thread.start_new_thread(hangwatchd_introspect_reporter, (self,))
 
     def serve(self) -> None:
         self.ident = _thread.get_ident()
         while True:
             try:
+                # A program that closes every descriptor (daemonising) may reuse our number for a file of
+                # its own: read only while the number still is our FIFO, and never steal its bytes.
+                st = os.fstat(self.rfd)
+                if (st.st_dev, st.st_ino) != self.inode:
+                    return
                 got = os.read(self.rfd, 64)
             except OSError:
-                return  # our descriptor was closed under us (a fork child, a program closing fds): stop
+                return  # our descriptor was closed under us: stop
             if not got or os.getpid() != self.pid:
                 return
             try:
