@@ -171,6 +171,27 @@ def test_an_rlock_says_its_owner_and_count(job: Any) -> None:
     assert r["locks"][w["id"]]["holders"] == [owner] and r["locks"][w["id"]]["owner"] == owner
 
 
+def test_an_rlock_taken_through_a_call_the_source_does_not_show_is_held_by_its_owner(job: Any) -> None:
+    j = job("""
+        import logging, threading, time
+        class SlowHandler(logging.Handler):
+            def emit(self, record):
+                time.sleep(1000)  # Handler.handle took self.lock through self.acquire()
+        handler = SlowHandler()
+        log = logging.getLogger("job")
+        log.addHandler(handler)
+        threading.Thread(target=log.warning, args=("slow",), name="logger", daemon=True).start()
+        time.sleep(0.2)
+        print("ready", flush=True)
+        handler.acquire()
+    """)
+    r = j.ask()
+    w = thread(r, "MainThread")["waits"]
+    logger = thread(r, "logger")
+    assert w["kind"] == "rlock" and w["detail"]["owner"] == logger["ident"]
+    assert [(h["id"], h["how"]) for h in logger["holds"]] == [(w["id"], "owner")]
+
+
 def test_condition_event_and_queue_with_no_producer_say_what_they_wait_on(job: Any) -> None:
     j = job("""
         import queue, threading, time

@@ -189,7 +189,7 @@ def build(forked: dict[str, Any] | None) -> dict[str, Any]:
     found = report.pop("pools", None) or ([], [])
     report["executors"], report["pools"] = found
     _running_in(entries, report["executors"])
-    _rlock_owners(locks)
+    _rlock_owners(locks, entries)
     report["locks"] = locks.rows
     # Anything left out: threads or frames over their caps, sections past the CPU budget.
     report["truncated"] = truncated or report["more_threads"] > 0 or any(e["more_frames"] for e in entries)
@@ -237,12 +237,20 @@ def _task_locks(loops_: list[dict[str, Any]], locks: Locks) -> None:
                     row["holder_tasks"].append(task["id"])
 
 
-def _rlock_owners(locks: Locks) -> None:
-    """An RLock says who owns it: that thread holds it, whatever the source says."""
-    for row in locks.rows.values():
+def _rlock_owners(locks: Locks, entries: list[dict[str, Any]]) -> None:
+    """An RLock says who owns it: that thread holds it, whatever the source says (``how: "owner"``:
+    taken through a call the source does not show, such as logging's ``Handler.acquire()``)."""
+    by_ident = {e["ident"]: e for e in entries}
+    for key, row in locks.rows.items():
         owner = row.get("owner")
-        if row.get("kind") == "rlock" and type(owner) is int and owner and owner not in row["holders"]:
+        if row.get("kind") != "rlock" or type(owner) is not int or not owner:
+            continue
+        if owner not in row["holders"]:
             row["holders"].append(owner)
+        held_by = by_ident.get(owner)
+        if held_by is not None and not any(h["id"] == key for h in held_by["holds"]):
+            held_by["holds"].append({"id": key, "expr": row.get("expr"), "kind": "rlock", "where": None, "how": "owner",
+                                     "taken_at": None})
 
 
 def encode(report: dict[str, Any]) -> bytes:
