@@ -892,3 +892,17 @@ def test_a_program_that_closes_every_descriptor_never_loses_a_byte_to_the_report
     assert j.lines[0] == "100"  # every byte for the program, none read by the reporter's thread
     with pytest.raises(NoReporter):
         j.ask()
+
+
+def test_the_reporters_fifo_is_never_named_as_what_the_program_waits_on(job: Any) -> None:
+    from hangwatchd.host.blocked_on import blocked_on
+
+    j = job("""
+        import os, select
+        r, w = os.pipe()
+        print("ready", flush=True)
+        select.select([r], [], [])
+    """)
+    b = blocked_on(j.proc.pid)
+    assert b["syscall"] in ("select", "pselect6", "poll", "ppoll") and b["fds"], b
+    assert all("introspect-" not in (d.get("path") or "") for d in b["fds"]) and b["fds"][0]["kind"] == "pipe", b

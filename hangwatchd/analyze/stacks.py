@@ -49,8 +49,15 @@ def read_threads(process_dir: Path) -> tuple[list[dict[str, Any]] | None, tuple[
         threads = [_thread(t) for t in data if isinstance(t, dict)]
         if len(threads) < len(data):
             problems.append(f"{path.parent.name}/{name}: {len(data) - len(threads)} entries are not threads, skipped")
-        return threads, tuple(problems)
+        return [t for t in threads if not is_reporter(t)], tuple(problems)
     return None, tuple(problems)
+
+
+def is_reporter(t: dict[str, Any]) -> bool:
+    """hangwatchd's own in-process reporter thread (workload/introspect): asleep until asked, never
+    the program's; its outermost frame is named for it."""
+    frames = t.get("frames") or []
+    return any(f.get("name") == "hangwatchd_introspect_reporter" for f in frames)
 
 
 def _thread(t: dict[str, Any]) -> dict[str, Any]:

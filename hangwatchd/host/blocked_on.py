@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -158,10 +159,17 @@ def blocked_on(pid: int, tid: int | None = None) -> dict[str, Any]:
     return out
 
 
+# The in-process reporter's FIFO (workload/introspect), held for the daemon to ask: never what the
+# program itself waits on.
+_REPORTER_FIFO = re.compile(r"/introspect-[0-9]+\.pipe(?: \(deleted\))?$")
+
+
 def waitable_fds(pid: int) -> list[dict[str, Any]]:
     """The descriptors ``pid`` holds that a wait can block on: pipes, FIFOs and sockets (not files)."""
     out = []
     for fd, target in sorted(fd_targets(pid).items()):
+        if _REPORTER_FIFO.search(target):
+            continue
         if target.startswith(("pipe:", "socket:")):
             out.append(describe_fd(pid, fd, target))
         elif target.startswith("/") and not target.startswith("/dev/"):
