@@ -550,6 +550,32 @@ def test_register_installs_the_reporter_where_no_launcher_did(job: Any, tmp_path
     assert not own.exists()
 
 
+def test_the_first_beat_installs_the_reporter_where_the_sitecustomize_could_not_run(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    registration_file.prepare_dirs(run)
+    script = tmp_path / "job.py"
+    script.write_text("import sys, threading\nimport hangwatchd\nhangwatchd.beat()\nprint('ready', flush=True)\n"
+                      "threading.Event().wait()\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HANGWATCHD_INTROSPECT"))}
+    # python -I ignores PYTHONPATH, and so hangwatchd run's sitecustomize: beat() installs the reporter instead
+    launcher = subprocess.Popen(hangwatchd_argv("run", "--runtime-dir", str(run), "--", sys.executable, "-I", str(script)),
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path)
+    try:
+        assert launcher.stdout is not None and launcher.stdout.readline() == "ready\n"
+        (pid,) = procfs.children(launcher.pid)
+        target = registration_file.from_proc(pid)
+        assert target is not None
+        IntrospectStep().run(target, tmp_path, 5.0)
+        r = json.loads((tmp_path / "introspect.json").read_text())
+        assert r["pid"] == pid and thread(r, "MainThread")["waits"]["kind"] == "event"
+        (fifo,) = [p for _, p, _ in procfs.held_fifos(pid) if "introspect-" in p]
+        assert Path(fifo).parent.parent == run / "pipes"  # the launcher's directory for the job
+    finally:
+        for kid in procfs.descendants(launcher.pid, 8):
+            os.kill(kid, signal.SIGKILL)
+        stop(launcher)
+
+
 def test_a_process_without_python_has_no_reporter(tmp_path: Path) -> None:
     p = subprocess.Popen(["sleep", "60"])
     try:
