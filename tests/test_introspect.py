@@ -323,7 +323,7 @@ def test_a_thread_pool_whose_only_worker_waits_on_a_task_queued_behind_it(job: A
     assert ex["max_workers"] == 1 and ex["queued"] == 1 and worker["ident"] == prep["ident"] and worker["alive"]
     assert worker["running"]["fn"]["qualname"] == "prepare_batch"
     assert main["waits"]["kind"] == "future" and main["waits"]["id"] == worker["running"]["future"]
-    assert main["waits"]["detail"]["running_in"] == prep["ident"]
+    assert main["waits"]["detail"]["running_in"] == prep["ident"] and main["waits"]["detail"]["executor"] == ex["id"]
     w = prep["waits"]
     assert w["kind"] == "future" and w["detail"]["state"] == "PENDING" and w["detail"]["running_in"] is None
     assert w["where"]["function"] == "prepare_batch"

@@ -216,11 +216,12 @@ def _running_in(entries: list[dict[str, Any]], executors: list[dict[str, Any]]) 
     for ex in executors:
         for t in ex.get("threads") or []:
             if t.get("running"):
-                runs[t["running"].get("future")] = t.get("ident")
+                runs[t["running"].get("future")] = (t.get("ident"), ex.get("id"))
     for e in entries:
         w = e.get("waits") or {}
         if w.get("kind") == "future" and w.get("id"):
-            w.setdefault("detail", {})["running_in"] = runs.get(w["id"])
+            ident, executor = runs.get(w["id"], (None, None))
+            w.setdefault("detail", {}).update(running_in=ident, executor=executor)
 
 
 def _task_locks(loops_: list[dict[str, Any]], locks: Locks) -> None:
