@@ -562,6 +562,7 @@ def test_the_first_beat_installs_the_reporter_where_the_sitecustomize_could_not_
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path)
     try:
         assert launcher.stdout is not None and launcher.stdout.readline() == "ready\n"
+        time.sleep(0.3)  # into its wait
         (pid,) = procfs.children(launcher.pid)
         target = registration_file.from_proc(pid)
         assert target is not None
@@ -653,6 +654,24 @@ def test_a_thread_holding_the_gil_makes_the_step_fail_saying_why(job: Any) -> No
     with pytest.raises(StepFailed) as failed:
         j.ask(timeout=1.0)
     assert "waits for the GIL" in str(failed.value), str(failed.value)
+
+
+def test_the_analyser_never_counts_the_reporters_thread_as_the_programs(job: Any, tmp_path: Path) -> None:
+    from hangwatchd.analyze.stacks import read_threads
+    from hangwatchd.capture.pyspy import PySpyStep
+
+    j = job("""
+        import ctypes
+        print("ready", flush=True)
+        ctypes.PyDLL(None).sleep(1000)  # the GIL kept from here on: the reporter's thread ran before, or never
+    """)
+    target = registration_file.from_proc(j.proc.pid)
+    assert target is not None
+    PySpyStep(native=False).run(target, tmp_path, 20.0)
+    seen = json.loads((tmp_path / "pyspy.json").read_text())
+    assert len(seen) == 2 and any(f["name"] == "hangwatchd_introspect_reporter" for t in seen for f in t["frames"])
+    threads, problems = read_threads(tmp_path)
+    assert [t["thread_name"] for t in threads or []] == ["MainThread"] and problems == ()
 
 
 # -- under a real daemon, through hangwatchd run ----------------------------------------------------------------

@@ -63,10 +63,17 @@ class Reporter:
         os.set_blocking(self.rfd, True)
         st = os.fstat(self.rfd)
         self.inode = (st.st_dev, st.st_ino)
-        _thread.start_new_thread(hangwatchd_introspect_reporter, (self,))
+        # Wait (a moment, at most a second) for the thread to be running Python: one that never got the
+        # GIL before the program took it for good (a C call that keeps it) has no Python frame in a
+        # stack, and could not be told from the program's own threads.
+        running = _thread.allocate_lock()
+        running.acquire()
+        _thread.start_new_thread(hangwatchd_introspect_reporter, (self, running))
+        running.acquire(timeout=1.0)
 
-    def serve(self) -> None:
+    def serve(self, running: Any) -> None:
         self.ident = _thread.get_ident()
+        running.release()
         while True:
             try:
                 # A program that closes every descriptor (daemonising) may reuse our number for a file of
@@ -123,10 +130,10 @@ class Reporter:
                 pass
 
 
-def hangwatchd_introspect_reporter(rep: Reporter) -> None:
+def hangwatchd_introspect_reporter(rep: Reporter, running: Any) -> None:
     """The reporter thread's outermost frame, named so that a stack of it reads as hangwatchd's
     machinery (the analyser's helper-thread pattern), never as the program's own waiting thread."""
-    rep.serve()
+    rep.serve(running)
 
 
 _current: Reporter | None = None
