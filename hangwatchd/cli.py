@@ -113,7 +113,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     runtime_dir = Path(args.runtime_dir) if args.runtime_dir else client_runtime_dir()
     try:
         return run(Launch(tuple(command), runtime_dir, args.job, args.rank, args.heartbeat_timeout, args.stack_timeout,
-                          args.on_hang))
+                          args.on_hang, args.introspect))
     except LaunchError as exc:
         print(f"hangwatchd: {exc}", file=sys.stderr)
         return 127

@@ -214,6 +214,10 @@ def build_parser(commands: Mapping[str, Command], only: str | None = None) -> ar
                         "gpu_dump is never")
     r.add_argument("--runtime-dir", help="the daemon's runtime dir (default: $HANGWATCHD_RUNTIME_DIR, "
                                          f"else {_default('runtime_dir')})")
+    r.add_argument("--no-introspect", dest="introspect", action="store_false",
+                   help="do not install the in-process reporter (a sitecustomize on the job's PYTHONPATH and one "
+                        "idle thread per Python process, which tells the daemon what each thread waits on and holds); "
+                        "HANGWATCHD_INTROSPECT=0 does the same")
     r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]", help="the workload and its arguments")
 
     command("status", commands["status"], "every watched process: job, rank, state, last beat, timeout",

@@ -150,7 +150,8 @@ def _one_of(*allowed: str) -> Callable[[Any], str]:
     return parse
 
 
-STEP_NAMES = ("proc", "progress", "pyspy", "children", "exits", "nvml", "nccl_ras", "flight_recorder", "cuda_dump")
+STEP_NAMES = ("proc", "progress", "pyspy", "children", "exits", "introspect", "nvml", "nccl_ras", "flight_recorder",
+              "cuda_dump")
 
 
 def _steps(v: Any) -> tuple[str, ...]:
@@ -239,6 +240,8 @@ KEYS: dict[str, Key] = {
     "discover": Key(False, _bool, "also watch, by stack alone, every process that holds /dev/nvidia* open"),
     "discover_interval": Key(1.0, _seconds, "seconds between looks for new GPU processes (new pids' fds, and NVML's process lists)"),
     "discover_devices": Key("/dev/nvidia", _path, "path prefix of the GPU device files: discovery watches their holders; GPU dumps of one file's holders are triggered one at a time"),
+    "introspect_timeout": Key(2.0, _seconds, "seconds to wait for the report of a process's in-process reporter "
+                              "(what each thread waits on and holds; hangwatchd run installs it)"),
     "nvml_timeout": Key(10.0, _seconds, "seconds the NVML probe may take before it is killed"),
     "nccl_ras_timeout": Key(3.0, _seconds, "seconds to wait for the answer of the job's NCCL RAS service (it answers in ms)"),
     "flight_recorder_timeout": Key(20.0, _seconds, "seconds to wait for PyTorch's flight recorder dump"),
@@ -313,6 +316,7 @@ class Config:
     discover: bool = KEYS["discover"].default
     discover_interval: float = KEYS["discover_interval"].default
     discover_devices: str = KEYS["discover_devices"].default
+    introspect_timeout: float = KEYS["introspect_timeout"].default
     nvml_timeout: float = KEYS["nvml_timeout"].default
     nccl_ras_timeout: float = KEYS["nccl_ras_timeout"].default
     flight_recorder_timeout: float = KEYS["flight_recorder_timeout"].default

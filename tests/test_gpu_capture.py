@@ -43,7 +43,9 @@ def test_a_hung_process_goes_through_every_step_and_its_gpu_dump_is_explained(tm
     try:
         (inc,) = wait_for(d.settled, 30, "an incident")
         steps = steps_of(inc)
-        assert list(steps) == ["proc", "progress", "pyspy", "children", "exits", "nvml", "nccl_ras", "flight_recorder", "cuda_dump"]
+        assert list(steps) == ["proc", "progress", "pyspy", "children", "exits", "introspect", "nvml", "nccl_ras",
+                               "flight_recorder", "cuda_dump"]
+        assert steps["introspect"]["ok"], steps["introspect"]  # the workload is Python under hangwatchd run: its reporter answered
         assert steps["flight_recorder"]["ok"], steps["flight_recorder"]
         # The daemon, as root, listens for process exits: the step files them (none here), never n/a.
         assert os.geteuid() != 0 or (steps["exits"]["ok"] and not steps["exits"]["not_applicable"]), steps["exits"]

@@ -94,7 +94,10 @@ def _imports(rel: str) -> tuple[set[str], list[tuple[str, bool]]]:
 
 def test_the_job_side_is_closed_and_imports_nothing_from_outside_the_standard_library() -> None:
     listed = {module_of(rel): rel for rel in bundle.JOB_SIDE}
-    reached, todo = set(), ["hangwatchd", "__main__", "cli", "workload.client", "workload.launcher"]
+    # The entry points: the package, the command, the client, the launcher, and the sitecustomize the launcher
+    # puts first on every job's PYTHONPATH (Python's site imports it; it loads the reporter by its directory).
+    reached, todo = set(), ["hangwatchd", "__main__", "cli", "workload.client", "workload.launcher",
+                            "workload.introspect.bootstrap.sitecustomize"]
     while todo:
         m = todo.pop()
         if m in reached:
@@ -182,6 +185,14 @@ def assert_caught(d: ScratchDaemon, job: str) -> None:
     (inc,) = wait_for(d.settled, 40, f"the incident of job {job}")
     assert inc["job"] == job and inc["reason"] == "heartbeat", inc
     assert "wait_for_the_peer" in inc["summary"], inc["summary"]
+    # The in-process reporter came with the job side (its sitecustomize, from the wheel or from inside the
+    # bundle) and answered: the main thread waits on the peer's event.
+    path = d.store().path_of(inc["id"])
+    assert path is not None
+    (proc,) = json.loads((path / "incident.json").read_text())["processes"]
+    report = json.loads((path / str(proc["pid"]) / "introspect.json").read_text())
+    (main,) = [t for t in report["threads"] if t["main"]]
+    assert main["waits"]["kind"] == "event" and main["waits"]["where"]["function"] == "wait_for_the_peer", main["waits"]
 
 
 def clean_env() -> dict[str, str]:

@@ -9,7 +9,8 @@ from ..detect import patterns
 from .jsonfile import Unreadable, read_json
 
 # Where library code lives; a frame elsewhere is the user's own code.
-_LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ", "/hangwatchd/workload/client.py")
+_LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ", "/hangwatchd/workload/client.py",
+                    "/hangwatchd/workload/introspect/")  # the in-process reporter: its thread, its wrapper of every thread
 
 
 def is_user_frame(frame: dict[str, Any]) -> bool:
@@ -75,7 +76,14 @@ def _read_one(process_dir: Path, name: str, problems: list[str]) -> list[dict[st
     threads = [_thread(t) for t in data if isinstance(t, dict)]
     if len(threads) < len(data):
         problems.append(f"{path.parent.name}/{name}: {len(data) - len(threads)} entries are not threads, skipped")
-    return threads
+    return [t for t in threads if not is_reporter(t)]
+
+
+def is_reporter(t: dict[str, Any]) -> bool:
+    """hangwatchd's own in-process reporter thread (workload/introspect): asleep until asked, never
+    the program's; its outermost frame is named for it."""
+    frames = t.get("frames") or []
+    return any(f.get("name") == "hangwatchd_introspect_reporter" for f in frames)
 
 
 def _thread(t: dict[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from .children import ChildrenStep
 from .cuda_dump import CudaDumpStep
 from .exits import ExitsStep
 from .flight_recorder import FlightRecorderStep
+from .introspect import IntrospectStep
 from .nccl_ras import NcclRasStep
 from .nvml import NvmlStep
 from .pipeline import capture_all, run_steps
@@ -28,6 +29,7 @@ def make_steps(config: Config, exits: ProcExits | None = None) -> list[tuple[Ste
         "pyspy": lambda: (PySpyStep(native=config.pyspy_native, locals=True), config.pyspy_timeout),
         "children": lambda: (ChildrenStep(native=config.pyspy_native, node=config.node), config.pyspy_timeout),
         "exits": lambda: (ExitsStep(listener=exits, window=config.exit_window), 2.0),
+        "introspect": lambda: (IntrospectStep(), config.introspect_timeout),
         "nvml": lambda: (NvmlStep(), config.nvml_timeout),
         "nccl_ras": lambda: (NcclRasStep(), config.nccl_ras_timeout),
         "flight_recorder": lambda: (FlightRecorderStep(), config.flight_recorder_timeout),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import socket
 import stat
 import struct
@@ -363,10 +364,17 @@ def epoll_set(pid: int, epfd: int) -> list[tuple[int, str | None]] | None:
     return out
 
 
+# The in-process reporter's FIFO (workload/introspect), held for the daemon to ask: never what the
+# program itself waits on.
+_REPORTER_FIFO = re.compile(r"/introspect-[0-9]+\.pipe(?: \(deleted\))?$")
+
+
 def waitable_fds(pid: int, targets: dict[int, str] | None = None) -> list[dict[str, Any]]:
     """The descriptors ``pid`` holds that a wait can block on: pipes, FIFOs and sockets (not files)."""
     out = []
     for fd, target in sorted((fd_targets(pid) if targets is None else targets).items()):
+        if _REPORTER_FIFO.search(target):
+            continue
         if target.startswith(("pipe:", "socket:")):
             out.append(describe_fd(pid, fd, target))
         elif target.startswith("/") and not target.startswith("/dev/"):

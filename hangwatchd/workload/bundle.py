@@ -32,6 +32,11 @@ JOB_SIDE = (
     "workload/__init__.py", "workload/beat_segment.py", "workload/client.py", "workload/dump_names.py",
     "workload/ended.py", "workload/exits.py", "workload/launcher.py", "workload/registration_file.py",
     "workload/runtime_files.py",
+    "workload/introspect/__init__.py", "workload/introspect/loops.py", "workload/introspect/objects.py",
+    "workload/introspect/pools.py", "workload/introspect/report.py", "workload/introspect/reporter.py",
+    "workload/introspect/source.py", "workload/introspect/sync.py", "workload/introspect/threads.py",
+    "workload/introspect/waits.py",
+    "workload/introspect/bootstrap/__init__.py", "workload/introspect/bootstrap/sitecustomize.py",
 )
 
 MAIN = b"import sys\n\nfrom hangwatchd.cli import main\n\nsys.exit(main())\n"

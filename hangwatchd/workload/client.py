@@ -16,7 +16,7 @@ from pathlib import Path
 from ..config import client_runtime_dir
 from ..host import procfs
 from ..model import ProcessId, Registration
-from . import beat_segment, exits, registration_file
+from . import beat_segment, exits, introspect, registration_file
 
 BEAT_FILE_ENV = "HANGWATCHD_BEAT_FILE"
 # Set by ``hangwatchd run`` for everything below it: a process that inherits them and
@@ -55,6 +55,7 @@ def _find_segment() -> None:
     _mm = False
     path = os.environ.get(BEAT_FILE_ENV)
     if path:
+        introspect.install()  # where hangwatchd run's sitecustomize could not (python -I), or after a fork
         try:
             owner = beat_segment.read(path).pid
         except beat_segment.SegmentError:
@@ -134,6 +135,7 @@ def register(
     os.environ[BEAT_FILE_ENV] = str(beat_file)
     _attach(str(beat_file))
     atexit.register(_unregister, path, beat_file, base, me)
+    introspect.install(runtime_dir=str(base))
     return True
 
 

@@ -16,6 +16,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -28,6 +29,7 @@ from ..host import pdeathsig, procfs, untrusted
 from ..model import ProcessId, Registration
 from . import beat_segment, dump_names, ended, exits, registration_file, runtime_files
 from .client import BEAT_FILE_ENV, JOB_ENV, ON_HANG_ENV, STACK_TIMEOUT_ENV, TIMEOUT_ENV
+from .introspect import DIR_ENV as INTROSPECT_DIR_ENV, ENABLE_ENV as INTROSPECT_ENV
 
 COREDUMP_FLAGS = ("skip_nonrelocated_elf_images,skip_global_memory,skip_shared_memory,"
                   "skip_local_memory,skip_constbank_memory")
@@ -46,6 +48,7 @@ class Launch:
     heartbeat_timeout: float | None = None
     stack_timeout: float | None = None
     on_hang: str | None = None  # "abort": the daemon ends the job's ranks once the hang's incident is stored
+    introspect: bool = True  # the in-process reporter in every Python process of the job (--no-introspect: none)
 
 
 def workload_env(base: Mapping[str, str], runtime_dir: Path, dump_dir: Path, tag: str) -> dict[str, str]:
@@ -86,6 +89,37 @@ def workload_env(base: Mapping[str, str], runtime_dir: Path, dump_dir: Path, tag
         if port:
             env["NCCL_RAS_ADDR"] = f"127.0.0.1:{port}"
     return env
+
+
+def bootstrap_dir() -> str:
+    """The directory whose sitecustomize installs the in-process reporter (inside hangwatchd-job.pyz
+    too: zipimport reads a path within an archive)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "introspect", "bootstrap")
+
+
+def introspect_dir(runtime_dir: Path, tag: str) -> Path | None:
+    """A directory for the job's reporters' FIFOs and reports: the job's own (0700, so nobody else can
+    plant a report in it), in the runtime dir's pipes/ where the daemon can reach it from another
+    container, else in the job's temp dir (the daemon reaches it through /proc/PID/root)."""
+    for parent in (runtime_dir / "pipes", None):
+        try:
+            return Path(tempfile.mkdtemp(prefix=f"introspect-{tag}-", dir=parent))
+        except OSError:
+            continue
+    return None
+
+
+def introspect_env(env: dict[str, str], directory: Path | None) -> None:
+    """The reporter in every Python process of the workload: our sitecustomize first on PYTHONPATH
+    (it hands on to the one that would have run), and where to put the FIFOs. Off where the user
+    switched it off (HANGWATCHD_INTROSPECT=0) or we could make no directory."""
+    if directory is None or env.get(INTROSPECT_ENV, "1").strip() in ("0", "no", "false", "off"):
+        env[INTROSPECT_ENV] = "0"
+        return
+    env[INTROSPECT_DIR_ENV] = str(directory)
+    site = bootstrap_dir()
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != site]
+    env["PYTHONPATH"] = os.pathsep.join([site, *rest])
 
 
 def archive_of(module_file: str) -> str | None:
@@ -138,6 +172,8 @@ def run(launch: Launch) -> int:
     # An outer hangwatchd run (hangwatchd run -- torchrun --no-python hangwatchd run -- ...) names the job.
     job = registration_file.job_of(env, launch.job or os.environ.get(JOB_ENV))
     ranks_env(env, job, launch)
+    reports = introspect_dir(launch.runtime_dir, tag) if launch.introspect and env.get(INTROSPECT_ENV, "1") != "0" else None
+    introspect_env(env, reports)
     beat_file: Path | None = launch.runtime_dir / "beats" / f"run-{tag}.beat"
     notify: NotifyProxy | None = None
     try:
@@ -164,10 +200,10 @@ def run(launch: Launch) -> int:
     try:
         child = subprocess.Popen(list(launch.command), env=env, preexec_fn=prepare_child, stderr=subprocess.PIPE)
     except FileNotFoundError:
-        _cleanup(beat_file, None, launch.runtime_dir)
+        _cleanup(beat_file, None, launch.runtime_dir, reports)
         raise LaunchError(f"{launch.command[0]}: command not found") from None
     except PermissionError:
-        _cleanup(beat_file, None, launch.runtime_dir)
+        _cleanup(beat_file, None, launch.runtime_dir, reports)
         # execvp reports EACCES when some PATH entry is unreadable, even if the command is nowhere.
         if "/" not in launch.command[0] and shutil.which(launch.command[0], mode=os.F_OK, path=env.get("PATH")) is None:
             raise LaunchError(f"{launch.command[0]}: command not found") from None
@@ -212,7 +248,7 @@ def run(launch: Launch) -> int:
     finally:
         if notify is not None:
             notify.close()
-        _cleanup(beat_file, reg_written, launch.runtime_dir)
+        _cleanup(beat_file, reg_written, launch.runtime_dir, reports)
     return code if code >= 0 else 128 - code
 
 
@@ -377,11 +413,15 @@ def _forward(child: subprocess.Popen[bytes], sig: int) -> None:
         pass
 
 
-def _cleanup(beat_file: Path | None, process: registration_file.ProcessId | None, runtime_dir: Path) -> None:
+def _cleanup(beat_file: Path | None, process: registration_file.ProcessId | None, runtime_dir: Path,
+             reports: Path | None = None) -> None:
     if process is not None:
         registration_file.remove(runtime_dir / "registrations", process)
     if beat_file is not None:
         beat_file.unlink(missing_ok=True)
+    if reports is not None:
+        # Our own 0700 directory: only the job's processes (our user) put anything in it.
+        shutil.rmtree(reports, ignore_errors=True)
 
 
 class LaunchError(Exception):
