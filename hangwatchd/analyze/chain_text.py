@@ -63,7 +63,8 @@ def _back(steps: tuple[tuple[Party, Edge], ...], root: Party | None) -> str:
     first, edge = steps[0]
     through = [p for p, _ in steps[1:]]
     where = at(first, edge)
-    text = f"; {_waiter(first, root, edge)} waits for it" + (f" in {where}" if where else "")
+    waited = edge.what if not through and not edge.what.startswith(("its child", "a thread to end", "data ", "room ")) else "it"
+    text = f"; {_waiter(first, root, edge)} waits for {waited}" + (f" in {where}" if where else "")
     if through:
         text += ", through " + ", ".join(_named(p) for p in through[:4]) + (" and more" if len(through) > 4 else "")
     return text
@@ -86,7 +87,9 @@ def tell(chain: Chain) -> Told:
     if chain.end == ENDS_LIVE and r is not None:
         return Told(_live_kind(r.doing or ""), _stuck(r) + _back(chain.steps, r), r, r.location, chain.sure, how)
     if chain.end == ENDS_GONE and r is not None:
-        return Told("gone", f"{_named(r)} {r.doing or 'is gone'}" + _back(chain.steps, r), r, r.location, chain.sure, how)
+        why = chain.last.why if chain.last is not None else None
+        return Told("gone", f"{_named(r)} {r.doing or 'is gone'}" + (f": {why}" if why else "") + _back(chain.steps, r),
+                    r, r.location, chain.sure, how)
     if chain.end == ENDS_IDLE and r is not None:
         lead = f"{r.label} is {r.doing or 'waiting for work'}" + (f" in {r.where}" if r.where else "")
         if not chain.steps:

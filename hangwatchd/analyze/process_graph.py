@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from . import introspected
 from . import thread_waits as tw
 from .evidence import Evidence, as_int, dicts
 from .waitfor import GONE, IDLE, LIVE, WAITS, Edge, Graph, Party
@@ -103,8 +104,14 @@ def _add_process(g: Graph, p: Proc, by_pid: dict[int, Proc]) -> None:
         w = tw.classify(t, None, p.ev.proc.get("blocked_on"))
         waits[key(p.pid)] = (t, w)
         g.add(Party(key(p.pid), process_label(p), WAITS, None, pid=p.pid, main=True))
+    told: set[str] = set()
+    if p.report is not None:  # the process's own answer: exact where it speaks
+        keys = {tid: k for k, (t, _) in waits.items() if (tid := _tid(t)) is not None}
+        reader = introspected.Reader(g, p.pid, key(p.pid), p.report, keys, key)
+        told = {k for k, (t, _) in waits.items() if _tid(t) is not None and reader.edges(_tid(t) or 0, k)}
     for k, (t, w) in waits.items():
-        _edges_of(g, p, k, t, w, waits, by_pid)
+        if k not in told:
+            _edges_of(g, p, k, t, w, waits, by_pid)
     _children_edges(g, p, waits, by_pid)
     for k, (t, w) in waits.items():  # where each wait is, said once for all its edges
         g.edges[k] = [dataclasses.replace(e, call=e.call or tw.call_of(w)) for e in g.out(k)]

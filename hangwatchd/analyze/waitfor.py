@@ -56,6 +56,7 @@ class Edge:
     how: str = ""  # the evidence: "native frames", "introspection", "pipe ends in /proc/*/fd", ...
     sure: bool = True  # False where it is inferred (by elimination, by name)
     call: str | None = None  # the library call the waiter waits in, as a person says it: "Queue.get", "Thread.join"
+    why: str | None = None  # for an edge to a party that is gone: what that party had to do with the wait
 
 
 @dataclass
