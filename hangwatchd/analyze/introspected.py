@@ -208,6 +208,21 @@ class Reader:
         if running and running != k:
             self.g.wait(Edge(k, f"a future{' ' + expr if expr else ''} it runs", running, how=HOW))
             return True
+        if detail.get("loop_thread") is not None and self.party_of(detail.get("loop_thread")) == k:
+            self.g.wait(Edge(k, "a result only its own event loop can produce, and that loop runs on this very "
+                                "thread, which now waits instead of running it", k, how=HOW))
+            return True
+        for ex in dicts(self.r.get("executors")):  # a process pool with work and no worker left
+            procs, pending = ex.get("processes"), as_int(ex.get("pending"))
+            if isinstance(procs, list) and not any(isinstance(x, dict) and x.get("exitcode") is None for x in procs) \
+                    and pending:
+                per = as_int(ex.get("max_tasks_per_child"))
+                self.g.wait(Edge(k, "a future's result", None,
+                                 f"its {_s(ex.get('type'), 80) or 'process pool'} holds {pending} pending task"
+                                 f"{'s' if pending != 1 else ''} and no worker process is left"
+                                 + (f": its workers exited after max_tasks_per_child = {per} tasks each and none was "
+                                    "started again" if per else ""), how=HOW))
+                return True
         return False
 
     def _process(self, k: str, w: dict[str, Any], detail: dict[str, Any]) -> bool:

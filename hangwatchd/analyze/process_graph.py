@@ -169,6 +169,11 @@ def _edges_of(g: Graph, p: Proc, k: str, t: Thread, w: tw.Wait, waits: dict[str,
                 _set(g, k, IDLE, f"waiting for work in {w.call}")
                 return
         return  # its children: _children_edges
+    if w.kind == tw.FUTURE and w.in_event_loop:
+        g.wait(Edge(k, "a result that only the asyncio event loop it runs in can produce: the loop's own thread "
+                       "now waits instead of running it", k, how="library frames: a blocking Future.result inside "
+                                                              "the event loop's callback", sure=False))
+        return
     if w.kind == tw.UNKNOWN:
         if p.role and w.frame is not None and tw.user_frame(t) is w.frame and tw.python_frames(t)[:1] == [w.frame]:
             _set(g, k, LIVE, "in code of its own")  # a child whose innermost frame is its own code: stuck there
@@ -484,9 +489,20 @@ def _exited_children(g: Graph, p: Proc) -> list[str]:
         if how is None:
             continue
         comm = e.get("comm") if isinstance(e.get("comm"), str) else None
-        g.add(Party(k, f"child process {comm or ''} (pid {pid})".replace("  ", " "), GONE, None, how, pid=pid, main=True))
+        known = _child_named(p, pid)  # the parent's own name for it and the function it ran (introspection)
+        name = known.get("name") if isinstance(known.get("name"), str) else None
+        target = known.get("target") if isinstance(known.get("target"), str) else None
+        label = f"{name} (pid {pid}{', running ' + target if target else ''})" if name else \
+            f"child process {comm or ''} (pid {pid})".replace("  ", " ")
+        g.add(Party(k, label, GONE, None, how, target.rsplit(".", 1)[-1] if target else None, pid=pid, main=True))
         out.append(k)
     return out
+
+
+def _child_named(p: Proc, pid: int) -> dict[str, Any]:
+    """What the process's own answer says of its child ``pid``: its multiprocessing name and target."""
+    kids = p.report.get("children") if isinstance(p.report, dict) else None
+    return next((c for c in dicts(kids) if as_int(c.get("pid")) == pid), {})
 
 
 def _how_it_ended(e: dict[str, Any]) -> str | None:

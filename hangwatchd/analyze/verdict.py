@@ -314,7 +314,7 @@ def _apart(ranks: list[RankVerdict], found: list[evidence.Evidence]) -> tuple[st
     return summary, culprits
 
 
-_COLLECTIVE_ARGS = ("src", "dst", "group_src", "group_dst", "op")
+_COLLECTIVE_ARGS = ("src", "dst", "group_src", "group_dst")  # who meets whom (an op's repr holds an address)
 
 
 def _collective_args(ev: evidence.Evidence) -> str:

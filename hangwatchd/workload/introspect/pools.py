@@ -171,7 +171,8 @@ def _executor(ex: object, running: dict[int, dict[str, Any]], ctx: waits.Context
         procs = attr(ex, "_processes")
         pending = attr(ex, "_pending_work_items")
         out.update(processes=[sync.process_state(p) for p in (list(procs.values()) if type(procs) is dict else [])[:256]],
-                   pending=len(pending) if type(pending) is dict else None)
+                   pending=len(pending) if type(pending) is dict else None,
+                   max_tasks_per_child=objects.number(attr(ex, "_max_tasks_per_child")))
     return out
 
 

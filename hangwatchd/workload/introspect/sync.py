@@ -260,8 +260,10 @@ def thread_state(obj: object, live: set[int]) -> dict[str, Any]:
 def process_state(obj: object) -> dict[str, Any]:
     """pid and exit code as the object last saw them: never poll(), which reaps the child."""
     popen = attr(obj, "_popen")
-    if popen is not None:  # a multiprocessing Process
+    if popen is not None:  # a multiprocessing Process, and the function it runs (its target, else its run)
+        target = attr(obj, "_target")
         return {"pid": objects.number(attr(popen, "pid")), "exitcode": objects.number(attr(popen, "returncode")),
-                "name": objects.text(attr(obj, "_name")), "parent_pid": objects.number(attr(obj, "_parent_pid"))}
+                "name": objects.text(attr(obj, "_name")), "parent_pid": objects.number(attr(obj, "_parent_pid")),
+                "target": objects.callable_name(target) if target is not None else None}
     return {"pid": objects.number(attr(obj, "pid")), "exitcode": objects.number(attr(obj, "returncode")),
             "name": objects.text(attr(obj, "_name"))}
