@@ -122,11 +122,13 @@ def test_a_subprocess_that_is_no_python_program_is_named_by_what_it_is_blocked_o
     assert f"; its parent (pid {work.pid}) waits for it in Popen.communicate (waits_on_cat.py:12)" in out["verdict"]
 
 
-def stack_hang(base: Path, argv: list[str], config: dict[str, object] = CONFIG) -> tuple[dict[str, Any], Path, int]:
+def stack_hang(base: Path, argv: list[str], config: dict[str, object] = CONFIG,
+               *options: str) -> tuple[dict[str, Any], Path, int]:
     """A never-instrumented workload watched by its stack (2 s) under its own daemon: its incident,
     that incident's directory and the workload's pid, the workload stopped."""
     with ScratchDaemon(base / "d", config=config) as d:
-        work = d.run(argv, "--stack-timeout", "2", "--heartbeat-timeout", "3600", stdout=subprocess.PIPE, text=True, env=env())
+        work = d.run(argv, "--stack-timeout", "2", "--heartbeat-timeout", "3600", *options, stdout=subprocess.PIPE,
+                     text=True, env=env())
         try:
             started(work)
             inc, path = incident(d)
@@ -135,18 +137,24 @@ def stack_hang(base: Path, argv: list[str], config: dict[str, object] = CONFIG) 
     return inc, path, work.pid
 
 
-def test_a_lock_order_deadlock_names_both_threads_not_the_join(tmp_path: Path) -> None:
+def test_a_lock_order_deadlock_names_both_threads_their_locks_and_the_join(tmp_path: Path) -> None:
+    # Under hangwatchd run the process answers which lock each thread holds and waits for.
     inc, path, _ = stack_hang(tmp_path, [sys.executable, str(WORKLOADS / "server.py")])
     pid = inc["processes"][0]["pid"]
-    assert inc["verdict"] == (f"pid {pid}: deadlock between threads cache (update_cache, server.py:14) "
-                                     "and stats (report_stats, server.py:21)."), inc["verdict"]
+    assert inc["verdict"] == (f"pid {pid}: deadlock between thread cache (update_cache, server.py:14), waiting for lock "
+                              "stats_lock (thread stats) and thread stats (report_stats, server.py:21), waiting for lock "
+                              "cache_lock (thread cache); thread MainThread waits for thread cache to end in Thread.join "
+                              "(server.py:31)."), inc["verdict"]
     (v,) = analyze(path).ranks
     assert v.verdict == "thread-deadlock" and v.location == f"update_cache ({WORKLOADS / 'server.py'}:14)"
 
 
-def test_the_same_deadlock_from_python_frames_alone_reads_the_kernel_s_futex_waits(tmp_path: Path) -> None:
-    inc, path, work_pid = stack_hang(tmp_path, [sys.executable, str(WORKLOADS / "server.py")], {**CONFIG, "pyspy_native": False})
-    assert not (path / str(work_pid) / "pyspy-native.json").exists()
+def test_the_same_deadlock_without_introspection_from_python_frames_alone_reads_the_kernel_s_futex_waits(tmp_path: Path) -> None:
+    # Neither the process's answer nor native frames: two threads each in a futex wait under their
+    # own frame, none running, is a deadlock whose locks the evidence does not name.
+    inc, path, work_pid = stack_hang(tmp_path, [sys.executable, str(WORKLOADS / "server.py")], {**CONFIG, "pyspy_native": False},
+                                     "--no-introspect")
+    assert not (path / str(work_pid) / "pyspy-native.json").exists() and not (path / str(work_pid) / "introspect.json").exists()
     assert "deadlock between threads cache (update_cache, server.py:14) and stats (report_stats, server.py:21)" in inc["verdict"]
 
 

@@ -93,6 +93,23 @@ def _verdict_cell(o: Outcome) -> str:
     return f"**{_cell(o.first)}**" + (f" {_cell(rest)}" if rest else "") + (f" ({_cell(o.note)})" if o.note else "")
 
 
+def verdict_table(outcomes: list[Outcome], summary: Summary) -> str:
+    """The README's table of verdicts: one row per kind the catalogue's right answers gave, each with
+    the class it came from and the verdict as printed (its first sentence)."""
+    rows: dict[str, Outcome] = {}
+    for o in outcomes:
+        if o.result == RIGHT and o.verdict and o.kind and o.kind not in rows:
+            rows[o.kind] = o
+    lines = ["| the cause (a catalogue class) | kind | the verdict says |", "| --- | --- | --- |"]
+    for kind, o in sorted(rows.items(), key=lambda kv: kv[1].case.name):
+        lines.append(f"| {_cell(o.case.title)} | `{kind}` | {_cell(o.first)} |")
+    healthy = [o for o in outcomes if o.case.healthy and o.result == RIGHT]
+    if healthy:
+        lines.append(f"| {len(healthy)} healthy look-alikes ({', '.join(o.case.name.removeprefix('healthy_') for o in healthy)}) "
+                     "| - | no incident |")
+    return "\n".join(lines + ["", summary.line()]) + "\n"
+
+
 def write(text: str, name: str = "catalogue") -> Path:
     out = Path(os.environ.get("HANGWATCHD_BENCH_OUT") or RESULTS)
     out.mkdir(parents=True, exist_ok=True)

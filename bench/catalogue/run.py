@@ -139,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         path = report.write(report.markdown(outcomes, summary, command, elapsed))
         print(f"catalogue: table written to {path}", flush=True)
+        if not args.pattern and not args.gpu:  # the README's table of verdicts comes from a whole CPU run only
+            print(f"catalogue: verdicts written to {report.write(report.verdict_table(outcomes, summary), 'verdicts')}",
+                  flush=True)
     if args.json:
         args.json.write_text(json.dumps({"summary": {**summary.counts, "right_pct": summary.right_pct,
                                                      "median_s": summary.median_s, "passed": summary.passed,

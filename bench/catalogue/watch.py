@@ -28,12 +28,14 @@ class Outcome:
     note: str = ""  # why it was skipped, how the case's processes ended, leaks
     incident: str = ""  # the incident's id
     leaks: tuple[str, ...] = field(default_factory=tuple)
+    kind: str = ""  # the kind of verdict (docs/verdicts.md): the culprit's, or "job: ..." for a summary across ranks
 
     def as_json(self) -> dict[str, Any]:
         c = self.case
         return {"name": c.name, "title": c.title, "source": c.source, "healthy": c.healthy, "culprit": list(c.culprit),
                 "cause": c.cause, "result": self.result, "seconds": self.seconds, "verdict": self.verdict,
-                "first_sentence": self.first, "note": self.note, "incident": self.incident, "leaks": list(self.leaks)}
+                "first_sentence": self.first, "note": self.note, "incident": self.incident, "leaks": list(self.leaks),
+                "kind": self.kind}
 
 
 def skipped(case: Case, why: str) -> Outcome:
@@ -52,6 +54,26 @@ def prefix(d: ScratchDaemon, case: Case, job: str) -> list[str]:
 
 def incidents_of(d: ScratchDaemon, job: str, settled: bool = True) -> list[dict[str, Any]]:
     return [i for i in d.store().list() if i.get("job") == job and not (settled and i.get("pending"))]
+
+
+def kind_of(incident: dict[str, Any]) -> str:
+    """The kind of the incident's verdict: the culprit process's (analysis.ranks), or, where the summary
+    speaks of ranks together, what it says of them."""
+    try:
+        analysis = json.loads((Path(incident["dir"]) / "incident.json").read_text()).get("analysis") or {}
+    except (OSError, ValueError):
+        return ""
+    summary = str(analysis.get("summary") or "")
+    ranks = [r for r in analysis.get("ranks") or [] if isinstance(r, dict)]
+    culprits = [c for c in analysis.get("culprits") or [] if isinstance(c, dict)]
+    if len(ranks) > 1:
+        for words, kind in (("never entered", "ranks: never entered"), ("disagree", "ranks: disagree"),
+                            ("exited", "ranks: exited"), ("odd one out", "ranks: odd one out")):
+            if words in summary:
+                return kind
+    pid = culprits[0].get("pid") if culprits else None
+    rank = next((r for r in ranks if r.get("pid") == pid), ranks[0] if ranks else {})
+    return str(rank.get("verdict") or "")
 
 
 def verdict_of(incident: dict[str, Any]) -> str:
@@ -77,7 +99,8 @@ def run_case(d: ScratchDaemon, case: Case, logdir: Path, tag: str) -> Outcome:
     s: Score = score(verdict, case.culprit, case.cause, case.healthy)
     seconds = round(float(found["time"]) - run.hung_at, 1) if found else None
     note = "; ".join(x for x in (ended, *(f"leaked {x}" for x in leaks)) if x)
-    return Outcome(case, s.result, seconds, verdict or "", s.first, note, found["id"] if found else "", tuple(leaks))
+    return Outcome(case, s.result, seconds, verdict or "", s.first, note, found["id"] if found else "", tuple(leaks),
+                   kind_of(found) if found else "")
 
 
 def _wait_for_incident(d: ScratchDaemon, run: procs.Running, job: str) -> dict[str, Any] | None:
