@@ -297,17 +297,51 @@ class Reader:
             for h in holders:
                 self.g.wait(Edge(k, what, h, how=HOW))
             if not holders:
-                self.g.wait(Edge(k, what, None, "no live task holds it: the task that took it was cancelled or finished "
-                                                "without releasing it", how=HOW))
+                gone = self._ended_tasks(expr)
+                for x, how in gone:
+                    self.g.wait(Edge(k, what, x, how=HOW + ": a task that ended named it", sure=False,
+                                     why=f"it took {what} and ended ({how}) without releasing it"))
+                if not gone:
+                    self.g.wait(Edge(k, what, None, "no live task holds it: the task that took it was cancelled or "
+                                                    "finished without releasing it", how=HOW))
         elif kind in ("future", "queue", "event", "condition"):
             verb = {"future": "resolve", "queue": "put into", "event": "set", "condition": "notify"}[kind]
             if kind == "future" and detail.get("done"):
                 return k
-            self.g.wait(Edge(k, what, None, f"no live task or thread refers to it, so nobody will {verb} it", how=HOW,
-                             sure=False))
+            gone = self._ended_tasks(expr) if kind != "future" else []
+            for x, how in gone:
+                self.g.wait(Edge(k, what, x, how=HOW + ": a task that ended named it", sure=False,
+                                 why=f"it was the task to {verb} {what}"))
+            if not gone:
+                self.g.wait(Edge(k, what, None, f"no live task or thread refers to it, so nobody will {verb} it",
+                                 how=HOW, sure=False))
         elif kind in ("io", "other") or kind is None:
             self.g.parties[k] = Party(k, self.g.parties[k].label, IDLE, where, "waiting for I/O", culprit, full, self.pid)
         return k
+
+
+    def _ended_tasks(self, expr: str | None) -> list[tuple[str, str]]:
+        """Parties for the asyncio tasks that ended and whose coroutine names ``expr``: (key, how it ended)."""
+        names = _short_names(expr)
+        out = []
+        for i, x in enumerate(dicts(self.r.get("ended_tasks"))):
+            coro = x.get("coro") if isinstance(x.get("coro"), dict) else {}
+            if not names or not names & {n for n in coro.get("names") or [] if isinstance(n, str)}:
+                continue
+            where, full = _where({"function": coro.get("qualname"), "file": coro.get("file"), "line": coro.get("line")})
+            exc = x.get("exception") if isinstance(x.get("exception"), dict) else None
+            how = _s(x.get("how"), 20) or "ended"
+            if exc is not None:
+                msg = _s(exc.get("message"), 200)
+                doing = f"raised {(_s(exc.get('type'), 80) or 'an exception').removeprefix('builtins.')}" + (f": {msg}" if msg else "")
+            else:
+                doing = "was cancelled" if how == "cancelled" else "returned"
+            k = f"{self.base}/e{i}"
+            culprit = (_s(coro.get("qualname")) or "").rsplit(".", 1)[-1] or None
+            self.g.add(Party(k, f"task {_s(x.get('name'), 80)} ({culprit or '?'})", GONE, where,
+                             doing + _when(x.get("ended")), culprit, full, self.pid))
+            out.append((k, how))
+        return out
 
 
 def _signal_name(n: int) -> str:

@@ -34,7 +34,8 @@ JOB_SIDE = (
     "workload/runtime_files.py",
     "workload/introspect/__init__.py", "workload/introspect/loops.py", "workload/introspect/objects.py",
     "workload/introspect/pools.py", "workload/introspect/report.py", "workload/introspect/reporter.py",
-    "workload/introspect/source.py", "workload/introspect/sync.py", "workload/introspect/threads.py",
+    "workload/introspect/source.py", "workload/introspect/sync.py", "workload/introspect/tasks_ended.py",
+    "workload/introspect/threads.py",
     "workload/introspect/waits.py",
     "workload/introspect/bootstrap/__init__.py", "workload/introspect/bootstrap/sitecustomize.py",
 )

@@ -21,7 +21,7 @@ import time
 import types
 from typing import Any
 
-from . import loops, objects, pools, source, sync, threads, waits
+from . import loops, objects, pools, source, sync, tasks_ended, threads, waits
 from .source import MISSING, Scope, Sources
 
 VERSION = 1
@@ -174,7 +174,8 @@ def build(forked: dict[str, Any] | None) -> dict[str, Any]:
     sections = (("exited_threads", lambda: _exited(ctx)),
                 ("asyncio", lambda: loops.describe(stacks, ctx, lambda fs: _task_holds(fs, ctx, locks), over)),
                 ("pools", lambda: pools.collect(stacks, waited, ctx)),
-                ("children", pools.children))
+                ("children", pools.children),
+                ("ended_tasks", lambda: list(tasks_ended.ended)))
     for name, make in sections:
         if over():
             truncated = True
