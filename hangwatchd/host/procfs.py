@@ -54,6 +54,11 @@ def _stat(pid: int) -> list[bytes] | None:
     return raw[raw.rfind(b")") + 2 :].split()
 
 
+def stat_fields(pid: int) -> list[bytes] | None:
+    """/proc/PID/stat's fields after the command name (state first: field 3 at index 0)."""
+    return _stat(pid)
+
+
 def start_time(pid: int) -> int | None:
     """Field 22 of /proc/PID/stat: when the process started, in clock ticks since boot."""
     rest = _stat(pid)

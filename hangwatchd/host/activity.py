@@ -1,0 +1,69 @@
+"""What a process did between two looks, from counters it cannot move while it waits.
+
+A stack that holds still proves little on its own: a checkpoint written by one
+long C call, a compile, a collective computed by the library's own threads, a
+worker pool feeding the main thread every few seconds, a child that compiles
+all show one stack for a while. What moves while they work and stands still
+in a hang is read here, cheaply, at each stack sample:
+
+- the CPU its threads had and the CPU they waited for (``schedstat``: time on
+  a CPU and time runnable on a run queue; on a loaded node the second grows
+  where the first cannot, so the two together say how much CPU it *wanted*);
+- the bytes it read and wrote (``/proc/PID/io``: ``rchar``, ``wchar``; a
+  consumer that gets an item reads it, a checkpoint writes);
+- the CPU its descendants had (a child that compiles, a worker that decodes).
+
+All reads are of the kernel's own counters (/proc), bounded, and never block
+on the process.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from . import procfs
+
+MAX_DESCENDANTS = 64
+TICK_NS = 10**9 // 100  # /proc/PID/stat counts CPU in clock ticks of 1/100 s (USER_HZ)
+
+
+@dataclass(frozen=True)
+class Activity:
+    time: float  # monotonic
+    cpu_ns: int | None  # on a CPU, all its threads (those alive at the look)
+    wait_ns: int | None  # runnable but waiting for a CPU, all its threads
+    io_bytes: int | None  # read and written (rchar + wchar)
+    kids_cpu_ns: int  # its descendants' CPU (user + system), alive at the look
+    kids: int  # how many descendants were read
+
+
+def read(pid: int) -> Activity:
+    """The counters of ``pid`` now (None where a counter cannot be read: another user's io without
+    rights, a kernel without schedstats)."""
+    now = time.monotonic()
+    sched = procfs.schedstat(pid)
+    kids = procfs.descendants(pid, MAX_DESCENDANTS)
+    return Activity(now, sched.get("cpu_ns") if sched else None, sched.get("wait_ns") if sched else None,
+                    io_bytes(pid), sum(cpu_ns(k) for k in kids), len(kids))
+
+
+def io_bytes(pid: int) -> int | None:
+    try:
+        text = procfs.read_capped(f"/proc/{pid}/io", 4096).decode("ascii", "replace")
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    try:
+        return int(fields["rchar"]) + int(fields["wchar"])
+    except (KeyError, ValueError):
+        return None
+
+
+def cpu_ns(pid: int) -> int:
+    """User and system CPU of ``pid`` (all its threads, the ended ones too), from /proc/PID/stat."""
+    rest = procfs.stat_fields(pid)
+    try:
+        return (int(rest[11]) + int(rest[12])) * TICK_NS if rest else 0
+    except (IndexError, ValueError):
+        return 0
