@@ -418,3 +418,14 @@ def test_a_worker_blocked_in_library_code_on_a_socket_its_parent_does_not_hold_i
         (tmp_path / str(pid) / "pyspy.json").write_text(json.dumps([thread("MainThread", pid, frames)]))
     assert analyze(tmp_path).summary == ("multiprocessing worker 2 (pid 202) is stuck in fetch (fetch.py:12), receiving on a socket "
                                          "(socket:[99]); its parent (pid 200) waits for it in BaseProcess.join (main.py:8).")
+
+
+def test_a_join_of_a_thread_not_captured_is_said_as_unknown_never_blamed_on_the_waiter(tmp_path: Path) -> None:
+    (tmp_path / "4637").mkdir()
+    (tmp_path / "4637" / "pyspy.json").write_text(json.dumps([thread("MainThread", 4637, [
+        ("Thread._wait_for_tstate_lock", "/usr/lib/python3.11/threading.py", 1139),
+        ("Thread.join", "/usr/lib/python3.11/threading.py", 1119), ("main", "/srv/job/app.py", 4)])]))
+    (v,) = analyze(tmp_path).ranks
+    assert v.verdict == "unknown-wait"
+    assert v.detail == ("the main thread waits in main (app.py:4) for a thread to end (Thread.join); who could end it is "
+                        "not known: the thread it joins is not among the threads captured")
