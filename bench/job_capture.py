@@ -26,6 +26,7 @@ from hangwatchd import (
     log,  # noqa: E402
 )
 from hangwatchd.capture import make_steps, run_steps  # noqa: E402
+from hangwatchd.host.deadline import Deadline
 from hangwatchd.testing import ScratchDaemon, stop, wait_for  # noqa: E402
 from hangwatchd.workload import registration_file  # noqa: E402
 from tests.s3server import S3Server  # noqa: E402
@@ -83,7 +84,7 @@ def main() -> None:
                 for pid in pids:
                     reg = registration_file.from_proc(pid)
                     assert reg is not None
-                    run_steps(steps, reg, base / "serial-out" / str(pid), cfg.capture_timeout)
+                    run_steps(steps, reg, base / "serial-out" / str(pid), Deadline.after(cfg.capture_timeout))
                 serial = time.monotonic() - start
             finally:
                 stop(*procs)

@@ -61,7 +61,7 @@ def main() -> None:
         for i in range(args.nodes):
             name = f"node-{i:04d}"
             a = Agent(s3.url(), name, Path(t) / name, args.interval, 300.0, 100,
-                      wake=lambda name=name: seen.setdefault(name, time.monotonic()))
+                      post=lambda _req, name=name: seen.setdefault(name, time.monotonic()))
             a._s3 = shared
             a.jobs = frozenset({(1000, "big-job")})
             agents.append(a)

@@ -118,6 +118,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
     from . import config, log
     from .capture import capture_budget, make_steps
     from .daemon.make_incident import make_incident
+    from .host.deadline import Deadline
     from .incidents.store import Store, StoreError
     from .model import Suspicion
     from .workload import registration_file
@@ -137,7 +138,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         return None if args.gpu_dump else "not asked for (hangwatchd capture --gpu-dump)"
 
     why = Suspicion("manual", "captured by hand with hangwatchd capture" + (" --gpu-dump" if args.gpu_dump else ""), time.time())
-    incident_id = make_incident(store, make_steps(cfg), [target], why, capture_budget(cfg), gate=gate)
+    incident_id = make_incident(store, make_steps(cfg), [target], why, Deadline.after(capture_budget(cfg)), gate=gate)
     path = store.path_of(incident_id)
     assert path is not None
     return _print_incident(args, path)

@@ -220,24 +220,25 @@ def nvml_env(directory: Path) -> dict[str, str]:
 
 
 def test_the_listener_records_nvml_xid_events_on_its_own_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hangwatchd.host.gpu_events import Listener, Recorder
+    from hangwatchd.host.gpu_events import GpuEvent, GpusFound, Listener, Recorder
 
     monkeypatch.setenv("HANGWATCHD_FAKE_NVML", "")
     d = nvml_dir(tmp_path)
     nv = fake_nvml_module(d)
-    seen: list = []
-    found: list = []
+    posted: list[object] = []
     rec = Recorder(limit=3)
-    listener = Listener(rec, seen.append, found.append, nvml=nv, wait_ms=200)
+    listener = Listener(rec, posted.append, nvml=nv, wait_ms=200)
     listener.start()
+    seen: list[GpuEvent] = []
     try:
-        assert listener.ready.wait(10) and found == [[0, 1, 2, 3]]
+        assert listener.ready.wait(10) and posted == [GpusFound((0, 1, 2, 3))]
         before = time.time()
         for gpu, code in ((1, 13), (3, 79), (0, 48), (3, 31)):
             xid(d, gpu=gpu, xid=code)
             wait_for(lambda: not list((d / "events").iterdir()), 10, "the event taken")
         xid(d, lost=2)
-        wait_for(lambda: len(seen) == 5, 10, "five events")
+        wait_for(lambda: len(posted) == 6, 10, "five events")
+        seen = [e for e in posted if isinstance(e, GpuEvent)]
     finally:
         listener.stop()
         listener.join(5)
@@ -255,7 +256,7 @@ def test_without_nvml_the_listener_says_why_and_stops(tmp_path: Path, monkeypatc
     nv = fake_nvml_module(tmp_path)
     monkeypatch.setenv("HANGWATCHD_FAKE_NVML", "")  # no library: what a node without a driver answers
     rec = Recorder()
-    listener = Listener(rec, lambda e: None, nvml=nv)
+    listener = Listener(rec, lambda _m: None, nvml=nv)
     listener.start()
     listener.join(10)
     assert not listener.is_alive() and rec.unavailable and "NVML is not available" in rec.unavailable

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from hangwatchd.analyze.verdict import analyze
 from hangwatchd.cudacore.symbolize import symbolize
+from hangwatchd.host.deadline import Deadline
 from hangwatchd.testing import ScratchDaemon, stop, wait_for
 
 from .conftest import FIXTURES, extract, hangwatchd
@@ -292,7 +293,7 @@ def test_a_capture_is_stored_even_when_its_analysis_fails(tmp_path: Path, monkey
         assert reg is not None
         store = Store(tmp_path / "state")
         store.open()
-        incident_id = make_incident.make_incident(store, [(ProcStep(), 5.0)], [reg], Suspicion("heartbeat", "test", 0.0), 30.0)
+        incident_id = make_incident.make_incident(store, [(ProcStep(), 5.0)], [reg], Suspicion("heartbeat", "test", 0.0), Deadline.after(30.0))
     finally:
         stop(p, sig=signal.SIGKILL)
     (inc,) = store.list()

@@ -174,12 +174,12 @@ def test_an_exit_record_of_another_user_never_joins_a_job(tmp_path: Path) -> Non
     gone = exits.Departures(tmp_path, keep=600)
     for r in (mine, theirs):
         gone.add(exits.Departed(r, time.time(), None, 0))
-    assert [d.registration for d in gone.of_job("train", os.getuid())] == [mine]
-    assert [d.registration for d in gone.of_job("train", os.getuid() + 1)] == [theirs]
+    assert [d.registration for d in gone.of_job(mine)] == [mine]
+    assert [d.registration for d in gone.of_job(theirs)] == [theirs]
     # A record nested deeper than any of ours is no record, and no error.
     (tmp_path / exits.DIR / exits.file_name(mine.process)).write_bytes(b"[" * 4000)
     assert exits.read(tmp_path, mine.process, os.getuid()) is None
-    assert gone.of_job("train", os.getuid())[0].exit is None
+    assert gone.of_job(mine)[0].exit is None
 
 
 def test_the_notify_proxy_counts_only_what_the_workload_itself_sends(tmp_path: Path) -> None:

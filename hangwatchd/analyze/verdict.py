@@ -14,7 +14,16 @@ from pathlib import Path
 from typing import Any
 
 from ..detect import patterns
-from . import evidence, flight, gpu_events, lockstep, process_tree, ras, ras_blame, stream_deadlock
+from . import (
+    evidence,
+    flight,
+    gpu_events,
+    lockstep,
+    process_tree,
+    ras,
+    ras_blame,
+    stream_deadlock,
+)
 from . import threads as th
 from .gone import account
 from .records import Analysis, Collective, Culprit, RankVerdict

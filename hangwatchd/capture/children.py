@@ -15,15 +15,16 @@ import concurrent.futures
 import json
 import os
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from ..host import blocked_on as blocked, procfs
+from ..host import blocked_on as blocked
+from ..host import procfs
+from ..host.deadline import Deadline
 from ..model import ProcessId, Registration
 from ..workload.runtime_files import write_json
-from .base import StepFailed, StepNotApplicable
+from .base import Phase, StepFailed, StepNotApplicable
 from .proc import facts
 from .pyspy import PySpyStep
 
@@ -36,9 +37,9 @@ class ChildrenStep:
     native: bool = True
     max_children: int = 16  # a bound on the work one hung process can make the daemon do
     node: str | None = None
+    phase: ClassVar[Phase] = Phase.FIRST
 
-    def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
-        end = time.monotonic() + timeout
+    def run(self, target: Registration, outdir: Path, deadline: Deadline) -> tuple[str, ...]:
         pid = target.process.pid
         if not procfs.alive(target.process):
             raise StepFailed(f"pid {pid} started at {target.process.start_time} is gone")
@@ -48,7 +49,7 @@ class ChildrenStep:
             raise StepNotApplicable(f"pid {pid} has no child processes of uid {target.uid}")
         kids = kids[: self.max_children]
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(PARALLEL, len(kids)), thread_name_prefix="child") as pool:
-            rows = list(pool.map(lambda c: self._one(target, c, outdir.parent, end), kids))
+            rows = list(pool.map(lambda c: self._one(target, c, outdir.parent, deadline), kids))
         captured = [r for r, _ in (x for x in rows if x is not None)]
         _number_roles(captured)
         for row, data in (x for x in rows if x is not None):
@@ -67,7 +68,7 @@ class ChildrenStep:
                                               "more": max(0, len(procfs.descendants(pid, self.max_children + 1)) - self.max_children)})
         return ("children.json",)
 
-    def _one(self, parent: Registration, pid: int, where: Path, end: float) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+    def _one(self, parent: Registration, pid: int, where: Path, deadline: Deadline) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
         """The child's row in children.json and its proc.json (written once its role is numbered)."""
         me = procfs.identify(pid)
         if me is None:
@@ -85,7 +86,7 @@ class ChildrenStep:
         data = facts(reg, self.node)
         state = str(data.get("state") or "")
         threads: list[dict[str, Any]] = []
-        left = end - time.monotonic()
+        left = deadline.left()
         if state.startswith(("Z", "X")):
             row["error"] = "exited, not yet reaped by its parent"
         elif left <= 0:
@@ -93,7 +94,7 @@ class ChildrenStep:
         else:
             try:
                 # Two dumps (native, then plain with locals), each given half: both end by the deadline.
-                PySpyStep(native=self.native, locals=True).run(reg, cdir, left / 2 if self.native else left)
+                PySpyStep(native=self.native, locals=True).run(reg, cdir, deadline.cut(left / 2) if self.native else deadline)
                 threads = _threads(cdir)
             except StepFailed as exc:
                 row["error"] = str(exc)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from ..host import procfs
 from ..host.blocked_on import blocked_on
+from ..host.deadline import Deadline
 from ..model import Registration
 from ..workload.runtime_files import write_json
-from .base import StepFailed
+from .base import Phase, StepFailed
 
 # Environment keys that say which job and rank a process is.
 IDENTITY_KEYS = frozenset({
@@ -23,9 +25,10 @@ IDENTITY_KEYS = frozenset({
 @dataclass
 class ProcStep:
     name: str = "proc"
+    phase: ClassVar[Phase] = Phase.FIRST
     node: str | None = None  # the node's name in the shared store (config node_name)
 
-    def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
+    def run(self, target: Registration, outdir: Path, deadline: Deadline) -> tuple[str, ...]:
         p = target.process
         if not procfs.alive(p):
             raise StepFailed(f"pid {p.pid} started at {p.start_time} is gone")

@@ -29,7 +29,7 @@ import structlog
 
 from ..host import procfs, untrusted
 from ..metrics import Metrics
-from ..model import ProcessId, Registration
+from ..model import ProcessId, Registration, is_job_mate
 from ..watch.ranks import launched_above
 from ..workload import ended
 
@@ -84,9 +84,10 @@ class Acting:
         abort, and only when the request said abort: the store is written by anyone who holds its
         keys, and the owner's ``--on-hang abort`` means "when hung", not "when someone says so".
         Returns the pids signalled."""
-        # The job is (owner uid, name): only the hung process's user's processes are its ranks.
+        # The job is (owner uid, name): only the hung process and its job-mates are its ranks.
         owner = regs[0].uid if regs else None
-        targets = [r for r in regs if r.uid == owner and r.role != "launcher" and policy(r, self.default) == "abort"]
+        targets = [r for i, r in enumerate(regs) if (i == 0 and r.role != "launcher" or is_job_mate(regs[0], r))
+                   and policy(r, self.default) == "abort"]
         if requested is not None and not (requested == "abort" and self.on_request):
             if requested == "abort" and targets:
                 log.info("abort_not_taken", incident=incident, pids=[r.process.pid for r in targets], uid=owner,

@@ -25,10 +25,18 @@ from ..capture import late
 from ..capture.base import Step
 from ..capture.pipeline import capture_all, vetoed
 from ..host import gpu_events
+from ..host.deadline import Deadline
 from ..incidents.spool import Spool, begin_draft, finish_draft
 from ..incidents.store import COMING, LATE_DIR, Store, StoreWriteError, incident_to_json
 from ..metrics import Metrics
-from ..model import Incident, PendingEvidence, ProcessCapture, Registration, StepResult, Suspicion
+from ..model import (
+    Incident,
+    PendingEvidence,
+    ProcessCapture,
+    Registration,
+    StepResult,
+    Suspicion,
+)
 from ..report import html
 from ..workload import exits
 
@@ -40,7 +48,7 @@ def make_incident(
     steps: Sequence[tuple[Step, float]],
     targets: Sequence[Registration],
     suspicion: Suspicion,
-    budget: float,
+    deadline: Deadline,
     metrics: Metrics | None = None,
     gate: Callable[[Path], str | None] | None = None,
     notify_status: str | None = None,
@@ -49,7 +57,8 @@ def make_incident(
     node: str | None = None,
     job_incident: str | None = None,
 ) -> str:
-    """Capture every target into one new incident and store it; return the incident's id.
+    """Capture every target into one new incident and store it, by ``deadline`` (the capture's one,
+    set when the hang was declared, handed to every step unchanged); return the incident's id.
 
     The incident is stored once every target's facts and stacks are in; the slow
     evidence (flight recorders, GPU dumps: ``capture.late``) is added to it as each
@@ -78,10 +87,10 @@ def make_incident(
     if later:
         lane = threading.Thread(target=_add_late, name=f"late-{draft.id}", daemon=True,
                                 args=(store, later, targets, draft.id, stored, refused, suspicion, gate, metrics,
-                                      declared, declared + budget))
+                                      declared, deadline))
         lane.start()
     try:
-        captures = capture_all(first, targets, draft.path, budget, metrics, gate)
+        captures = capture_all(first, targets, draft.path, deadline, metrics, gate)
         exits.write_into(draft.path, list(gone), targets[0] if targets else None, suspicion.since)
         gpu_events.attach(draft.path, pids, suspicion.since)  # the GPU faults (XIDs) of the GPUs these ran on
         # A GPU dump the policy refuses is not coming: said at once, in the incident as first stored.
@@ -151,7 +160,7 @@ def coming(incident: Incident) -> str:
 def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequence[Registration], incident_id: str,
               stored: late.Stored, refused: set[tuple[int, str]], suspicion: Suspicion,
               gate: Callable[[Path], str | None] | None, metrics: Metrics | None, declared: float,
-              deadline: float | None = None) -> None:
+              deadline: Deadline) -> None:
     """Run the slow steps on every rank and add each piece of evidence to the incident as it comes,
     once it is stored (``stored`` says when, and with what); ``refused`` (pid, step): not run, the
     stored incident says so already (filled in before ``stored`` is set).
@@ -235,7 +244,7 @@ def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequen
                  seconds=round(time.monotonic() - declared, 3), outcome="partial")
 
     late.run_late(steps, targets, lambda t, step: store.late_dir(incident_id, t.process.pid, step), late_gate, metrics,
-                  step_done, early=early, deadline=deadline, stored=stored, refused=refused)
+                  step_done, deadline, early=early, stored=stored, refused=refused)
     if stored.wait() is not None:
         settle()  # whatever a thread that returned early left for the last one
 

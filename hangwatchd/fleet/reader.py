@@ -24,7 +24,6 @@ from ..analyze.jsonfile import read_json_or_none
 from . import layout, s3
 from .url import StoreURL
 
-
 MAX_JSON = 16 << 20  # bytes of a manifest or an incident.json (real ones are a few KB)
 MAX_FILE = 2 << 30  # bytes of one captured file (a compressed GPU dump is at most a few hundred MB)
 CHUNK = 1 << 20

@@ -105,10 +105,6 @@ class Recorder:
         with self._lock:
             return list(self._events)
 
-    def on_gpus(self, gpus: Iterable[int], since: float) -> list[GpuEvent]:
-        wanted = set(gpus)
-        return [e for e in self.events() if e.gpu in wanted and e.time >= since]
-
     def index_of_minor(self, minor: int) -> int | None:
         return next((i for i, m in self.gpus.items() if m == minor), None)
 
@@ -116,15 +112,22 @@ class Recorder:
 RECORDER = Recorder()  # the node's one record: its GPUs are the daemon's whole life, not one capture's
 
 
-class Listener(threading.Thread):
-    """NVML's XID events into ``recorder``, and to ``on_event`` (counted, the health file); never on the loop."""
+@dataclass(frozen=True)
+class GpusFound:
+    """The GPUs the listener listens to, by NVML's index (none: ``Recorder.unavailable`` says why)."""
 
-    def __init__(self, recorder: Recorder, on_event: Callable[[GpuEvent], None],
-                 on_ready: Callable[[list[int]], None] = lambda gpus: None, nvml: Any = None, wait_ms: int = WAIT_MS) -> None:
+    gpus: tuple[int, ...]
+
+
+class Listener(threading.Thread):
+    """NVML's XID events into ``recorder``, and each as a value to ``post`` (the daemon loop's queue:
+    counted there, and the health file told); never on the loop. ``post`` gets a ``GpusFound`` once
+    listening, then each ``GpuEvent``."""
+
+    def __init__(self, recorder: Recorder, post: Callable[[object], None], nvml: Any = None, wait_ms: int = WAIT_MS) -> None:
         super().__init__(name="gpu-events", daemon=True)
         self.recorder = recorder
-        self.on_event = on_event
-        self.on_ready = on_ready
+        self.post = post
         self.nvml = nvml
         self.wait_ms = wait_ms
         self.stopping = threading.Event()
@@ -167,7 +170,7 @@ class Listener(threading.Thread):
                 except nv.NVMLError as exc:
                     log.warning("gpu_events_not_supported", gpu=i, error=str(exc))
             log.info("gpu_events_listening", gpus=len(handles))
-            self.on_ready(list(range(len(handles))))
+            self.post(GpusFound(tuple(range(len(handles)))))
             self.ready.set()
             lost: set[int] = set()
             while not self.stopping.is_set():
@@ -199,7 +202,7 @@ class Listener(threading.Thread):
     def _seen(self, event: GpuEvent) -> None:
         self.recorder.add(event)
         log.warning("gpu_xid", gpu=event.gpu, xid=event.xid, what=event.what, needs_reset=event.node_fault, uuid=event.uuid)
-        self.on_event(event)
+        self.post(event)
 
     def _give_up(self, why: str) -> None:
         self.recorder.unavailable = why

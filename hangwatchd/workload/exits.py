@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..host import untrusted
-from ..model import ProcessId, Registration
+from ..model import ProcessId, Registration, is_job_mate
 from . import beat_segment
 
 MAX_FILE = 4096
@@ -203,18 +203,17 @@ class Departures:
                 del self._gone[key]
                 remove(self.runtime_dir, key)
 
-    def of_job(self, job: str | None, uid: int, after: float = 0.0) -> list[Departed]:
-        """The ranks of job ``job`` of user ``uid`` that exited after ``after`` (Unix time; an earlier
+    def of_job(self, of: Registration) -> list[Departed]:
+        """``of``'s job-mates (``model.is_job_mate``) that exited after ``of`` registered (an earlier
         run of a job of the same name is not this one), each with how it ended (read now: the
-        launcher writes it just after the exit). A job is (owner uid, name): another user's
-        processes that took the same name, and their exit records, are never its ranks."""
-        if not job:
+        launcher writes it just after the exit). Another user's processes that took the same job
+        name, and their exit records, are never its ranks."""
+        if not of.job:
             return []
         self.expire()
         out = []
         for key, d in self._gone.items():
-            if (d.registration.job != job or d.registration.uid != uid or d.registration.role == "launcher"
-                    or d.noticed_at < after):
+            if not is_job_mate(of, d.registration) or d.noticed_at < of.registered_at:
                 continue
             if d.exit is None:
                 record = read(self.runtime_dir, key, d.registration.uid)
