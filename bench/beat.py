@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _figures import Figure, report  # noqa: E402
+from _figures import Figure, report
 
 N = 200_000
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hangwatchd.testing import ScratchDaemon, wait_for  # noqa: E402
+from hangwatchd.testing import ScratchDaemon, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _figures import Figure, report  # noqa: E402
+from _figures import Figure, report
 
 TIMEOUT = 3.0
 TRIALS = 20
@@ -63,7 +63,7 @@ def main() -> None:
                 assert p.stdout is not None
                 last[p] = float(p.stdout.readline())
             want = (batch + 1) * AT_ONCE + ALONE
-            wait_for(lambda: len(d.settled()) >= want, TIMEOUT + 15, "the incidents")
+            wait_for(lambda want=want: len(d.settled()) >= want, TIMEOUT + 15, "the incidents")
             logs = d.logs()
             for inc in d.store().list()[: AT_ONCE]:
                 pid = inc["processes"][0]

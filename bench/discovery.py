@@ -24,11 +24,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd.host import procfs  # noqa: E402
-from hangwatchd.watch.discovery import Discovery, holders  # noqa: E402
+from hangwatchd.host import procfs  # noqa: E402 - after sys.path is set
+from hangwatchd.watch.discovery import Discovery, holders  # noqa: E402 - after sys.path is set
 
 sys.path.insert(0, str(ROOT / "bench"))
-from _figures import Figure, Spread, judged, report  # noqa: E402
+from _figures import Figure, Spread, judged, report  # noqa: E402 - after sys.path is set
 
 PROCESSES = 200
 OLD_GPU = 8

@@ -21,18 +21,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd import (
-    config,
-    log,  # noqa: E402
-)
-from hangwatchd.capture import make_steps, run_steps  # noqa: E402
-from hangwatchd.host.deadline import Deadline
-from hangwatchd.testing import ScratchDaemon, stop, wait_for  # noqa: E402
-from hangwatchd.workload import registration_file  # noqa: E402
-from tests.s3server import S3Server  # noqa: E402
+from hangwatchd import config, log  # noqa: E402 - after the repository is put on sys.path
+from hangwatchd.capture import make_steps, run_steps  # noqa: E402 - after sys.path is set
+from hangwatchd.host.deadline import Deadline  # noqa: E402 - after sys.path is set
+from hangwatchd.testing import ScratchDaemon, stop, wait_for  # noqa: E402 - after sys.path is set
+from hangwatchd.workload import registration_file  # noqa: E402 - after sys.path is set
+from tests.s3server import S3Server  # noqa: E402 - after sys.path is set
 
 sys.path.insert(0, str(ROOT / "bench"))
-from _figures import Figure, report  # noqa: E402
+from _figures import Figure, report  # noqa: E402 - after sys.path is set
 
 RANKS = 8
 TARGET = 5.0

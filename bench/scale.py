@@ -25,16 +25,16 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd import log  # noqa: E402
-from hangwatchd.host import procfs  # noqa: E402
-from hangwatchd.metrics import create  # noqa: E402
-from hangwatchd.model import Registration, State, Suspicion  # noqa: E402
-from hangwatchd.testing import ScratchDaemon, wait_for  # noqa: E402
-from hangwatchd.watch.watched import Watched, Watchlist  # noqa: E402
-from hangwatchd.workload import beat_segment, registration_file  # noqa: E402
+from hangwatchd import log  # noqa: E402 - after sys.path is set
+from hangwatchd.host import procfs  # noqa: E402 - after sys.path is set
+from hangwatchd.metrics import create  # noqa: E402 - after sys.path is set
+from hangwatchd.model import Registration, State, Suspicion  # noqa: E402 - after sys.path is set
+from hangwatchd.testing import ScratchDaemon, wait_for  # noqa: E402 - after sys.path is set
+from hangwatchd.watch.watched import Watched, Watchlist  # noqa: E402 - after sys.path is set
+from hangwatchd.workload import beat_segment, registration_file  # noqa: E402 - after sys.path is set
 
 sys.path.insert(0, str(ROOT / "bench"))
-from _figures import Figure, report  # noqa: E402
+from _figures import Figure, report  # noqa: E402 - after sys.path is set
 
 TARGET_ADMIT = 1.0  # seconds of loop time to admit them all
 TARGET_CHANGE = 1e-3  # seconds per state change

@@ -22,14 +22,14 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd import log  # noqa: E402
-from hangwatchd.fleet import s3 as s3client  # noqa: E402
-from hangwatchd.fleet.agent import Agent  # noqa: E402
-from hangwatchd.testing import ScratchDaemon  # noqa: E402
-from tests.s3server import S3Server  # noqa: E402
+from hangwatchd import log  # noqa: E402 - after sys.path is set
+from hangwatchd.fleet import s3 as s3client  # noqa: E402 - after sys.path is set
+from hangwatchd.fleet.agent import Agent  # noqa: E402 - after sys.path is set
+from hangwatchd.testing import ScratchDaemon  # noqa: E402 - after sys.path is set
+from tests.s3server import S3Server  # noqa: E402 - after sys.path is set
 
 sys.path.insert(0, str(ROOT / "bench"))
-from _figures import Figure, report  # noqa: E402
+from _figures import Figure, report  # noqa: E402 - after sys.path is set
 
 TARGET_RATE = 1.0  # requests per second per node while nothing happens
 TARGET_SPREAD = 5.0  # seconds from the request to the last node noticing it (interval 2 s)

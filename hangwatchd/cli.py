@@ -344,7 +344,7 @@ def _list(store: Any) -> list[dict[str, Any]]:
     from .incidents.store import StoreError
 
     try:
-        return store.list()  # type: ignore[no-any-return]
+        return store.list()
     except StoreError as exc:  # a full or broken disk: one line, not a traceback
         raise Failure(str(exc)) from None
 

@@ -85,7 +85,9 @@ class ScratchDaemon:
         full_env = dict(os.environ, **(env or {}))
         self._log = open(self.log, "ab")
         self.proc = subprocess.Popen(argv, stderr=self._log, env=full_env)
-        self.info = wait_for(self._ready, 20, "the daemon's start")
+        info = wait_for(self._ready, 20, "the daemon's start")
+        assert info is not None  # wait_for returns only a true value
+        self.info: dict[str, Any] = info
 
     def _ready(self) -> dict[str, Any] | None:
         if self.proc.poll() is not None:
@@ -121,8 +123,12 @@ class ScratchDaemon:
     def event(self, name: str, seconds: float = 10.0, **fields: Any) -> dict[str, Any]:
         """The first log event ``name`` whose fields match, waited for: the loop logs
         ``incident_stored`` when the worker is done, a moment after the incident settled."""
-        return wait_for(lambda: next((e for e in self.logs() if e.get("event") == name
-                                      and all(e.get(k) == v for k, v in fields.items())), None), seconds, f"a {name} event")
+        def found() -> dict[str, Any] | None:
+            return next((e for e in self.logs() if e.get("event") == name and all(e.get(k) == v for k, v in fields.items())), None)
+
+        event = wait_for(found, seconds, f"a {name} event")
+        assert event is not None  # wait_for returns only a true value
+        return event
 
     def settled(self) -> list[dict[str, Any]]:
         """The stored incidents whose evidence is all in: an incident is listed once its stacks are,
@@ -236,7 +242,7 @@ def _gpu_workload(args: argparse.Namespace) -> int:
             if args.fr == "answer":
                 threading.Thread(target=write_trace, args=(first_delay,), daemon=True).start()
 
-    _device = open(args.hold_device, "rb") if args.hold_device else None  # noqa: SIM115 - held for life
+    _device = open(args.hold_device, "rb") if args.hold_device else None  # held for life
     cuda_fd = fr_fd = None
     if args.cuda != "none":
         cuda_fd = _fifo(os.environ["CUDA_COREDUMP_PIPE"].replace("%p", str(pid)).replace("%h", host))

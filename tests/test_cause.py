@@ -351,8 +351,8 @@ def test_a_dataloader_incident_put_together_by_hand_leads_with_the_stuck_worker(
     assert page.count("<h2>Process ") == 1  # the children are not shown again as hung processes
 
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402 - hypothesis only for the property tests below
+from hypothesis import strategies as st  # noqa: E402 - hypothesis only for the property tests below
 
 _VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-2, 100) | st.floats(allow_nan=False) | st.text(max_size=12),

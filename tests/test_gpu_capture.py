@@ -266,7 +266,7 @@ def test_a_wait_for_a_file_ends_when_its_writer_is_gone(tmp_path: Path) -> None:
         writer = subprocess.Popen([sys.executable, "-c", code])
         try:
             start = time.monotonic()
-            found = watch.wait(120.0, lambda: writer.poll() is not None)
+            found = watch.wait(120.0, lambda writer=writer: writer.poll() is not None)
             waited = time.monotonic() - start
         finally:
             writer.wait(30)

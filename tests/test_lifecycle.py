@@ -348,7 +348,7 @@ def test_each_capture_request_reaches_the_loop_once_as_a_value(s3: S3Server, tmp
             body = {"job": job, "job_incident": f"{job}-{uid}-{n}", "node": "n2", "time": time.time(),
                     "reason": "heartbeat", "uid": uid}
             client.put_object(Bucket=s3.bucket, Key=f"hw/requests/{job}/latest-u{uid}.json", Body=json.dumps(body).encode())
-            wait_for(lambda before=before: agent.polls >= before + 4, 20, "the poller read it")  # noqa: B023
+            wait_for(lambda before=before: agent.polls >= before + 4, 20, "the poller read it")
         assert all(isinstance(r, CaptureRequest) for r in posted)
         assert [(r.uid, r.job_incident) for r in posted if isinstance(r, CaptureRequest)] == [
             (jobs[0][0], f"{jobs[0][1]}-{jobs[0][0]}-1"), (jobs[0][0], f"{jobs[0][1]}-{jobs[0][0]}-2"),

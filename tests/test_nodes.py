@@ -187,7 +187,6 @@ def test_unreachable_store_is_one_line_and_exit_1(tmp_path: Path) -> None:
 
 def test_the_deploy_examples_show_the_store_settings() -> None:
     import tomllib
-
     import yaml
 
     from hangwatchd import config

@@ -322,7 +322,8 @@ os.rename(tmp, os.path.join({str(dumps)!r}, 'nodump_{socket.gethostname()}.{pid}
             assert stored["pids"] == [] and stored["reason"] == "unattributed-dump"
             assert d.metric("hangwatchd_incidents_total", reason="gpu-exception") == 0.0
             assert d.metric("hangwatchd_incidents_total", reason="unattributed-dump") == 1.0
-            assert d.metric("hangwatchd_gpu_exceptions_total", type="WARP_ILLEGAL_ADDRESS") == 0.0  # its series exists at 0 from the start (alerts): not counted
+            # Its series exists at 0 from the start (alerts): not counted.
+            assert d.metric("hangwatchd_gpu_exceptions_total", type="WARP_ILLEGAL_ADDRESS") == 0.0
             # Filed as the attacker's own: the attacker may read it, and `hangwatchd show` works for them.
             assert nobody_can_read(Path(inc["dir"]) / "incident.json")
             shown = as_nobody_cli("show", str(inc["id"]), "--state-dir", str(d.state_dir))

@@ -217,7 +217,7 @@ def test_every_body_read_from_the_store_is_capped(s3: S3Server, tmp_path: Path) 
         client.list_objects_v2(Bucket=s3.bucket, Prefix="hw/none")
         tracemalloc.start()
         try:
-            assert agent._get_latest("j", 1000, conditional=False) is None  # noqa: SLF001 - the poller's one read
+            assert agent._get_latest("j", 1000, conditional=False) is None  # the poller's one read
             assert reader.job_incidents(parse(s3.url()), "j", client=client) == []
             peak = tracemalloc.get_traced_memory()[1]
         finally:

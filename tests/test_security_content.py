@@ -25,9 +25,9 @@ import pytest
 from hangwatchd.testing import ScratchDaemon, hangwatchd_argv, stop, wait_for, workload_argv
 from hangwatchd.workload import ended
 
-from .test_security import NOBODY, QUICK, TIMEOUT, Attacker, RootHang, attacker, base, needs_root  # noqa: F401
-from .test_security_budgets import post_request, s3_client
 from .s3server import S3Server
+from .test_security import NOBODY, QUICK, TIMEOUT, Attacker, RootHang, attacker, base, needs_root  # noqa: F401 - fixtures (base, attacker) and names the tests below use
+from .test_security_budgets import post_request, s3_client
 
 SLACK = 10.0
 
@@ -358,8 +358,8 @@ def test_children_with_huge_command_lines_cost_a_capped_incident(base: Path) -> 
 
 # -- fuzz: each parser of user content, on bytes made to break it ----------------------------
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402 - hypothesis only for the property tests below
+from hypothesis import strategies as st  # noqa: E402 - hypothesis only for the property tests below
 
 PLAIN = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
                      | st.binary(max_size=20),

@@ -33,9 +33,7 @@ from hangwatchd.testing import ScratchDaemon, stop, wait_for, workload_argv
 from hangwatchd.workload import exits
 from tests.s3server import S3Server
 
-from .test_security import (  # noqa: F401  (base and attacker are fixtures)
-    NOBODY, QUICK, SYSTEM_PYTHON, TIMEOUT, Attacker, RootHang, all_bytes, attacker, base, needs_root, refusals,
-    watched_pids)
+from .test_security import NOBODY, QUICK, SYSTEM_PYTHON, TIMEOUT, Attacker, RootHang, all_bytes, attacker, base, needs_root, refusals, watched_pids  # noqa: F401 - fixtures (base, attacker) and names the tests below use
 
 VICTIM = 4243  # a second ordinary user, whose job the attacker goes after
 SLACK = 10.0  # a hang during an attack is stored within its timeout + this
@@ -203,7 +201,7 @@ def test_the_notify_proxy_counts_only_what_the_workload_itself_sends(tmp_path: P
             p.stdin.write("go\n")  # type: ignore[union-attr]
             p.stdin.flush()  # type: ignore[union-attr]
             assert p.stdout.readline().strip() == "sent"  # type: ignore[union-attr]
-            wait_for(lambda: proxy.dropped + beat_segment.read(str(beat)).count >= (1 if p is beside else 2), 10, "the datagram read")
+            wait_for(lambda p=p: proxy.dropped + beat_segment.read(str(beat)).count >= (1 if p is beside else 2), 10, "the datagram read")
         assert proxy.dropped == 1
         assert beat_segment.read(str(beat)).count == 1
         wait_for(proxy.status_file.exists, 10, "the workload's STATUS= kept")  # written just after the beat

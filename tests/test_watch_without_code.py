@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-import pytest
 
 from hangwatchd.testing import ScratchDaemon, stop, wait_for
 

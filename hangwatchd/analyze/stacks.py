@@ -54,7 +54,8 @@ def read_threads(process_dir: Path) -> tuple[list[dict[str, Any]] | None, tuple[
 
 def _thread(t: dict[str, Any]) -> dict[str, Any]:
     """A thread with only frames that are objects; names and files as strings, lines as ints."""
-    frames = t.get("frames") if isinstance(t.get("frames"), list) else []
+    raw = t.get("frames")
+    frames = raw if isinstance(raw, list) else []
     clean = []
     for f in frames:
         if not isinstance(f, dict):

@@ -83,10 +83,10 @@ def judge_evidence(pdir: Path, ev: evidence.Evidence, known: dict[str, Any] | No
     def full(f: dict[str, Any] | None) -> str | None:
         return _where(f) if f else None
 
-    for e in evidence.dicts(sym.get("exceptions")):
-        frame = next((f for f in evidence.dicts(e.get("frames")) if f.get("file")), None)
-        loc = f"{frame.get('function')} ({frame.get('file')}:{frame.get('line')})" if frame else e.get("kernel")
-        return verdict("gpu-exception", f"{e.get('type', 'an exception')} in {e.get('kernel')}", loc)
+    for exc in evidence.dicts(sym.get("exceptions")):
+        frame = next((f for f in evidence.dicts(exc.get("frames")) if f.get("file")), None)
+        loc = f"{frame.get('function')} ({frame.get('file')}:{frame.get('line')})" if frame else exc.get("kernel")
+        return verdict("gpu-exception", f"{exc.get('type', 'an exception')} in {exc.get('kernel')}", loc)
     kernels = [str(k["name"]) for k in stream_deadlock.kernels_on(sym, gpus)]
     nccl = [k for k in kernels if "nccl" in k.lower()]
     if nccl:

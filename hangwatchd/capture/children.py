@@ -99,10 +99,12 @@ class ChildrenStep:
             except StepFailed as exc:
                 row["error"] = str(exc)
         comm = _comm(pid)
-        row["role"] = role_of(comm, threads, data.get("cmdline") or [])
+        cmdline = data.get("cmdline")
+        row["role"] = role_of(comm, threads, cmdline if isinstance(cmdline, list) else [])
         holders = _parent_holds(data.get("blocked_on"), parent.process.pid, pid)
-        if isinstance(data.get("blocked_on"), dict) and holders:
-            data["blocked_on"]["held_by"] = holders  # type: ignore[index]
+        blocked = data.get("blocked_on")
+        if isinstance(blocked, dict) and holders:
+            blocked["held_by"] = holders
         data["comm"] = comm
         row["blocked_on"] = data.get("blocked_on")
         return row, data

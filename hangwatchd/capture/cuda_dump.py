@@ -87,7 +87,7 @@ class CudaDumpStep:
         # The dump's directory is the workload's choice: held as a descriptor from here on.
         watch = Watch(target_glob.parent, target_glob.name, owner)
         try:
-            gone = lambda: not procfs.alive(proc)  # noqa: E731
+            gone = lambda: not procfs.alive(proc)  # noqa: E731 - a closure named where it is used
             with turn(procfs.gpu_device_files(pid, self.devices), end):
                 poke_held_fifo(pid, pipes[0], b"\0", owner)
                 watch.begun(min(TURN, max(0.0, end - time.monotonic())), gone)

@@ -81,7 +81,7 @@ def publish(outdir: Path) -> None:
     if fn is not None:
         try:
             fn()
-        except Exception as exc:  # noqa: BLE001 - handing over early is a favour: the step goes on
+        except Exception as exc:  # handing over early is a favour: the step goes on
             log.error("early_evidence_failed", dir=str(outdir), error=f"{type(exc).__name__}: {exc}", exc_info=True)
 
 
@@ -133,7 +133,7 @@ def run_late(
         for result in results:
             try:
                 done(target, outdir, result)
-            except Exception as exc:  # noqa: BLE001 - the incident is stored: one rank's bug must not undo it
+            except Exception as exc:  # the incident is stored: one rank's bug must not undo it
                 log.error("late_evidence_failed", pid=target.process.pid, step=result.step,
                           error=f"{type(exc).__name__}: {exc}", exc_info=True)
 

@@ -156,7 +156,8 @@ def holder_of(inode: int, uid: int, first: list[int], end: float) -> int | None:
     for pid in first:
         if holds(pid):
             return pid
-    near, rest = [], []
+    near: list[int] = []
+    rest: list[int] = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue

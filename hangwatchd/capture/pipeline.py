@@ -69,7 +69,7 @@ def run_steps(
             result = StepResult(step.name, False, time.monotonic() - start, str(exc))
         except OSError as exc:  # a full disk, a vanished directory: the step fails, the pipeline goes on
             result = StepResult(step.name, False, time.monotonic() - start, f"{type(exc).__name__}: {exc}")
-        except Exception as exc:  # noqa: BLE001 - a bug in one step (or input a user shaped to break it) is that step's failure
+        except Exception as exc:  # a bug in one step (or input a user shaped to break it) is that step's failure
             result = StepResult(step.name, False, time.monotonic() - start, f"{type(exc).__name__}: {exc}")
             log.error("capture_step_raised", pid=target.process.pid, step=step.name, error=result.error, exc_info=exc)
         results.append(result)

@@ -123,19 +123,13 @@ class CoreDump:
         if module.image is None:
             raise CoreDumpError(f"{self.path}: module {module.index} has no relocated cubin in the dump")
         s = module.image
-        return bytes(self._buf[s.offset : s.offset + s.size])  # type: ignore[index]
+        return bytes(self._buf[s.offset : s.offset + s.size])  # type: ignore[index]  # buf is bytes or an mmap: both slice and unpack alike
 
     def region(self, module: Module) -> tuple[object, int, int]:
         """Where the module's cubin lies: (the dump's mapping, offset, size); nothing copied."""
         if module.image is None:
             raise CoreDumpError(f"{self.path}: module {module.index} has no relocated cubin in the dump")
         return self._buf, module.image.offset, module.image.size
-
-    def module_for(self, device: int, handle: int) -> Module | None:
-        for m in self.modules:
-            if m.device == device and m.handle == handle:
-                return m
-        return None
 
 
 @contextlib.contextmanager
@@ -150,7 +144,7 @@ class _Parser:
     def __init__(self, path: str, buf: object) -> None:
         self.path = path
         self.buf = buf
-        self.size = len(buf)  # type: ignore[arg-type]
+        self.size = len(buf)  # type: ignore[arg-type]  # buf is bytes or an mmap: both slice and unpack alike
         self.sections: list[Section] = []
         self.strtab: Section | None = None
         self.notes: list[str] = []
@@ -187,7 +181,7 @@ class _Parser:
     def _read_sections(self) -> None:
         if self.size < EHDR.size:
             raise self.fail(f"only {self.size} bytes, too short to be a CUDA coredump")
-        ident, e_type, machine, _v, _entry, _phoff, shoff, _flags, _ehsize, _phentsize, _phnum, shentsize, shnum, shstrndx = EHDR.unpack_from(self.buf, 0)  # type: ignore[arg-type]
+        ident, e_type, machine, _v, _entry, _phoff, shoff, _flags, _ehsize, _phentsize, _phnum, shentsize, shnum, shstrndx = EHDR.unpack_from(self.buf, 0)  # type: ignore[arg-type]  # buf is bytes or an mmap: both slice and unpack alike
         if ident[:4] != b"\x7fELF":
             raise self.fail("not an ELF file, so not a CUDA coredump")
         if ident[4] != 2 or ident[5] != 1:
@@ -202,7 +196,7 @@ class _Parser:
         if shoff == 0 or shoff + shentsize > self.size:
             raise self.fail("section header table lies outside the file; the dump is truncated")
         if shnum == 0 or shstrndx == 0xFFFF:
-            first = SHDR.unpack_from(self.buf, shoff)  # type: ignore[arg-type]
+            first = SHDR.unpack_from(self.buf, shoff)  # type: ignore[arg-type]  # buf is bytes or an mmap: both slice and unpack alike
             shnum = shnum or first[5]
             if shstrndx == 0xFFFF:
                 shstrndx = first[6]
@@ -213,7 +207,7 @@ class _Parser:
             raise self.fail(
                 f"claims {shnum} sections at offset {shoff} but the file ends at {self.size}; the dump is truncated"
             )
-        raw = [SHDR.unpack_from(self.buf, shoff + i * shentsize) for i in range(shnum)]  # type: ignore[arg-type]
+        raw = [SHDR.unpack_from(self.buf, shoff + i * shentsize) for i in range(shnum)]  # type: ignore[arg-type]  # buf is bytes or an mmap: both slice and unpack alike
         if shstrndx >= shnum:
             raise self.fail(f"section name table index {shstrndx} is past the {shnum} sections; the file is damaged")
         names = raw[shstrndx]
@@ -238,10 +232,10 @@ class _Parser:
         if at >= limit:
             return ""
         start = base + at
-        end = self.buf.find(b"\0", start, base + limit)  # type: ignore[attr-defined]
+        end = self.buf.find(b"\0", start, base + limit)  # type: ignore[attr-defined]  # buf is bytes or an mmap: both slice and unpack alike
         if end < 0:
             end = base + limit
-        return bytes(self.buf[start:end]).decode("utf-8", "replace")  # type: ignore[index]
+        return bytes(self.buf[start:end]).decode("utf-8", "replace")  # type: ignore[index]  # buf is bytes or an mmap: both slice and unpack alike
 
     def _string(self, at: int | None) -> str:
         if at is None or self.strtab is None:
@@ -263,7 +257,7 @@ class _Parser:
             self.note(f"the dump's tables claim more than {MAX_ROWS} rows; {s.name or 'a table'} and what follows were read only in part")
             count = max(self.rows_left, 0)
         self.rows_left -= count
-        return [lay.decode(self.buf, s.offset + i * entsize, entsize) for i in range(count)]  # type: ignore[arg-type]
+        return [lay.decode(self.buf, s.offset + i * entsize, entsize) for i in range(count)]  # type: ignore[arg-type]  # buf is bytes or an mmap: both slice and unpack alike
 
     def _parent(self, s: Section, expected: int, rows: int | None = None) -> Section:
         parent = self.sections[s.link]
@@ -341,7 +335,6 @@ class _Parser:
             for i, r in enumerate(self._rows(s, L.CTA)):
                 ctas[(s.index, i)] = (smtbl.info, sm, r["gridId64"] or 0, (r["blockIdxX"] or 0, r["blockIdxY"] or 0, r["blockIdxZ"] or 0))
         lane_tables: dict[tuple[int, int], Section] = {}
-        warp_rows: dict[int, int] = {}
         for s in by_type.get(L.SHT_LN_TABLE, []):
             lane_tables[(s.link, s.info)] = s
         warps = []
@@ -380,7 +373,7 @@ class _Parser:
         self.lanes_left -= count
         # The hot loop of a big dump: one precompiled struct over the whole section.
         row = struct.Struct(f"<QQIIIII{entsize - 36}x")
-        data = self.buf[s.offset : s.offset + count * entsize]  # type: ignore[index]
+        data = self.buf[s.offset : s.offset + count * entsize]  # type: ignore[index]  # buf is bytes or an mmap: both slice and unpack alike
         return tuple(
             Lane(ln, pc, (tx, ty, tz), exc)
             for pc, _phys, ln, tx, ty, tz, exc in row.iter_unpack(data)

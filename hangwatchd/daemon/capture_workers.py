@@ -131,7 +131,7 @@ class CaptureWorkers:
         try:
             fn(*args)
             error = None
-        except Exception as exc:  # noqa: BLE001 - the loop hears of it as this chore's error
+        except Exception as exc:  # the loop hears of it as this chore's error
             log.exception("worker_failed", work=name, error=f"{type(exc).__name__}: {exc}")
             error = f"{type(exc).__name__}: {exc}"
         finally:
@@ -269,7 +269,7 @@ class CaptureWorkers:
         done = CaptureDone(capture, error="the worker stopped before it finished")
         try:
             done = CaptureDone(capture, self._make(targets, suspicion, deadline, job_incident, notify, gone, declare, on_hang))
-        except Exception as exc:  # noqa: BLE001 - the loop hears of it as this capture's error
+        except Exception as exc:  # the loop hears of it as this capture's error
             done = CaptureDone(capture, error=f"{type(exc).__name__}: {exc}")
             log.error("capture_failed", pids=[t.process.pid for t in targets], error=done.error, exc_info=exc)
         finally:
@@ -281,7 +281,7 @@ class CaptureWorkers:
         if declare and self.fleet is not None and job is not None:
             try:  # every other node watching a rank of this job captures it too, under one job incident id
                 job_incident = self.fleet.declare(job, suspicion.reason, suspicion.detail, on_hang, targets[0].uid)
-            except Exception as exc:  # noqa: BLE001 - the fleet's trouble costs the request, never this node's capture
+            except Exception as exc:  # the fleet's trouble costs the request, never this node's capture
                 log.exception("job_declare_failed", job=job, error=f"{type(exc).__name__}: {exc}")
         first = str(targets[0].process.pid)
 

@@ -383,7 +383,7 @@ class Daemon:
             if isinstance(d, Declare):
                 try:  # the transaction: the capture queued (or why not), then the group HUNG
                     refused = self.workers.start(d)
-                except Exception as exc:  # noqa: BLE001 - whatever failed, the hang is captured again later
+                except Exception as exc:  # whatever failed, the hang is captured again later
                     log.exception("capture_not_queued", pids=[x.process.pid for x in d.group], retry_in=retry_pause(1),
                                   error=f"{type(exc).__name__}: {exc}")
                     refused = f"{type(exc).__name__}: {exc}"

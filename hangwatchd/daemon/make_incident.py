@@ -76,7 +76,7 @@ def make_incident(
     draft = begin_draft(store, spool, suspicion.reason, job, pids, metrics)
     if draft.spooled:
         why = "the state dir has no room: the report is kept, a GPU dump would be lost (it ends the process)"
-        gate = lambda _outdir: why  # noqa: E731
+        gate = lambda _outdir: why  # noqa: E731 - a closure named where it is used
     first, later = late.split(steps)
     if draft.spooled:  # a spooled report is sealed once: everything goes in before
         first, later = list(steps), []
@@ -134,7 +134,7 @@ def _analysed(directory: Path, incident: Incident) -> tuple[Incident, dict[str, 
     try:
         analysis = analyze(directory)
         verdict, analysis_dict = analysis.summary, analysis.to_dict()
-    except Exception as exc:  # noqa: BLE001 - a capture is stored even when its analysis fails
+    except Exception as exc:  # a capture is stored even when its analysis fails
         log.error("analysis_failed", incident=incident.id, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
         verdict, analysis_dict = f"the analysis failed ({type(exc).__name__}: {exc}); the evidence is kept", None
     incident = dataclasses.replace(incident, verdict=verdict)
@@ -171,7 +171,7 @@ def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequen
     lock = threading.Lock()
     state: dict[str, Any] = {"incident": None, "dirty": False, "analysing": False}
     final = store.dir / incident_id
-    uids = [t.uid for t in targets]
+    uids: list[int | None] = [t.uid for t in targets]
 
     def late_gate(outdir: Path) -> str | None:  # the policy sees the rank's stored evidence, not the late dir
         pid = outdir.name.removeprefix(LATE_DIR).rsplit("-", 2)[1]  # .late-ID-PID-STEP
@@ -257,5 +257,5 @@ def write_pages(draft_dir: Path, incident: Incident, analysis: dict[str, Any]) -
             tmp = draft_dir / f".{name}.tmp"
             tmp.write_text(text)
             tmp.replace(draft_dir / name)
-    except Exception as exc:  # noqa: BLE001 - a renderer's bug must not lose the evidence
+    except Exception as exc:  # a renderer's bug must not lose the evidence
         log.error("incident_page_failed", dir=str(draft_dir), error=f"{type(exc).__name__}: {exc}", exc_info=True)

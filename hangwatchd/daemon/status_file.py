@@ -92,7 +92,7 @@ class StatusFile:
             last = time.monotonic()
             try:
                 self.write(snapshot)
-            except Exception as exc:  # noqa: BLE001 - a bad record costs this write, never the writer
+            except Exception as exc:  # a bad record costs this write, never the writer
                 log.exception("status_write_failed", file=str(self.runtime_dir / STATUS_FILE), error=f"{type(exc).__name__}: {exc}")
             self.written += 1
 

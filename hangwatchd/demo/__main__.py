@@ -58,6 +58,7 @@ def main() -> int:
         workload = None
         try:
             info = wait_for(lambda: runtime_files.daemon_info(run_dir), 20, "the daemon's start", every=0.1)
+            assert info is not None  # wait_for returns only a true value
             print(f"demo: daemon pid {daemon.pid} ready, metrics on http://{info['metrics_address']}/metrics")
             workload = subprocess.Popen(
                 [py, "-m", "hangwatchd", "run", "--runtime-dir", str(run_dir), "--job", "demo",
@@ -93,5 +94,5 @@ def main() -> int:
 if __name__ == "__main__":
     # The workload writes to the same stdout: without this, piped output (./dev demo | tee)
     # shows the workload's line before the demo's own first lines.
-    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # a program's stdout is a TextIOWrapper
     sys.exit(main())

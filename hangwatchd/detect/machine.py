@@ -156,8 +156,8 @@ class StateMachine:
         count = w.beat.count if w.beat is not None else 0
         if w.timeout != timeout_set or (count and count != beat_set):
             timeout_g.set(w.timeout)
-            if count and count != beat_set:
-                beat_g.set(w.beat.wall_time() or 0)  # type: ignore[union-attr]
+            if w.beat is not None and count and count != beat_set:
+                beat_g.set(w.beat.wall_time() or 0)
             w.series = (timeout_g, beat_g, w.timeout, count or beat_set)
 
     def _suspect(self, w: Watched, suspicion: Suspicion | None, now: float) -> None:
@@ -228,7 +228,7 @@ class StateMachine:
             return
         suspect = w.state is State.SUSPECT and w.suspicion is not None
         if native:
-            if suspect and w.suspicion.reason == "stack":  # type: ignore[union-attr]
+            if w.suspicion is not None and suspect and w.suspicion.reason == "stack":
                 self._judge_native(w, sample, now)
             else:  # the state moved on while it was taken: it says nothing now
                 self.watched.change(w, sample_at=every if w.watched_by_stack else float("inf"))
@@ -241,7 +241,7 @@ class StateMachine:
                 self._rearm_if_progressed(w, now)
             return
         self.watched.change(w, history=w.history.added(sample))
-        if suspect and w.suspicion.reason == "heartbeat":  # type: ignore[union-attr]
+        if w.suspicion is not None and suspect and w.suspicion.reason == "heartbeat":
             if w.history.count <= 1 and now < w.confirm_by:
                 self.watched.change(w, sample_at=now + 1.0)  # confirming: sample fast
             elif w.history.frozen_for() >= 2.0 or now >= w.confirm_by:

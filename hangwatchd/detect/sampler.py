@@ -67,7 +67,7 @@ class Sampler:
         sample = Sample(time.monotonic(), (), (), None, None, "the sampler stopped before it finished")
         try:
             sample = self.take(process.pid, self.pyspy_timeout, native, uid)
-        except Exception as exc:  # noqa: BLE001 - whatever it was, the loop hears of it as this sample's error
+        except Exception as exc:  # whatever it was, the loop hears of it as this sample's error
             log.exception("stack_sample_raised", pid=process.pid, error=f"{type(exc).__name__}: {exc}")
             sample = Sample(time.monotonic(), (), (), None, None, f"the sampler raised {type(exc).__name__}: {exc}")
         finally:

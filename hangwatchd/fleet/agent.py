@@ -207,7 +207,7 @@ class Agent:
         self.polls += 1
         try:
             resp = self.client().get_object(**args)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if s3.not_modified(exc) or s3.is_missing(exc):
                 return None
             raise

@@ -19,6 +19,7 @@ records without a GPU.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import re
 import threading
@@ -146,10 +147,12 @@ class Listener(threading.Thread):
             self.ready.set()
 
     def _listen(self) -> None:
-        nv = self.nvml
+        nv: Any = self.nvml
         if nv is None:
             try:
-                import pynvml as nv
+                import pynvml
+
+                nv = pynvml
             except ImportError:
                 self._give_up("nvidia-ml-py is not installed")
                 return
@@ -160,9 +163,9 @@ class Listener(threading.Thread):
             return
         try:
             handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
-            uuids = [_text(_try(lambda h=h: nv.nvmlDeviceGetUUID(h))) for h in handles]
+            uuids = [_text(_try(functools.partial(nv.nvmlDeviceGetUUID, h))) for h in handles]
             for i, h in enumerate(handles):
-                self.recorder.gpus[i] = _try(lambda h=h: int(nv.nvmlDeviceGetMinorNumber(h)))
+                self.recorder.gpus[i] = _int(_try(functools.partial(nv.nvmlDeviceGetMinorNumber, h)))
             event_set = nv.nvmlEventSetCreate()
             for i, h in enumerate(handles):
                 try:
@@ -190,7 +193,7 @@ class Listener(threading.Thread):
                     continue
                 if not data.eventType & nv.nvmlEventTypeXidCriticalError:
                     continue
-                index = _try(lambda: int(nv.nvmlDeviceGetIndex(data.device)))
+                index = _int(_try(functools.partial(nv.nvmlDeviceGetIndex, data.device)))
                 if index is None:
                     continue
                 self._seen(GpuEvent(time.time(), index, int(data.eventData), uuids[index] if index < len(uuids) else None,
@@ -224,6 +227,14 @@ def _try(fn: Callable[[], Any]) -> Any:
         return None
 
 
+def _int(v: Any) -> int | None:
+    """An NVML answer as an int (None where it gave none, or nothing like one)."""
+    try:
+        return None if v is None else int(v)
+    except (TypeError, ValueError):
+        return None
+
+
 def _text(v: Any) -> str | None:
     return v.decode() if isinstance(v, bytes) else (str(v) if v is not None else None)
 
@@ -254,7 +265,7 @@ def gpus_of(pid: int, recorder: Recorder, pdir: Path | None = None) -> set[int]:
 
 def attach(incident_dir: Path, pids: Iterable[int], stopped: float | None, recorder: Recorder = RECORDER) -> list[str]:
     """``PID/gpu-events.json`` for each captured process that ran on a GPU with events; the files written."""
-    written = []
+    written: list[str] = []
     events = recorder.events()
     if not events:
         return written

@@ -159,15 +159,6 @@ def read_bytes(path: str | os.PathLike[str], uid: int | None, max_size: int, dea
         os.close(fd)
 
 
-def owner_of(path: str | os.PathLike[str], max_size: int | None = None) -> int:
-    """The uid owning a regular file (no links followed); Refused for anything else."""
-    fd = open_fd(path, None, max_size=max_size)
-    try:
-        return os.fstat(fd).st_uid
-    finally:
-        os.close(fd)
-
-
 @contextmanager
 def opened(path: str | os.PathLike[str], uid: int | None, max_size: int | None = None,
            allow_root: bool = True) -> Iterator[tuple[int, os.stat_result]]:

@@ -33,7 +33,7 @@ def enforce(store: Store, cfg: Config) -> None:
     except OSError as exc:
         log.error("retention_failed", error=str(exc))
     else:
-        log.info("retention_checked", store_bytes=store._size(), max_state_bytes=cfg.max_state_bytes)  # noqa: SLF001
+        log.info("retention_checked", store_bytes=store._size(), max_state_bytes=cfg.max_state_bytes)
     cutoff = time.time() - DRIVER_LOG_KEEP
     for stale in cfg.driver_logs.glob("*.log"):
         try:

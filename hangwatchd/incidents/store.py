@@ -422,7 +422,7 @@ class Store:
         for inc, dump in dumps:
             if now - inc["time"] > dump_max_age:
                 removed.append(self._drop_dump(dump))
-        for inc, dump in dumps:
+        for _inc, dump in dumps:
             if self._size() <= max_bytes:
                 break
             if dump.exists():

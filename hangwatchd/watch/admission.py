@@ -224,7 +224,7 @@ class Registrations:
         found: Discovered = Discovered((), "the scan stopped before it finished")
         try:
             found = Discovered(tuple(find_gpu_processes(known, workers_of, prefix, pids)))
-        except Exception as exc:  # noqa: BLE001 - whatever it was, the loop hears of it as this scan's error
+        except Exception as exc:  # whatever it was, the loop hears of it as this scan's error
             log.exception("discovery_failed", error=f"{type(exc).__name__}: {exc}")
             found = Discovered((), f"{type(exc).__name__}: {exc}")
         finally:

@@ -65,16 +65,12 @@ class NotTheOwner(AttributeError):
     """A write to a process's life from outside ``Watchlist.change``: a bug."""
 
 
-class IllegalTransition(Exception):
-    """A move ``TRANSITIONS`` does not allow (logged with its traceback and counted, never raised into the loop)."""
-
-
 @dataclass(frozen=True)
 class ProgressMark:
     """Where a process stood when it was declared hung: what it must get past to be watched for a new hang."""
 
     beats: int | None  # its beat count; None when it never beat (its stack is the only sign)
-    signature: tuple | None  # type: ignore[type-arg]  # its last plain stack; None when none was sampled
+    signature: tuple[tuple[tuple[str, str, int], ...], ...] | None  # its last plain stack; None when none was sampled
     moved: int = 0  # plain samples in a row since, each with a stack other than ``signature``
 
 

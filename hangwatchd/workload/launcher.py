@@ -21,6 +21,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from ..config import RUNTIME_DIR_ENV, Config
 from ..cudacore import driverlog
@@ -138,12 +139,13 @@ def run(launch: Launch) -> int:
     # An outer hangwatchd run (hangwatchd run -- torchrun --no-python hangwatchd run -- ...) names the job.
     job = registration_file.job_of(env, launch.job or os.environ.get(JOB_ENV))
     ranks_env(env, job, launch)
-    beat_file: Path | None = launch.runtime_dir / "beats" / f"run-{tag}.beat"
+    segment = launch.runtime_dir / "beats" / f"run-{tag}.beat"
+    beat_file: Path | None = segment
     notify: NotifyProxy | None = None
     try:
-        beat_segment.create(str(beat_file), 0)
-        env[BEAT_FILE_ENV] = str(beat_file)
-        notify = NotifyProxy(launch.runtime_dir / "beats" / f"run-{tag}", beat_file, env.get("NOTIFY_SOCKET"))
+        beat_segment.create(str(segment), 0)
+        env[BEAT_FILE_ENV] = str(segment)
+        notify = NotifyProxy(launch.runtime_dir / "beats" / f"run-{tag}", segment, env.get("NOTIFY_SOCKET"))
         env["NOTIFY_SOCKET"] = str(notify.address)
         if launch.heartbeat_timeout and "WATCHDOG_USEC" not in env:
             env["WATCHDOG_USEC"] = str(int(launch.heartbeat_timeout * 1e6))
@@ -345,7 +347,7 @@ class StderrTee(threading.Thread):
             log.close()
 
 
-def _open_log(path: Path):  # type: ignore[no-untyped-def]
+def _open_log(path: Path) -> IO[str] | None:
     """Our own new file in the world-writable driver-logs dir: whatever another user planted
     under the name (a file, a FIFO that would block us, a link) is removed first, never written."""
     try:
