@@ -8,13 +8,14 @@ import pytest
 import structlog
 
 from hangwatchd.detect.base import Observation
-from hangwatchd.detect.machine import HUNG_LOOK, Declare, retry_pause
+from hangwatchd.detect.machine import HUNG_LOOK, retry_pause
 from hangwatchd.detect.sampler import SampleTaken
 from hangwatchd.model import State, Suspicion
 from hangwatchd.watch.stack_history import Sample
 from hangwatchd.watch.watched import FREE, TRANSITIONS, NotTheOwner, Watched
 
-from .conftest import ME, OTHER, Node, declares, hang
+from .conftest import ME, OTHER, Node, declares
+
 
 def pids(ws: tuple[Watched, ...]) -> set[int]:
     return {w.process.pid for w in ws}
