@@ -32,6 +32,7 @@ HANG_REASONS = ("heartbeat", "stack")  # the detectors that declare a hang (dete
 # as, and OTHER for a code this table does not know: a closed set, so the label cannot grow.
 EXCEPTION_TYPES = tuple(dict.fromkeys((*EXCEPTIONS.values(), "UNREADABLE", "OTHER")))
 # The XIDs the daemon listens for (NVML's critical error events), by number; any other is "other".
+PASSES = ("look", "discovery", "rescan")  # what a pass of the loop is (hangwatchd_loop_passes_total)
 XID_LABELS = ("13", "31", "43", "48", "63", "64", "74", "79", "94", "95", "109", "119", "other")
 
 
@@ -87,6 +88,7 @@ class Metrics:
     last_incident: Gauge
     jobs_aborted: Counter
     xid_errors: Counter
+    passes: Counter
     const: dict[str, str]
     # (reason, job) -> the incident id its series carries now: one series each, the latest.
     _last: dict[tuple[str, str], str] = field(default_factory=dict)
@@ -177,6 +179,9 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
                              names, registry=reg),
         xid_errors=Counter("hangwatchd_gpu_xid_errors_total", "XID errors NVML reported, by GPU index and XID "
                            "(\"other\": one outside the critical set).", labels("gpu", "xid"), registry=reg),
+        passes=Counter("hangwatchd_loop_passes_total", "Passes the loop made, by what: a look at a watched process "
+                       "(look), a discovery scan handed in (discovery), a rescan of the registrations (rescan). What "
+                       "marks that the daemon looked, where nothing else happens.", labels("what"), registry=reg),
         const=const,
     )
     # Every series an alert reads, present at 0 from the start, so increase() sees the first event.
@@ -190,6 +195,8 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
     for step in STEP_NAMES:
         m.step_failures.labels(**m.labels(step=step))
     m.jobs_aborted.labels(**const)
+    for what in PASSES:
+        m.passes.labels(**m.labels(what=what))
     m.loop_duration.labels(**const)
     m.loop_cpu.labels(**const)
     m.store_write_failures.labels(**const)

@@ -130,6 +130,16 @@ class ScratchDaemon:
         assert event is not None  # wait_for returns only a true value
         return event
 
+    def passes(self, what: str = "look") -> float:
+        """How many passes of this kind the loop has made (``hangwatchd_loop_passes_total``)."""
+        return self.metric("hangwatchd_loop_passes_total", what=what) or 0.0
+
+    def looked(self, times: int = 1, what: str = "look", seconds: float = 30.0) -> None:
+        """Wait until the loop has made ``times`` more passes of this kind from now: what marks that the
+        daemon looked again, where nothing else would happen (never a fixed sleep that a slow daemon passes)."""
+        start = self.passes(what)
+        wait_for(lambda: self.passes(what) >= start + times, seconds, f"{times} more {what} passes of the loop", every=0.1)
+
     def settled(self) -> list[dict[str, Any]]:
         """The stored incidents whose evidence is all in: an incident is listed once its stacks are,
         and its flight recorders and GPU dumps are added after (``pending`` counts what is coming)."""

@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -182,7 +181,7 @@ def test_workers_of_a_watched_process_are_not_discovered_as_processes_of_their_o
                 return [p["pid"] for p in json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)["processes"]]
 
             assert wait_for(watched, 10, "the parent discovered") == [work.pid]
-            time.sleep(1.0)  # three more discovery passes (no event marks a pass that found nothing new)
+            d.looked(3, what="discovery")  # three more discovery passes, each handed to the loop
             assert watched() == [work.pid]
         finally:
             stop(work, group=True)

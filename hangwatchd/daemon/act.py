@@ -27,7 +27,8 @@ from pathlib import Path
 
 import structlog
 
-from ..host import procfs, untrusted
+from ..host import procfs
+from ..host.atomic import write_atomic
 from ..metrics import Metrics
 from ..model import ProcessId, Registration, is_job_mate
 from ..watch.ranks import launched_above
@@ -93,8 +94,10 @@ class Acting:
                 log.info("abort_not_taken", incident=incident, pids=[r.process.pid for r in targets], uid=owner,
                          why="another node's request asked for it, this node did not see these processes hung, "
                              "and abort_on_request is off")
+            log.info("hang_acted", incident=incident, action="report", requested=requested)
             return []
         if not targets:
+            log.info("hang_acted", incident=incident, action="report")
             return []
         now = time.time()
         self._prune(now)
@@ -114,6 +117,7 @@ class Acting:
                 continue
             signalled.append(r.process.pid)
             self._kill_later(pidfd, r.process.pid)
+        log.info("hang_acted", incident=incident, action="abort", pids=signalled)
         if signalled:
             self.metrics.jobs_aborted.labels(**self.metrics.const).inc()
             log.warning("job_aborted", incident=incident, job=targets[0].job, pids=signalled, grace=self.grace,
@@ -143,7 +147,7 @@ class Acting:
 
     def _record(self, process: ProcessId, incident: str, now: float) -> None:
         try:
-            untrusted.write_replacing(ended.path_of(self.runtime_dir, process),
+            write_atomic(ended.path_of(self.runtime_dir, process),
                                       json.dumps({"incident": incident, "action": "abort", "time": now}).encode())
         except OSError as exc:
             log.error("ended_record_failed", pid=process.pid, error=str(exc))

@@ -322,7 +322,9 @@ class Daemon:
         elif isinstance(m, ChoreDone):
             self.workers.chore_done(m)
         elif isinstance(m, GpuPidsFound):
-            self.registrations.discover(list(m.pids))
+            self.metrics.passes.labels(**self.metrics.labels(what="discovery")).inc()
+            if m.pids:
+                self.registrations.discover(list(m.pids))
         elif isinstance(m, Discovered):
             self.registrations.discovered(m)
         elif isinstance(m, CaptureRequest):
@@ -425,6 +427,7 @@ class Daemon:
 
     def rescan(self) -> None:
         self.registrations.rescan()
+        self.metrics.passes.labels(**self.metrics.labels(what="rescan")).inc()
 
     def _on_inotify(self) -> None:
         for event in self.inotify.read(timeout=0):

@@ -25,6 +25,7 @@ from ..capture import late
 from ..capture.base import Step
 from ..capture.pipeline import capture_all, vetoed
 from ..host import gpu_events
+from ..host.atomic import write_atomic
 from ..host.deadline import Deadline
 from ..incidents.spool import Spool, begin_draft, finish_draft
 from ..incidents.store import COMING, LATE_DIR, Store, StoreWriteError, incident_to_json
@@ -254,8 +255,6 @@ def write_pages(draft_dir: Path, incident: Incident, analysis: dict[str, Any]) -
     the store only moves them. A page that cannot be made costs the page, never the incident."""
     try:
         for name, text in html.pages(draft_dir, analysis, incident_to_json(incident)).items():
-            tmp = draft_dir / f".{name}.tmp"
-            tmp.write_text(text)
-            tmp.replace(draft_dir / name)
+            write_atomic(draft_dir / name, text.encode())
     except Exception as exc:  # a renderer's bug must not lose the evidence
         log.error("incident_page_failed", dir=str(draft_dir), error=f"{type(exc).__name__}: {exc}", exc_info=True)

@@ -88,6 +88,7 @@ class StateMachine:
         self.blocking = blocking
         self.idle = idle
         self._out: list[Decision] = []  # what the entry point being run decided, for the loop to do
+        self._looked = metrics.passes.labels(**metrics.labels(what="look"))
 
     def _decided(self) -> list[Decision]:
         out, self._out = self._out, []
@@ -105,6 +106,7 @@ class StateMachine:
         return self._decided()
 
     def _observe(self, w: Watched, now: float) -> None:
+        self._looked.inc()
         try:
             w.check_files()
             obs = self.detector.observe(w, now)
@@ -203,6 +205,7 @@ class StateMachine:
         """A stack sample of ``w`` came back (or why none came): it may be sampled again; then what
         it says (``judge_stack``)."""
         sample, native = taken.sample, taken.native
+        self._looked.inc()
         self.watched.change(w, sampling=False)
         if sample.refused:
             self.watched.change(w, check_at=0.0)  # looked at now: its files and owner are checked, and it is dropped

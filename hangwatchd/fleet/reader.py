@@ -21,6 +21,7 @@ from typing import Any
 import structlog
 
 from ..analyze.jsonfile import read_json_or_none
+from ..host.atomic import write_atomic
 from . import layout, s3
 from .url import StoreURL
 
@@ -228,6 +229,4 @@ def _stamp_node(path: Path, node: str) -> None:
     data = read_json_or_none(path)
     if isinstance(data, dict) and not data.get("node"):
         data["node"] = node
-        tmp = path.with_name(".proc.json.tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(data).encode())

@@ -206,18 +206,6 @@ def copy_fd(fd: int, src: str | os.PathLike[str], dst: Path, max_size: int, dead
             os.close(out)
 
 
-def write_replacing(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Write ``path`` whole, in a directory anyone may write: through a fresh temporary file
-    that is never a name someone planted (``O_EXCL | O_NOFOLLOW``), then renamed over it, so a
-    reader sees the old file or the new one. Raises OSError (a planted name we may not remove)."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def open_dir(path: str | os.PathLike[str]) -> int:
     """A descriptor of a directory the daemon made (owned by root or by us, never a link): the
     trusted half of every ``UserFile`` in it. Raises OSError when it is not that."""

@@ -24,6 +24,7 @@ from typing import Any
 
 import structlog
 
+from ..host.atomic import write_atomic
 from ..model import Incident
 from . import permissions
 
@@ -84,16 +85,7 @@ def new_id(now: float) -> str:
 
 def write_incident_json(directory: Path, data: dict[str, Any]) -> None:
     """incident.json, written whole or not at all."""
-    tmp = directory / ".incident.json.tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=2, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(directory / "incident.json")
-    except OSError:
-        tmp.unlink(missing_ok=True)  # a half-written temp file holds space a full disk needs back
-        raise
+    write_atomic(directory / "incident.json", json.dumps(data, indent=2, default=str).encode(), fsync=True)
 
 
 def incident_to_json(incident: Incident) -> dict[str, Any]:

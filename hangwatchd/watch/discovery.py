@@ -126,7 +126,7 @@ class Discovery:
             except Exception as exc:  # noqa: BLE001 - a failed scan must not end discovery
                 log.error("discovery_failed", error=f"{type(exc).__name__}: {exc}")
                 continue
-            if new and self.post is not None:
+            if self.post is not None:  # every scan, found nothing or not: the loop counts the passes
                 self.post(GpuPidsFound(tuple(new)))
 
     # -- one scan ----------------------------------------------------------

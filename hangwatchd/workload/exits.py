@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..host import untrusted
+from ..host.atomic import write_atomic
 from ..model import ProcessId, Registration, is_job_mate
 from . import beat_segment
 
@@ -81,7 +82,7 @@ def write(runtime_dir: Path, process: ProcessId, returncode: int | None, when: f
         except beat_segment.SegmentError:
             pass
     try:
-        untrusted.write_replacing(runtime_dir / DIR / file_name(process), json.dumps(record).encode())
+        write_atomic(runtime_dir / DIR / file_name(process), json.dumps(record).encode())
     except OSError:
         pass  # an older daemon's runtime dir without exits/: the daemon still sees the exit, without its status
 
@@ -175,9 +176,7 @@ def write_into(incident_dir: Path, departed: list[Departed], hung: Registration 
         pdir = incident_dir / str(d.registration.process.pid)
         try:
             pdir.mkdir(exist_ok=True)
-            tmp = pdir / ".exit.json.tmp"
-            tmp.write_text(json.dumps(d.to_json() | context, indent=1))
-            tmp.replace(pdir / "exit.json")
+            write_atomic(pdir / "exit.json", json.dumps({**d.to_json(), **context}, indent=1).encode())
             written.append(pdir.name)
         except OSError:
             continue

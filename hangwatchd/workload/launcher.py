@@ -25,7 +25,8 @@ from typing import IO
 
 from ..config import RUNTIME_DIR_ENV, Config
 from ..cudacore import driverlog
-from ..host import pdeathsig, procfs, untrusted
+from ..host import pdeathsig, procfs
+from ..host.atomic import write_atomic
 from ..model import ProcessId, Registration
 from . import beat_segment, dump_names, ended, exits, registration_file, runtime_files
 from .client import BEAT_FILE_ENV, JOB_ENV, ON_HANG_ENV, STACK_TIMEOUT_ENV, TIMEOUT_ENV
@@ -285,7 +286,7 @@ class NotifyProxy(threading.Thread):
             elif line.startswith("STATUS="):
                 try:
                     # In the world-writable beats dir: never write through a name someone planted.
-                    untrusted.write_replacing(self.status_file, line[7:][:1024].encode())
+                    write_atomic(self.status_file, line[7:][:1024].encode())
                 except OSError:
                     pass
         if self.upstream:
@@ -365,9 +366,7 @@ def _report_lost_dump(lines: list[str], dump_dir: Path, pid: int) -> None:
         return
     name = f"nodump_{socket.gethostname()}.{pid}.{int(time.time())}{dump_names.DRIVER_LOG_SUFFIX}"
     try:
-        tmp = dump_dir / f".{name}.tmp"
-        tmp.write_text("\n".join(lines) + "\n")
-        tmp.replace(dump_dir / name)
+        write_atomic(dump_dir / name, ("\n".join(lines) + "\n").encode())
     except OSError:
         pass
 

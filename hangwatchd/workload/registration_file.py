@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from ..host import procfs, untrusted
+from ..host.atomic import write_atomic
 from ..model import ProcessId, Registration
 
 MAX_FILE = 64 * 1024
@@ -78,7 +79,7 @@ def write(directory: Path, reg: Registration) -> Path:
         del data[key]
     data["version"] = 1
     path = directory / file_name(reg.process)
-    untrusted.write_replacing(path, json.dumps(data).encode())
+    write_atomic(path, json.dumps(data).encode())
     return path
 
 
