@@ -134,9 +134,12 @@ class ScratchDaemon:
         """How many passes of this kind the loop has made (``hangwatchd_loop_passes_total``)."""
         return self.metric("hangwatchd_loop_passes_total", what=what) or 0.0
 
-    def looked(self, times: int = 1, what: str = "look", seconds: float = 30.0) -> None:
-        """Wait until the loop has made ``times`` more passes of this kind from now: what marks that the
-        daemon looked again, where nothing else would happen (never a fixed sleep that a slow daemon passes)."""
+    def looked(self, times: int = 1, what: str = "look", seconds: float = 30.0, after: float | None = None) -> None:
+        """Wait until the loop has made ``times`` more passes of this kind from now (or from ``after``, a
+        Unix time: when a verdict would have come): what marks that the daemon looked again, where
+        nothing else would happen. Never a fixed sleep, which a slow daemon passes without looking."""
+        if after is not None:
+            wait_for(lambda: time.time() >= after, max(0.0, after - time.time()) + 1.0, "the moment to look after")
         start = self.passes(what)
         wait_for(lambda: self.passes(what) >= start + times, seconds, f"{times} more {what} passes of the loop", every=0.1)
 

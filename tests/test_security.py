@@ -371,7 +371,7 @@ def test_beat_and_status_files_swapped_after_acceptance_cost_only_that_registrat
             wait_for(lambda: not (pids & watched_pids(d)), 15, "every tampered registration dropped")
             assert refusals(d, "tampered_") == len(swaps)
             victim.stored_in_time()
-            time.sleep(2)  # a rescan or two: none comes back while its files stay swapped
+            d.looked(2, what="rescan")  # two rescans: none comes back while its files stay swapped
             assert not (pids & watched_pids(d))
             assert not [i for i in d.store().list() if set(i["processes"]) & pids]
             assert d.proc.poll() is None
