@@ -166,7 +166,8 @@ def test_ranks_sharing_a_ras_address_ask_it_once_per_incident(tmp_path: Path, wo
         regs = [workload(server.addr), workload(server.addr)]
         for reg in regs:
             (tmp_path / "inc" / str(reg.process.pid)).mkdir(parents=True)
-        threads = [threading.Thread(target=step.run, args=(r, tmp_path / "inc" / str(r.process.pid), 3.0)) for r in regs]
+        threads = [threading.Thread(target=step.run, args=(r, tmp_path / "inc" / str(r.process.pid), Deadline.after(3.0)))
+                   for r in regs]
         for t in threads:
             t.start()
         for t in threads:

@@ -382,7 +382,7 @@ def test_beat_and_status_files_swapped_after_acceptance_cost_only_that_registrat
             victim.stop()
         # Its processes end with their beat files still swapped: the cleanup must not stop the daemon either.
         attacker.stop()
-        time.sleep(1.5)
+        d.looked(2, what="rescan")  # the daemon went on: it rescanned what the cleanup left, twice
         assert d.proc.poll() is None
 
 

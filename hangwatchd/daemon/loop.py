@@ -227,7 +227,7 @@ class Daemon:
             self.registrations.stop()
             self.workers.shutdown()  # running captures end at their deadlines ...
             self.sampler.shutdown()
-            self._dispatch(time.monotonic())  # ... and each finished one is logged and counted like any other
+            self._dispatch(time.monotonic(), only=(CaptureDone, ChoreDone))  # ... each finished one logged and counted
             if self.workers.act:
                 self.workers.act.stop()
             if self.discovery is not None:
@@ -306,11 +306,13 @@ class Daemon:
 
     # -- what the workers sent back ----------------------------------------
 
-    def _dispatch(self, now: float) -> None:
+    def _dispatch(self, now: float, only: tuple[type, ...] = (object,)) -> None:
         """Every value posted since the last turn, each to its room, in order (one's failure contained,
-        logged and counted); then the processes they admitted get their first look."""
+        logged and counted); then the processes they admitted get their first look. ``only``: the
+        kinds still taken (stopping: what finished, not what would start more work)."""
         for message in self.inbox.drain():
-            self.guard(type(message).__name__, self._deliver, message, now)
+            if isinstance(message, only):
+                self.guard(type(message).__name__, self._deliver, message, now)
         self._first_looks(now)
 
     def _deliver(self, m: object, now: float) -> None:
