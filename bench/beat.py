@@ -11,6 +11,7 @@ import socket
 import sys
 import tempfile
 import timeit
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -21,7 +22,7 @@ from _figures import Figure, report
 N = 200_000
 
 
-def best(fn, number: int) -> float:  # type: ignore[no-untyped-def]
+def best(fn: Callable[[], object], number: int) -> float:
     return min(timeit.repeat(fn, number=number, repeat=7)) / number
 
 

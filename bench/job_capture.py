@@ -70,7 +70,7 @@ def main() -> None:
         with ScratchDaemon(base / "serial", config={**CONFIG, "heartbeat_timeout": 3600.0}) as d:
             procs = _ranks(d, "bench-serial", 3600.0)
             try:
-                pids = wait_for(lambda: len(_workload_pids(d)) == RANKS and _workload_pids(d), 30, "eight registrations")
+                pids = wait_for(lambda: _workload_pids(d) if len(_workload_pids(d)) == RANKS else None, 30, "eight registrations")
                 time.sleep(1.5)  # past their beats: hung, as the others were
                 cfg = config.load(None, {**CONFIG, "state_dir": str(base / "serial" / "state"),
                                          "runtime_dir": str(d.runtime_dir)})

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -63,7 +64,7 @@ class Fleet:
         self.runtime = runtime
         sleep = shutil.which("sleep") or "/bin/sleep"
         self.procs = [subprocess.Popen([sleep, "3600"]) for _ in range(n)]
-        self.segments: list[tuple[object, object]] = []
+        self.segments: list[tuple[Any, Any]] = []  # (the mmap, its beat counter)
         self.ids = [procfs.identify(p.pid) for p in self.procs]
 
     def prepare(self) -> None:
@@ -88,7 +89,7 @@ class Fleet:
 
     def beat_one(self, i: int) -> None:
         mm, counter = self.segments[i]
-        beat_segment.BEAT.pack_into(mm, beat_segment.BEAT_OFFSET, next(counter), time.monotonic_ns())  # type: ignore[call-overload]
+        beat_segment.BEAT.pack_into(mm, beat_segment.BEAT_OFFSET, next(counter), time.monotonic_ns())
 
     def beat_for(self, seconds: float) -> None:
         """Every segment beats once a second, spread over the second."""

@@ -26,7 +26,8 @@ from .workload import runtime_files
 T = TypeVar("T")
 
 
-def wait_for(check: Callable[[], T], seconds: float, what: str = "condition", every: float = 0.05) -> T:
+def wait_for(check: Callable[[], T | None], seconds: float, what: str = "condition", every: float = 0.05) -> T:
+    """``check()``'s first true value, asked every ``every`` seconds; TimeoutError after ``seconds``."""
     end = time.monotonic() + seconds
     while True:
         value = check()
@@ -85,9 +86,7 @@ class ScratchDaemon:
         full_env = dict(os.environ, **(env or {}))
         self._log = open(self.log, "ab")
         self.proc = subprocess.Popen(argv, stderr=self._log, env=full_env)
-        info = wait_for(self._ready, 20, "the daemon's start")
-        assert info is not None  # wait_for returns only a true value
-        self.info: dict[str, Any] = info
+        self.info: dict[str, Any] = wait_for(self._ready, 20, "the daemon's start")
 
     def _ready(self) -> dict[str, Any] | None:
         if self.proc.poll() is not None:
@@ -126,9 +125,7 @@ class ScratchDaemon:
         def found() -> dict[str, Any] | None:
             return next((e for e in self.logs() if e.get("event") == name and all(e.get(k) == v for k, v in fields.items())), None)
 
-        event = wait_for(found, seconds, f"a {name} event")
-        assert event is not None  # wait_for returns only a true value
-        return event
+        return wait_for(found, seconds, f"a {name} event")
 
     def passes(self, what: str = "look") -> float:
         """How many passes of this kind the loop has made (``hangwatchd_loop_passes_total``)."""

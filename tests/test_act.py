@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -189,7 +190,7 @@ def test_abort_ends_the_jobs_ranks_on_every_node_after_each_nodes_capture(tmp_pa
 FAKE_NVML = Path(__file__).parent / "fake_nvml"
 
 
-def fake_nvml_module(directory: Path):  # type: ignore[no-untyped-def]
+def fake_nvml_module(directory: Path) -> Any:
     """tests/fake_nvml/pynvml.py as a module object: NVML's API over files in ``directory``."""
     import importlib.util
 

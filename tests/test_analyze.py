@@ -101,7 +101,7 @@ def test_a_hostile_pickle_is_refused_not_run(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
 
     class Evil:
-        def __reduce__(self):  # type: ignore[no-untyped-def]
+        def __reduce__(self) -> tuple[object, tuple[str]]:
             return (os.system, (f"touch {marker}",))
 
     pdir = tmp_path / "300"
@@ -283,7 +283,7 @@ def test_a_capture_is_stored_even_when_its_analysis_fails(tmp_path: Path, monkey
     from hangwatchd.model import Suspicion
     from hangwatchd.workload.registration_file import from_proc
 
-    def broken(_path: Path):  # type: ignore[no-untyped-def]
+    def broken(_path: Path) -> None:
         raise KeyError("a bug in the analysis")
 
     monkeypatch.setattr(make_incident, "analyze", broken)
@@ -355,7 +355,7 @@ def test_the_detector_the_gpu_dump_gate_and_the_verdict_read_one_catalogue(tmp_p
                                                          {"thread_name": "nccl", "frames": proxy}]))
     (v,) = analyze(tmp_path).ranks
     assert v.verdict == verdict, v
-    names = frames + [f["name"] for f in proxy]
+    names = [str(n) for n in frames] + [str(f["name"]) for f in proxy]
     blocked, idle = classify(names, BLOCKING, IDLE)
     assert (blocked is not None) == (verdict != "idle-python") and idle == (verdict == "idle-python")
     if gate:

@@ -30,7 +30,7 @@ def env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=f"{WORKLOADS}{os.pathsep}{ROOT}")
 
 
-def started(proc: subprocess.Popen[str]) -> None:
+def started(proc: subprocess.Popen[Any]) -> None:  # started with text=True
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line.startswith("READY"), f"the workload did not start: {line!r}"
@@ -204,7 +204,8 @@ def gpu_incident(tmp_path: Path, own: dict[str, int] | None, device: int, dump: 
     if dump:
         sym = symbolize(FIXTURES / "triton_hang" / "coredump.nvcudmp.xz").to_dict()
         if dump == "none":
-            sym["kernels"] = [dict(k, status="pending", sms=[]) for k in sym["kernels"]]
+            kernels: list[dict[str, Any]] = sym["kernels"]  # type: ignore[assignment]  # to_dict is JSON: a list of dicts here
+            sym["kernels"] = [dict(k, status="pending", sms=[]) for k in kernels]
             sym["pcs"] = []
         (pdir / "symbolized.json").write_text(json.dumps(sym))
     nvml: dict[str, Any] = {

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ TIMEOUT = 2.0
 
 
 @pytest.fixture
-def daemon(tmp_path: Path):  # type: ignore[no-untyped-def]
+def daemon(tmp_path: Path) -> Iterator[ScratchDaemon]:
     d = ScratchDaemon(tmp_path)
     yield d
     d.stop()

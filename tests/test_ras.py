@@ -329,7 +329,7 @@ def test_run_gives_each_workload_its_own_ras_address_and_the_flight_recorder_nam
         procs = [d.run([sys.executable, "-c", RUN_CODE], stdout=subprocess.PIPE, env=env)
                  for env in (dict(os.environ), dict(os.environ), dict(os.environ, NCCL_RAS_ADDR=mine, TORCH_NCCL_TRACE_BUFFER_SIZE="77"))]
         try:
-            seen = [json.loads(p.stdout.readline()) for p in procs]
+            seen = [json.loads(p.stdout.readline()) for p in procs if p.stdout is not None]
         finally:
             stop(*procs, sig=signal.SIGKILL)
     a, b, user = seen
@@ -355,7 +355,9 @@ def test_the_daemon_asks_the_jobs_ras_and_blames_the_dead_peer(tmp_path: Path) -
                 # the answer is the real job's, with its surviving rank's pid made our workload's
                 assert p.stdout is not None
                 pid = json.loads(p.stdout.readline())["pid"]
+                assert server.text is not None
                 server.text = server.text.replace(b"786", str(pid).encode())
+                assert server.js is not None
                 server.js = server.js.replace(b"786", str(pid).encode())
                 (inc,) = wait_for(d.settled, 30, "an incident")
             finally:

@@ -161,12 +161,12 @@ class Attacker:
                              group=NOBODY, extra_groups=[], cwd="/", stdout=subprocess.PIPE, text=True,
                              start_new_session=True, env=env)
         self.procs.append(p)
-        line = p.stdout.readline().split()  # type: ignore[union-attr]
+        line = p.stdout.readline().split()  # type: ignore[union-attr]  # started with a PIPE
         assert line and line[0] == "registered", line
         return p, line[1:]
 
     def spawn(self, argv: list[str], **kw: object) -> subprocess.Popen[str]:
-        p = subprocess.Popen(argv, start_new_session=True, text=True, **kw)  # type: ignore[call-overload]
+        p = subprocess.Popen(argv, start_new_session=True, text=True, **kw)  # type: ignore[call-overload]  # **kw holds Popen's own keywords
         self.procs.append(p)
         return p
 
@@ -194,7 +194,7 @@ class RootHang:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        for line in self.proc.stdout:  # type: ignore[union-attr]
+        for line in self.proc.stdout:  # type: ignore[union-attr]  # started with a PIPE
             if b"stopped beating" in line:
                 self.stopped.append(time.monotonic())
 
@@ -493,7 +493,7 @@ for n in range(3000):
     os.rename(tmp, os.path.join({str(dumps)!r}, {f"core_{socket.gethostname()}.{pid}."!r} + str(n) + '.nvcudmp'))
     time.sleep(0.02)
 """], user=NOBODY, group=NOBODY, extra_groups=[], cwd="/")
-            assert b"stopped beating" in work.stdout.readline()  # type: ignore[union-attr]
+            assert b"stopped beating" in work.stdout.readline()  # type: ignore[union-attr]  # started with a PIPE
             stopped = time.monotonic()
             inc = wait_for(lambda: next((i for i in d.settled() if i["reason"] == "heartbeat"), None), 60, "the incident")
             data = json.loads((Path(inc["dir"]) / "incident.json").read_text())
@@ -506,7 +506,7 @@ for n in range(3000):
             if work.poll() is None:
                 os.killpg(work.pid, signal.SIGKILL)
             work.wait()
-            work.stdout.close()  # type: ignore[union-attr]
+            work.stdout.close()  # type: ignore[union-attr]  # started with a PIPE
 
 
 def test_the_per_user_limits_are_validated(tmp_path: Path) -> None:

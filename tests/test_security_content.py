@@ -117,7 +117,7 @@ def fr_env(trace_dir: Path) -> dict[str, str]:
 
 def answered(proc: subprocess.Popen[str]) -> None:
     """Wait for the attacker to say it handed its trace over (its next line)."""
-    line = proc.stdout.readline()  # type: ignore[union-attr]
+    line = proc.stdout.readline()  # type: ignore[union-attr]  # started with a PIPE
     assert line.strip() == "answered", line
 
 
@@ -137,7 +137,7 @@ def test_a_root_file_put_under_the_flight_recorders_descriptor_is_never_written(
                                         env=fr_env(trace_dir))
             # The warm-up finds the FIFO, opens the trace's directory (the attacker swaps a read-only
             # fd of root's file under the FIFO's number that instant) and writes: refused.
-            assert proc.stdout.readline().strip() == "swapped"  # type: ignore[union-attr]
+            assert proc.stdout.readline().strip() == "swapped"  # type: ignore[union-attr]  # started with a PIPE
             failed = d.event("flight_recorder_warmup_failed", 30, pid=proc.pid)
             assert secret.read_bytes() == original
             assert "refusing to write" in failed["error"] and "not a FIFO" in failed["error"], failed
@@ -281,7 +281,7 @@ def test_a_launcher_of_another_user_gets_no_ended_record_from_an_abort(base: Pat
             assert victim.poll() is None
         finally:
             stop(victim, group=True)
-        out = victim.stderr.read().decode()  # type: ignore[union-attr]
+        out = victim.stderr.read().decode()  # type: ignore[union-attr]  # started with a PIPE
         assert "ended" not in out.lower(), out
 
 
@@ -389,12 +389,12 @@ def test_damaged_pickles_are_refused_in_one_line_or_read(value: object, protocol
     raw = bytearray(pickle.dumps({"entries": [value], "pg_status": {"0": value}}, protocol=protocol))
     for at, byte in flips:
         raw[at % len(raw)] = byte
-    raw = bytes(raw) + tail
+    data = bytes(raw) + tail
     try:
-        plain_pickle.loads(raw)
+        plain_pickle.loads(data)
     except plain_pickle.NotPlainData as exc:
         assert "\n" not in str(exc) and len(str(exc)) < 200
-    record, why = flight.parse(raw)
+    record, why = flight.parse(data)
     assert record is not None or why
 
 

@@ -58,7 +58,6 @@ def main() -> int:
         workload = None
         try:
             info = wait_for(lambda: runtime_files.daemon_info(run_dir), 20, "the daemon's start", every=0.1)
-            assert info is not None  # wait_for returns only a true value
             print(f"demo: daemon pid {daemon.pid} ready, metrics on http://{info['metrics_address']}/metrics")
             workload = subprocess.Popen(
                 [py, "-m", "hangwatchd", "run", "--runtime-dir", str(run_dir), "--job", "demo",
