@@ -11,17 +11,18 @@ import socket
 import sys
 import tempfile
 import timeit
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _figures import Figure, report  # noqa: E402
+from _figures import Figure, report
 
 N = 200_000
 
 
-def best(fn, number: int) -> float:  # type: ignore[no-untyped-def]
+def best(fn: Callable[[], object], number: int) -> float:
     return min(timeit.repeat(fn, number=number, repeat=7)) / number
 
 

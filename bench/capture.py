@@ -20,10 +20,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd.testing import ScratchDaemon, wait_for  # noqa: E402
+from hangwatchd.testing import ScratchDaemon, wait_for  # noqa: E402 - after sys.path is set
 
 sys.path.insert(0, str(ROOT / "bench"))
-from _figures import Figure, report  # noqa: E402
+from _figures import Figure, report  # noqa: E402 - after sys.path is set
 
 RUNS = 3
 
@@ -44,7 +44,7 @@ def main() -> None:
                     f.write(blob[k : k + (8 << 20)])
                     f.flush()
                 last_byte = time.time()
-            inc = wait_for(lambda: [x for x in d.store().list() if x["processes"] == [1000 + i]], 30, "the incident")[0]
+            inc = wait_for(lambda i=i: [x for x in d.store().list() if x["processes"] == [1000 + i]], 30, "the incident")[0]  # type: ignore[misc]  # a default binds the loop's value
             stored = next(e for e in d.logs() if e.get("event") == "incident_stored" and e.get("incident") == inc["id"])
             at = datetime.datetime.fromisoformat(stored["timestamp"].replace("Z", "+00:00")).timestamp()
             latencies.append(at - last_byte)

@@ -18,10 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hangwatchd.testing import ScratchDaemon, wait_for  # noqa: E402
+from hangwatchd.testing import ScratchDaemon, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _figures import Figure, report  # noqa: E402
+from _figures import Figure, report
 
 TIMEOUT = 3.0
 TRIALS = 20
@@ -58,12 +58,12 @@ def main() -> None:
         for batch in range(TRIALS // AT_ONCE):
             procs = [d.run([sys.executable, "-c", code], "--heartbeat-timeout", str(TIMEOUT), stdout=subprocess.PIPE)
                      for _ in range(AT_ONCE)]
-            last = {}
+            started: dict[subprocess.Popen[bytes], float] = {}
             for p in procs:
                 assert p.stdout is not None
-                last[p] = float(p.stdout.readline())
+                started[p] = float(p.stdout.readline())
             want = (batch + 1) * AT_ONCE + ALONE
-            wait_for(lambda: len(d.settled()) >= want, TIMEOUT + 15, "the incidents")
+            wait_for(lambda want=want: len(d.settled()) >= want, TIMEOUT + 15, "the incidents")  # type: ignore[misc]  # a default binds the loop's value
             logs = d.logs()
             for inc in d.store().list()[: AT_ONCE]:
                 pid = inc["processes"][0]
@@ -71,8 +71,8 @@ def main() -> None:
                 done = next(e for e in logs if e.get("event") == "incident_stored_first" and e.get("incident") == inc["id"])
                 launcher = next(p for p in procs if Path(f"/proc/{pid}/stat").exists() and
                                 int(Path(f"/proc/{pid}/stat").read_text().split()[3]) == p.pid)
-                declared.append(ts(hung) - last[launcher])
-                stored.append(ts(done) - last[launcher])
+                declared.append(ts(hung) - started[launcher])
+                stored.append(ts(done) - started[launcher])
             for p in procs:
                 p.terminate()
                 p.wait()

@@ -74,7 +74,7 @@ def old_pass(store: Store, max_bytes: float, dump_max_age: float, incident_max_a
         if now - inc["time"] > dump_max_age:
             dump.unlink()
             removed.append(str(dump))
-    for inc, dump in dumps:
+    for _inc, dump in dumps:
         if size() <= max_bytes:
             break
         if dump.exists():

@@ -21,17 +21,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd import (
-    config,
-    log,  # noqa: E402
-)
-from hangwatchd.capture import make_steps, run_steps  # noqa: E402
-from hangwatchd.testing import ScratchDaemon, stop, wait_for  # noqa: E402
-from hangwatchd.workload import registration_file  # noqa: E402
-from tests.s3server import S3Server  # noqa: E402
+from hangwatchd import config, log  # noqa: E402 - after the repository is put on sys.path
+from hangwatchd.capture import make_steps, run_steps  # noqa: E402 - after sys.path is set
+from hangwatchd.host.deadline import Deadline  # noqa: E402 - after sys.path is set
+from hangwatchd.testing import ScratchDaemon, stop, wait_for  # noqa: E402 - after sys.path is set
+from hangwatchd.workload import registration_file  # noqa: E402 - after sys.path is set
+from tests.s3server import S3Server  # noqa: E402 - after sys.path is set
 
 sys.path.insert(0, str(ROOT / "bench"))
-from _figures import Figure, report  # noqa: E402
+from _figures import Figure, report  # noqa: E402 - after sys.path is set
 
 RANKS = 8
 TARGET = 5.0
@@ -72,7 +70,7 @@ def main() -> None:
         with ScratchDaemon(base / "serial", config={**CONFIG, "heartbeat_timeout": 3600.0}) as d:
             procs = _ranks(d, "bench-serial", 3600.0)
             try:
-                pids = wait_for(lambda: len(_workload_pids(d)) == RANKS and _workload_pids(d), 30, "eight registrations")
+                pids = wait_for(lambda: _workload_pids(d) if len(_workload_pids(d)) == RANKS else None, 30, "eight registrations")
                 time.sleep(1.5)  # past their beats: hung, as the others were
                 cfg = config.load(None, {**CONFIG, "state_dir": str(base / "serial" / "state"),
                                          "runtime_dir": str(d.runtime_dir)})
@@ -83,7 +81,7 @@ def main() -> None:
                 for pid in pids:
                     reg = registration_file.from_proc(pid)
                     assert reg is not None
-                    run_steps(steps, reg, base / "serial-out" / str(pid), cfg.capture_timeout)
+                    run_steps(steps, reg, base / "serial-out" / str(pid), Deadline.after(cfg.capture_timeout))
                 serial = time.monotonic() - start
             finally:
                 stop(*procs)

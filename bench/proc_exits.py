@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _figures import Figure, Spread, judged, report  # noqa: E402
+from _figures import Figure, Spread, judged, report
 
 RATE = 1000  # processes started (and ended) a second
 SECONDS = 5.0

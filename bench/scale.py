@@ -19,22 +19,23 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd import log  # noqa: E402
-from hangwatchd.host import procfs  # noqa: E402
-from hangwatchd.metrics import create  # noqa: E402
-from hangwatchd.model import Registration, State, Suspicion  # noqa: E402
-from hangwatchd.testing import ScratchDaemon, wait_for  # noqa: E402
-from hangwatchd.watch.watched import Watched, Watchlist  # noqa: E402
-from hangwatchd.workload import beat_segment, registration_file  # noqa: E402
+from hangwatchd import log  # noqa: E402 - after sys.path is set
+from hangwatchd.host import procfs  # noqa: E402 - after sys.path is set
+from hangwatchd.metrics import create  # noqa: E402 - after sys.path is set
+from hangwatchd.model import Registration, State, Suspicion  # noqa: E402 - after sys.path is set
+from hangwatchd.testing import ScratchDaemon, wait_for  # noqa: E402 - after sys.path is set
+from hangwatchd.watch.watched import Watched, Watchlist  # noqa: E402 - after sys.path is set
+from hangwatchd.workload import beat_segment, registration_file  # noqa: E402 - after sys.path is set
 
 sys.path.insert(0, str(ROOT / "bench"))
-from _figures import Figure, report  # noqa: E402
+from _figures import Figure, report  # noqa: E402 - after sys.path is set
 
 TARGET_ADMIT = 1.0  # seconds of loop time to admit them all
 TARGET_CHANGE = 1e-3  # seconds per state change
@@ -63,7 +64,7 @@ class Fleet:
         self.runtime = runtime
         sleep = shutil.which("sleep") or "/bin/sleep"
         self.procs = [subprocess.Popen([sleep, "3600"]) for _ in range(n)]
-        self.segments: list[tuple[object, object]] = []
+        self.segments: list[tuple[Any, Any]] = []  # (the mmap, its beat counter)
         self.ids = [procfs.identify(p.pid) for p in self.procs]
 
     def prepare(self) -> None:
@@ -88,7 +89,7 @@ class Fleet:
 
     def beat_one(self, i: int) -> None:
         mm, counter = self.segments[i]
-        beat_segment.BEAT.pack_into(mm, beat_segment.BEAT_OFFSET, next(counter), time.monotonic_ns())  # type: ignore[call-overload]
+        beat_segment.BEAT.pack_into(mm, beat_segment.BEAT_OFFSET, next(counter), time.monotonic_ns())
 
     def beat_for(self, seconds: float) -> None:
         """Every segment beats once a second, spread over the second."""

@@ -10,6 +10,7 @@ nodes on a real store are in the README ("Many nodes", scale), worked out from t
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
@@ -22,17 +23,22 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd import log  # noqa: E402
-from hangwatchd.fleet import s3 as s3client  # noqa: E402
-from hangwatchd.fleet.agent import Agent  # noqa: E402
-from hangwatchd.testing import ScratchDaemon  # noqa: E402
-from tests.s3server import S3Server  # noqa: E402
+from hangwatchd import log  # noqa: E402 - after sys.path is set
+from hangwatchd.fleet import s3 as s3client  # noqa: E402 - after sys.path is set
+from hangwatchd.fleet.agent import Agent  # noqa: E402 - after sys.path is set
+from hangwatchd.testing import ScratchDaemon  # noqa: E402 - after sys.path is set
+from tests.s3server import S3Server  # noqa: E402 - after sys.path is set
 
 sys.path.insert(0, str(ROOT / "bench"))
-from _figures import Figure, report  # noqa: E402
+from _figures import Figure, report  # noqa: E402 - after sys.path is set
 
 TARGET_RATE = 1.0  # requests per second per node while nothing happens
 TARGET_SPREAD = 5.0  # seconds from the request to the last node noticing it (interval 2 s)
+
+
+def _seen_by(seen: dict[str, float], name: str, _request: object) -> None:
+    """An agent's first capture request, by its node's name (what the bench times)."""
+    seen.setdefault(name, time.monotonic())
 
 
 def main() -> None:
@@ -61,7 +67,7 @@ def main() -> None:
         for i in range(args.nodes):
             name = f"node-{i:04d}"
             a = Agent(s3.url(), name, Path(t) / name, args.interval, 300.0, 100,
-                      wake=lambda name=name: seen.setdefault(name, time.monotonic()))
+                      post=functools.partial(_seen_by, seen, name))
             a._s3 = shared
             a.jobs = frozenset({(1000, "big-job")})
             agents.append(a)

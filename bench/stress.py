@@ -24,10 +24,10 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hangwatchd.testing import ScratchDaemon, wait_for, workload_argv  # noqa: E402
+from hangwatchd.testing import ScratchDaemon, wait_for, workload_argv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _figures import Figure, judged, report  # noqa: E402
+from _figures import Figure, judged, report
 
 WINDOW = 30.0
 BUSY = """

@@ -38,13 +38,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd.cudacore import sandbox  # noqa: E402
-from hangwatchd.cudacore.cudagdb import find_cuda_gdb  # noqa: E402
-from hangwatchd.cudacore.source import raw_path  # noqa: E402
-from tests.cudacore.section_heavy import section_heavy  # noqa: E402
+from hangwatchd.cudacore import sandbox  # noqa: E402 - after sys.path is set
+from hangwatchd.cudacore.cudagdb import find_cuda_gdb  # noqa: E402 - after sys.path is set
+from hangwatchd.cudacore.source import raw_path  # noqa: E402 - after sys.path is set
+from tests.cudacore.section_heavy import section_heavy  # noqa: E402 - after sys.path is set
 
 sys.path.insert(0, str(ROOT / "bench"))
-from _figures import Figure, Spread, judged, report  # noqa: E402
+from _figures import Figure, Spread, judged, report  # noqa: E402 - after sys.path is set
 
 FIXTURES = ROOT / "tests" / "fixtures" / "gpu"
 RUNS = 5

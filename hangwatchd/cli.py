@@ -125,6 +125,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
     from . import config, log
     from .capture import capture_budget, make_steps
     from .daemon.make_incident import make_incident
+    from .host.deadline import Deadline
     from .incidents.store import Store, StoreError
     from .model import Suspicion
     from .workload import registration_file
@@ -144,7 +145,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         return None if args.gpu_dump else "not asked for (hangwatchd capture --gpu-dump)"
 
     why = Suspicion("manual", "captured by hand with hangwatchd capture" + (" --gpu-dump" if args.gpu_dump else ""), time.time())
-    incident_id = make_incident(store, make_steps(cfg), [target], why, capture_budget(cfg), gate=gate)
+    incident_id = make_incident(store, make_steps(cfg), [target], why, Deadline.after(capture_budget(cfg)), gate=gate)
     path = store.path_of(incident_id)
     assert path is not None
     return _print_incident(args, path)
@@ -361,6 +362,8 @@ def _store_incidents(args: argparse.Namespace) -> int:
         return 0
     sys.stdout.write(tables.job_incidents(items))
     return 0
+
+
 def _waiting(args: argparse.Namespace) -> list[Path]:
     """Reports the daemon keeps in its spool while the state dir has no room, oldest first."""
     spool_dir = _runtime_dir(args) / SPOOL[0]

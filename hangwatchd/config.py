@@ -1,7 +1,8 @@
 """The daemon's settings: defaults, the TOML file, flags on top, and validation.
 
-Every key lives in ``KEYS`` once, with its default, its check and the line
-that documents it; ``config/hangwatchd.toml`` is tested against this table.
+Every key is declared once, as a field of ``Config`` (``key``: its default, its
+check and the line that documents it); ``KEYS`` is read from those fields, and
+``config/hangwatchd.toml`` is tested against it.
 """
 
 from __future__ import annotations
@@ -212,142 +213,96 @@ def _timeouts_by_command(v: Any) -> dict[str, float]:
         raise Invalid(allowed) from None
 
 
-KEYS: dict[str, Key] = {
-    "state_dir": Key("/var/lib/hangwatchd", _path, "incidents and their index"),
-    "runtime_dir": Key(DEFAULT_RUNTIME_DIR, _path, "registrations, heartbeat segments, pipes; clients find it through $HANGWATCHD_RUNTIME_DIR"),
-    "dump_dir": Key("", _optional_path, "where CUDA writes coredumps (world-writable); \"\" means STATE_DIR-dumps, beside the state dir, never in it"),
-    "metrics_address": Key("0.0.0.0:9842", _address, "where Prometheus scrapes /metrics; \"\" serves none"),
-    "heartbeat_timeout": Key(120.0, _seconds, "seconds without a beat before a process is hung, when it registered none of its own"),
-    "startup_grace": Key(600.0, _seconds, "seconds a registered process may take to send its first beat; one that declared no heartbeat timeout and sends none is then watched by its stack, never hung for it"),
-    "exited_keep": Key(600.0, _seconds, "seconds the daemon keeps what it knew of an exited process, for its job-mates' incidents"),
-    "rescan_interval": Key(30.0, _seconds, "seconds between full rescans of the registrations (inotify is the fast path)"),
-    "capture_steps": Key(list(STEP_NAMES), _steps, "capture steps to run on a hung process, in order (cuda_dump is always last)"),
-    "capture_timeout": Key(60.0, _seconds, "seconds the whole capture of one process may take"),
-    "exit_window": Key(600.0, _seconds, "seconds back from a capture whose exits of the hung process's descendants "
-                       "(with their exit status or signal) go into its exits.json; the daemon records exits as root"),
-    "pyspy_timeout": Key(10.0, _seconds, "seconds one py-spy dump may take before it is killed"),
-    "pyspy_native": Key(True, _bool, "also take native (C/C++/CUDA) frames with py-spy --native"),
-    "learn_timeouts": Key(True, _bool, "learn a process's heartbeat timeout from its beats when it declared none"),
-    "learned_timeout_factor": Key(10.0, _factor, "a learned timeout is this many times the longest recent beat interval"),
-    "learned_timeout_min": Key(5.0, _seconds, "the shortest learned timeout, in seconds"),
-    "learned_timeout_max": Key(1800.0, _seconds, "the longest learned timeout, in seconds"),
-    "learn_min_beats": Key(20, _count, "beat intervals seen before a timeout is learned"),
-    "stack_interval": Key(5.0, _seconds, "seconds between py-spy samples of a process watched by its stack"),
-    "stack_window": Key(120.0, _seconds, "seconds a stack must hold to count as frozen, where the process declared no stack timeout"),
-    "stack_timeouts": Key({}, _timeouts_by_command, "stack timeouts by command line: { \"regex\" = seconds }, like hangwatchd run --stack-timeout"),
-    "stack_blocking_patterns": Key([], _regex_list, "extra frame patterns that mean 'blocked, waiting for something that should come'"),
-    "stack_idle_pattern": Key("", _optional_regex, "frame pattern that means 'idle, waiting for work' (\"\" keeps the built-in one)"),
-    "discover": Key(False, _bool, "also watch, by stack alone, every process that holds /dev/nvidia* open"),
-    "discover_interval": Key(1.0, _seconds, "seconds between looks for new GPU processes (new pids' fds, and NVML's process lists)"),
-    "discover_devices": Key("/dev/nvidia", _path, "path prefix of the GPU device files: discovery watches their holders; GPU dumps of one file's holders are triggered one at a time"),
-    "introspect_timeout": Key(2.0, _seconds, "seconds to wait for the report of a process's in-process reporter "
-                              "(what each thread waits on and holds; hangwatchd run installs it)"),
-    "nvml_timeout": Key(10.0, _seconds, "seconds the NVML probe may take before it is killed"),
-    "nccl_ras_timeout": Key(3.0, _seconds, "seconds to wait for the answer of the job's NCCL RAS service (it answers in ms)"),
-    "flight_recorder_timeout": Key(20.0, _seconds, "seconds to wait for PyTorch's flight recorder dump"),
-    "flight_recorder_warmup": Key(True, _bool, "ask each rank's flight recorder as it starts (again while its trace is empty), so "
-                                  "PyTorch's first-dump import (torch._inductor, seconds in eager mode) is paid then, not in "
-                                  "the capture of a hang"),
-    "gpu_dump": Key("confirmed", _one_of("always", "confirmed", "never"),
-                    "take a CUDA coredump of a hung process started by hangwatchd run; the dump ENDS the process: "
-                    "always, never (keeps hung processes running), or when confirmed (the heartbeat and the stack "
-                    "agree, or its native stack waits on the GPU or a collective), whatever on_hang says"),
-    "gpu_dump_timeout": Key(120.0, _seconds, "seconds to wait for the driver to finish writing a CUDA coredump"),
-    "symbolize_cpu_seconds": Key(30.0, _seconds, "CPU seconds the child that symbolises one GPU dump may use before it is killed"),
-    "symbolize_memory_mb": Key(4096, _megabytes, "address space, in MB, of the child that symbolises one GPU dump (the dump is mapped into it)"),
-    "symbolize_timeout": Key(60.0, _seconds, "seconds the child that symbolises one GPU dump may take before it is killed"),
-    "max_state_bytes": Key(50 * 2**30, parse_size, "the state dir's size bound (\"50GiB\", \"500MB\" or bytes): oldest dumps go first, then oldest incidents"),
-    "dump_max_age_days": Key(7.0, _days, "raw GPU dumps older than this are deleted (their reports are kept)"),
-    "incident_max_age_days": Key(90.0, _days, "incidents older than this are deleted, report and index entry too"),
-    "retention_interval": Key(600.0, _seconds, "seconds between retention passes (one also at start, and as soon as new "
-                              "incidents take the state dir past max_state_bytes)"),
-    "max_registrations_per_uid": Key(64, _count, "processes one non-root user may have watched at once; more registrations are refused"),
-    "pyspy_samples_per_uid": Key(4.0, _factor, "py-spy samples per second the daemon takes of one non-root user's processes (bursts of 2 s worth)"),
-    "captures_per_uid": Key(1, _count, "captures (hangs and dumps) of one non-root user's processes in flight at once; more wait"),
-    "capture_seconds_per_uid": Key(600.0, _seconds, "seconds of capture one non-root user's processes may use per hour; past it their hangs wait"),
-    "dumps_per_uid_per_minute": Key(6, _count, "exception dumps of one non-root user ingested per minute; more are refused and counted"),
-    "incidents_per_uid_per_minute": Key(6, _count, "incidents filed for one non-root user per minute; more are refused and counted"),
-    "spool_bytes_per_uid": Key(64 << 20, parse_size, "bytes of one non-root user's reports kept in the full-disk spool (\"64MiB\")"),
-    "log_lines_per_uid_per_minute": Key(60, _count, "log lines about one non-root user's files per minute; the rest are counted, not written"),
-    "store": Key("", _store_url, "shared S3-compatible store for job incidents across nodes, s3://BUCKET/PREFIX "
-                  "(endpoint and credentials from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ..., or a role); \"\" for none"),
-    "node_name": Key("", _optional_path, "this node's name in the store, records and metrics; \"\" means the host name"),
-    "store_poll_interval": Key(2.0, _seconds, "seconds between polls of the store for capture requests, per watched job"),
-    "store_spool_max": Key(1000, _count, "uploads kept queued on disk while the store is down (the oldest dropped first)"),
-    "job_incident_window": Key(300.0, _seconds, "seconds during which a job's hang reported by any node is the same job incident"),
-    "on_hang": Key("report", _one_of("report", "abort"),
-                   "after a hang's incident is stored: report (send no signal; a GPU dump, see gpu_dump, still ends "
-                   "the process it dumps) or abort (SIGABRT its ranks on this node, SIGKILL after abort_grace); a "
-                   "job's own hangwatchd run --on-hang wins"),
-    "abort_grace": Key(10.0, _seconds, "seconds between SIGABRT and SIGKILL when a hung job is aborted"),
-    "abort_on_request": Key(False, _bool, "also end a job's ranks here (those whose policy is abort) when another node "
-                            "declared the job hung, through the store, though they look healthy here; off: only "
-                            "this node's own judgement ends a process (anyone with the store's keys can write a request)"),
-    "log_format": Key("json", _one_of("json", "console"), "json: one JSON object a line; console: for a person"),
-    "log_level": Key("info", _one_of("debug", "info", "warning", "error"), "the least severe events logged"),
-}
+def key(default: Any, parse: Callable[[Any], Any], doc: str) -> Any:
+    """One setting, declared once: its default as the TOML file writes it, the check that turns a
+    value into what the daemon uses (``Invalid`` when it is not allowed), and the line that documents
+    it. The field's own default is the parsed one."""
+    value = parse(default)
+    spec = {"key": Key(default, parse, doc)}
+    if isinstance(value, (dict, list)):
+        return dataclasses.field(default_factory=lambda: parse(default), metadata=spec)
+    return dataclasses.field(default=value, metadata=spec)
 
 
 @dataclass(frozen=True)
 class Config:
-    state_dir: str = KEYS["state_dir"].default
-    runtime_dir: str = KEYS["runtime_dir"].default
-    dump_dir: str = KEYS["dump_dir"].default
-    metrics_address: str = KEYS["metrics_address"].default
-    heartbeat_timeout: float = KEYS["heartbeat_timeout"].default
-    startup_grace: float = KEYS["startup_grace"].default
-    exited_keep: float = KEYS["exited_keep"].default
-    rescan_interval: float = KEYS["rescan_interval"].default
-    capture_steps: tuple[str, ...] = tuple(KEYS["capture_steps"].default)
-    capture_timeout: float = KEYS["capture_timeout"].default
-    exit_window: float = KEYS["exit_window"].default
-    pyspy_timeout: float = KEYS["pyspy_timeout"].default
-    pyspy_native: bool = KEYS["pyspy_native"].default
-    learn_timeouts: bool = KEYS["learn_timeouts"].default
-    learned_timeout_factor: float = KEYS["learned_timeout_factor"].default
-    learned_timeout_min: float = KEYS["learned_timeout_min"].default
-    learned_timeout_max: float = KEYS["learned_timeout_max"].default
-    learn_min_beats: int = KEYS["learn_min_beats"].default
-    stack_interval: float = KEYS["stack_interval"].default
-    stack_window: float = KEYS["stack_window"].default
-    stack_timeouts: dict[str, float] = dataclasses.field(default_factory=dict)
-    stack_blocking_patterns: tuple[str, ...] = ()
-    stack_idle_pattern: str = KEYS["stack_idle_pattern"].default
-    discover: bool = KEYS["discover"].default
-    discover_interval: float = KEYS["discover_interval"].default
-    discover_devices: str = KEYS["discover_devices"].default
-    introspect_timeout: float = KEYS["introspect_timeout"].default
-    nvml_timeout: float = KEYS["nvml_timeout"].default
-    nccl_ras_timeout: float = KEYS["nccl_ras_timeout"].default
-    flight_recorder_timeout: float = KEYS["flight_recorder_timeout"].default
-    flight_recorder_warmup: bool = KEYS["flight_recorder_warmup"].default
-    gpu_dump: str = KEYS["gpu_dump"].default
-    gpu_dump_timeout: float = KEYS["gpu_dump_timeout"].default
-    symbolize_cpu_seconds: float = KEYS["symbolize_cpu_seconds"].default
-    symbolize_memory_mb: int = KEYS["symbolize_memory_mb"].default
-    symbolize_timeout: float = KEYS["symbolize_timeout"].default
-    max_state_bytes: int = KEYS["max_state_bytes"].default
-    dump_max_age_days: float = KEYS["dump_max_age_days"].default
-    incident_max_age_days: float = KEYS["incident_max_age_days"].default
-    retention_interval: float = KEYS["retention_interval"].default
-    max_registrations_per_uid: int = KEYS["max_registrations_per_uid"].default
-    pyspy_samples_per_uid: float = KEYS["pyspy_samples_per_uid"].default
-    captures_per_uid: int = KEYS["captures_per_uid"].default
-    capture_seconds_per_uid: float = KEYS["capture_seconds_per_uid"].default
-    dumps_per_uid_per_minute: int = KEYS["dumps_per_uid_per_minute"].default
-    incidents_per_uid_per_minute: int = KEYS["incidents_per_uid_per_minute"].default
-    spool_bytes_per_uid: int = KEYS["spool_bytes_per_uid"].default
-    log_lines_per_uid_per_minute: int = KEYS["log_lines_per_uid_per_minute"].default
-    store: str = KEYS["store"].default
-    node_name: str = KEYS["node_name"].default
-    store_poll_interval: float = KEYS["store_poll_interval"].default
-    store_spool_max: int = KEYS["store_spool_max"].default
-    job_incident_window: float = KEYS["job_incident_window"].default
-    on_hang: str = KEYS["on_hang"].default
-    abort_grace: float = KEYS["abort_grace"].default
-    abort_on_request: bool = KEYS["abort_on_request"].default
-    log_format: str = KEYS["log_format"].default
-    log_level: str = KEYS["log_level"].default
+    state_dir: str = key("/var/lib/hangwatchd", _path, "incidents and their index")
+    runtime_dir: str = key(DEFAULT_RUNTIME_DIR, _path, "registrations, heartbeat segments, pipes; clients find it through $HANGWATCHD_RUNTIME_DIR")
+    dump_dir: str = key("", _optional_path, "where CUDA writes coredumps (world-writable); \"\" means STATE_DIR-dumps, beside the state dir, never in it")
+    metrics_address: str = key("0.0.0.0:9842", _address, "where Prometheus scrapes /metrics; \"\" serves none")
+    heartbeat_timeout: float = key(120.0, _seconds, "seconds without a beat before a process is hung, when it registered none of its own")
+    startup_grace: float = key(600.0, _seconds, "seconds a registered process may take to send its first beat; one that declared no heartbeat timeout and sends"
+        " none is then watched by its stack, never hung for it")
+    exited_keep: float = key(600.0, _seconds, "seconds the daemon keeps what it knew of an exited process, for its job-mates' incidents")
+    rescan_interval: float = key(30.0, _seconds, "seconds between full rescans of the registrations (inotify is the fast path)")
+    capture_steps: tuple[str, ...] = key(list(STEP_NAMES), _steps, "capture steps to run on a hung process, in order (cuda_dump is always last)")
+    capture_timeout: float = key(60.0, _seconds, "seconds the whole capture of one process may take")
+    exit_window: float = key(600.0, _seconds, "seconds back from a capture whose exits of the hung process's descendants "
+        "(with their exit status or signal) go into its exits.json; the daemon records exits as root")
+    pyspy_timeout: float = key(10.0, _seconds, "seconds one py-spy dump may take before it is killed")
+    pyspy_native: bool = key(True, _bool, "also take native (C/C++/CUDA) frames with py-spy --native")
+    learn_timeouts: bool = key(True, _bool, "learn a process's heartbeat timeout from its beats when it declared none")
+    learned_timeout_factor: float = key(10.0, _factor, "a learned timeout is this many times the longest recent beat interval")
+    learned_timeout_min: float = key(5.0, _seconds, "the shortest learned timeout, in seconds")
+    learned_timeout_max: float = key(1800.0, _seconds, "the longest learned timeout, in seconds")
+    learn_min_beats: int = key(20, _count, "beat intervals seen before a timeout is learned")
+    stack_interval: float = key(5.0, _seconds, "seconds between py-spy samples of a process watched by its stack")
+    stack_window: float = key(120.0, _seconds, "seconds a stack must hold to count as frozen, where the process declared no stack timeout")
+    stack_timeouts: dict[str, float] = key({}, _timeouts_by_command,
+                                           "stack timeouts by command line: { \"regex\" = seconds }, like hangwatchd run --stack-timeout")
+    stack_blocking_patterns: tuple[str, ...] = key([], _regex_list, "extra frame patterns that mean 'blocked, waiting for something that should come'")
+    stack_idle_pattern: str = key("", _optional_regex, "frame pattern that means 'idle, waiting for work' (\"\" keeps the built-in one)")
+    discover: bool = key(False, _bool, "also watch, by stack alone, every process that holds /dev/nvidia* open")
+    discover_interval: float = key(1.0, _seconds, "seconds between looks for new GPU processes (new pids' fds, and NVML's process lists)")
+    discover_devices: str = key("/dev/nvidia", _path, "path prefix of the GPU device files: discovery watches their holders; "
+        "GPU dumps of one file's holders are "
+        "triggered one at a time")
+    introspect_timeout: float = key(2.0, _seconds, "seconds to wait for the report of a process's in-process reporter "
+        "(what each thread waits on and holds; hangwatchd run installs it)")
+    nvml_timeout: float = key(10.0, _seconds, "seconds the NVML probe may take before it is killed")
+    nccl_ras_timeout: float = key(3.0, _seconds, "seconds to wait for the answer of the job's NCCL RAS service (it answers in ms)")
+    flight_recorder_timeout: float = key(20.0, _seconds, "seconds to wait for PyTorch's flight recorder dump")
+    flight_recorder_warmup: bool = key(True, _bool, "ask each rank's flight recorder as it starts (again while its trace is empty), so "
+        "PyTorch's first-dump import (torch._inductor, seconds in eager mode) is paid then, not in "
+        "the capture of a hang")
+    gpu_dump: str = key("confirmed", _one_of("always", "confirmed", "never"),
+        "take a CUDA coredump of a hung process started by hangwatchd run; the dump ENDS the process: "
+        "always, never (keeps hung processes running), or when confirmed (the heartbeat and the stack "
+        "agree, or its native stack waits on the GPU or a collective), whatever on_hang says")
+    gpu_dump_timeout: float = key(120.0, _seconds, "seconds to wait for the driver to finish writing a CUDA coredump")
+    symbolize_cpu_seconds: float = key(30.0, _seconds, "CPU seconds the child that symbolises one GPU dump may use before it is killed")
+    symbolize_memory_mb: int = key(4096, _megabytes, "address space, in MB, of the child that symbolises one GPU dump (the dump is mapped into it)")
+    symbolize_timeout: float = key(60.0, _seconds, "seconds the child that symbolises one GPU dump may take before it is killed")
+    max_state_bytes: int = key(50 * 2**30, parse_size,
+                               "the state dir's size bound (\"50GiB\", \"500MB\" or bytes): oldest dumps go first, then oldest incidents")
+    dump_max_age_days: float = key(7.0, _days, "raw GPU dumps older than this are deleted (their reports are kept)")
+    incident_max_age_days: float = key(90.0, _days, "incidents older than this are deleted, report and index entry too")
+    retention_interval: float = key(600.0, _seconds, "seconds between retention passes (one also at start, and as soon "
+        "as new incidents take the state dir past max_state_bytes)")
+    max_registrations_per_uid: int = key(64, _count, "processes one non-root user may have watched at once; more registrations are refused")
+    pyspy_samples_per_uid: float = key(4.0, _factor, "py-spy samples per second the daemon takes of one non-root user's processes (bursts of 2 s worth)")
+    captures_per_uid: int = key(1, _count, "captures (hangs and dumps) of one non-root user's processes in flight at once; more wait")
+    capture_seconds_per_uid: float = key(600.0, _seconds, "seconds of capture one non-root user's processes may use per hour; past it their hangs wait")
+    dumps_per_uid_per_minute: int = key(6, _count, "exception dumps of one non-root user ingested per minute; more are refused and counted")
+    incidents_per_uid_per_minute: int = key(6, _count, "incidents filed for one non-root user per minute; more are refused and counted")
+    spool_bytes_per_uid: int = key(64 << 20, parse_size, "bytes of one non-root user's reports kept in the full-disk spool (\"64MiB\")")
+    log_lines_per_uid_per_minute: int = key(60, _count, "log lines about one non-root user's files per minute; the rest are counted, not written")
+    store: str = key("", _store_url, "shared S3-compatible store for job incidents across nodes, s3://BUCKET/PREFIX "
+        "(endpoint and credentials from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ..., or a role); \"\" for none")
+    node_name: str = key("", _optional_path, "this node's name in the store, records and metrics; \"\" means the host name")
+    store_poll_interval: float = key(2.0, _seconds, "seconds between polls of the store for capture requests, per watched job")
+    store_spool_max: int = key(1000, _count, "uploads kept queued on disk while the store is down (the oldest dropped first)")
+    job_incident_window: float = key(300.0, _seconds, "seconds during which a job's hang reported by any node is the same job incident")
+    on_hang: str = key("report", _one_of("report", "abort"),
+        "after a hang's incident is stored: report (send no signal; a GPU dump, see gpu_dump, still ends "
+        "the process it dumps) or abort (SIGABRT its ranks on this node, SIGKILL after abort_grace); a "
+        "job's own hangwatchd run --on-hang wins")
+    abort_grace: float = key(10.0, _seconds, "seconds between SIGABRT and SIGKILL when a hung job is aborted")
+    abort_on_request: bool = key(False, _bool, "also end a job's ranks here (those whose policy is abort) when another node "
+        "declared the job hung, through the store, though they look healthy here; off: only "
+        "this node's own judgement ends a process (anyone with the store's keys can write a request)")
+    log_format: str = key("json", _one_of("json", "console"), "json: one JSON object a line; console: for a person")
+    log_level: str = key("info", _one_of("debug", "info", "warning", "error"), "the least severe events logged")
 
     @property
     def dumps(self) -> Path:
@@ -373,6 +328,10 @@ class Config:
     @property
     def driver_logs(self) -> Path:
         return Path(self.runtime_dir) / "driver-logs"
+
+
+# Every key by name, read from Config's fields (each declared there once).
+KEYS: dict[str, Key] = {f.name: f.metadata["key"] for f in dataclasses.fields(Config)}
 
 
 def _validate(values: Mapping[str, Any], where: str) -> dict[str, Any]:

@@ -33,6 +33,7 @@ HANG_REASONS = ("heartbeat", "stack")  # the detectors that declare a hang (dete
 EXCEPTION_TYPES = tuple(dict.fromkeys((*EXCEPTIONS.values(), "UNREADABLE", "OTHER")))
 # The XIDs the daemon listens for (NVML's critical error events), by number; any other is "other".
 INDEX_REBUILD_REASONS = ("corrupt", "missing")  # why an incident index was rebuilt at start (incidents/heal.py)
+PASSES = ("look", "discovery", "rescan")  # what a pass of the loop is (hangwatchd_loop_passes_total)
 XID_LABELS = ("13", "31", "43", "48", "63", "64", "74", "79", "94", "95", "109", "119", "other")
 
 
@@ -89,6 +90,7 @@ class Metrics:
     jobs_aborted: Counter
     xid_errors: Counter
     index_rebuilds: Counter
+    passes: Counter
     const: dict[str, str]
     # (reason, job) -> the incident id its series carries now: one series each, the latest.
     _last: dict[tuple[str, str], str] = field(default_factory=dict)
@@ -182,6 +184,9 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
         index_rebuilds=Counter("hangwatchd_index_rebuilds_total", "Incident indexes rebuilt from the incident "
                                "directories as the daemon started, by why: corrupt (moved aside and kept) or missing "
                                "(lost while incidents were stored).", labels("reason"), registry=reg),
+        passes=Counter("hangwatchd_loop_passes_total", "Passes the loop made, by what: a look at a watched process "
+                       "(look), a discovery scan handed in (discovery), a rescan of the registrations (rescan). What "
+                       "marks that the daemon looked, where nothing else happens.", labels("what"), registry=reg),
         const=const,
     )
     # Every series an alert reads, present at 0 from the start, so increase() sees the first event.
@@ -197,6 +202,8 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
     m.jobs_aborted.labels(**const)
     for why in INDEX_REBUILD_REASONS:
         m.index_rebuilds.labels(**m.labels(reason=why))
+    for what in PASSES:
+        m.passes.labels(**m.labels(what=what))
     m.loop_duration.labels(**const)
     m.loop_cpu.labels(**const)
     m.store_write_failures.labels(**const)

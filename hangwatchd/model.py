@@ -48,6 +48,21 @@ class Registration:
     status_at: UserFile | None = field(default=None, compare=False)
 
 
+def is_job_mate(of: Registration, other: Registration, role: str | None = None) -> bool:
+    """Whether ``other`` is a rank of ``of``'s job: a job is (owner uid, job name), so another
+    user's process under the same name never is, nor is a process without a job, nor a launcher
+    (``role``: what the daemon has learned of ``other``'s role, where it knows more than the
+    registration says). The one definition of a job-mate: every caller asks here."""
+    return (of.job is not None and other.job == of.job and other.uid == of.uid
+            and (role or other.role) != "launcher")
+
+
+def in_job(reg: Registration, job: str, uid: int | None, role: str | None = None) -> bool:
+    """Whether ``reg`` is a rank of user ``uid``'s job ``job`` (``uid`` None: a request from a daemon
+    older than per-owner requests, which named no owner), by the same rule as ``is_job_mate``."""
+    return reg.job == job and (uid is None or reg.uid == uid) and (role or reg.role) != "launcher"
+
+
 class State(str, enum.Enum):
     STARTING = "starting"  # registered, no beat seen yet
     HEALTHY = "healthy"

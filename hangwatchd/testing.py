@@ -26,7 +26,8 @@ from .workload import runtime_files
 T = TypeVar("T")
 
 
-def wait_for(check: Callable[[], T], seconds: float, what: str = "condition", every: float = 0.05) -> T:
+def wait_for(check: Callable[[], T | None], seconds: float, what: str = "condition", every: float = 0.05) -> T:
+    """``check()``'s first true value, asked every ``every`` seconds; TimeoutError after ``seconds``."""
     end = time.monotonic() + seconds
     while True:
         value = check()
@@ -85,7 +86,7 @@ class ScratchDaemon:
         full_env = dict(os.environ, **(env or {}))
         self._log = open(self.log, "ab")
         self.proc = subprocess.Popen(argv, stderr=self._log, env=full_env)
-        self.info = wait_for(self._ready, 20, "the daemon's start")
+        self.info: dict[str, Any] = wait_for(self._ready, 20, "the daemon's start")
 
     def _ready(self) -> dict[str, Any] | None:
         if self.proc.poll() is not None:
@@ -121,8 +122,23 @@ class ScratchDaemon:
     def event(self, name: str, seconds: float = 10.0, **fields: Any) -> dict[str, Any]:
         """The first log event ``name`` whose fields match, waited for: the loop logs
         ``incident_stored`` when the worker is done, a moment after the incident settled."""
-        return wait_for(lambda: next((e for e in self.logs() if e.get("event") == name
-                                      and all(e.get(k) == v for k, v in fields.items())), None), seconds, f"a {name} event")
+        def found() -> dict[str, Any] | None:
+            return next((e for e in self.logs() if e.get("event") == name and all(e.get(k) == v for k, v in fields.items())), None)
+
+        return wait_for(found, seconds, f"a {name} event")
+
+    def passes(self, what: str = "look") -> float:
+        """How many passes of this kind the loop has made (``hangwatchd_loop_passes_total``)."""
+        return self.metric("hangwatchd_loop_passes_total", what=what) or 0.0
+
+    def looked(self, times: int = 1, what: str = "look", seconds: float = 30.0, after: float | None = None) -> None:
+        """Wait until the loop has made ``times`` more passes of this kind from now (or from ``after``, a
+        Unix time: when a verdict would have come): what marks that the daemon looked again, where
+        nothing else would happen. Never a fixed sleep, which a slow daemon passes without looking."""
+        if after is not None:
+            wait_for(lambda: time.time() >= after, max(0.0, after - time.time()) + 1.0, "the moment to look after")
+        start = self.passes(what)
+        wait_for(lambda: self.passes(what) >= start + times, seconds, f"{times} more {what} passes of the loop", every=0.1)
 
     def settled(self) -> list[dict[str, Any]]:
         """The stored incidents whose evidence is all in: an incident is listed once its stacks are,
@@ -236,7 +252,7 @@ def _gpu_workload(args: argparse.Namespace) -> int:
             if args.fr == "answer":
                 threading.Thread(target=write_trace, args=(first_delay,), daemon=True).start()
 
-    _device = open(args.hold_device, "rb") if args.hold_device else None  # noqa: SIM115 - held for life
+    _device = open(args.hold_device, "rb") if args.hold_device else None  # held for life
     cuda_fd = fr_fd = None
     if args.cuda != "none":
         cuda_fd = _fifo(os.environ["CUDA_COREDUMP_PIPE"].replace("%p", str(pid)).replace("%h", host))

@@ -136,7 +136,7 @@ def flight_recorder(args: argparse.Namespace) -> None:
                 print("answered", flush=True)
 
 
-def cuStreamSynchronize() -> None:  # noqa: N802 - named like the driver's call, which it is not
+def cuStreamSynchronize() -> None:  # named like the driver's call, which it is not
     while True:
         time.sleep(0.1)
 

@@ -121,8 +121,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # its resource tracker) are ours to stop, as a daemon stops them at exit.
     from multiprocessing import forkserver, resource_tracker
 
-    forkserver._forkserver._stop()  # noqa: SLF001 - the one way to stop them before exit
-    resource_tracker._resource_tracker._stop()  # noqa: SLF001
+    forkserver._forkserver._stop()  # type: ignore[attr-defined]  # private: the one way to stop them before exit
+    resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]  # private, as above
     leaks = reap_leaks(SESSION, os.environ.get(SESSION, "-"))
     if leaks:
         sys.stderr.write(f"\nthe test run left {len(leaks)} processes running (killed now):\n  " + "\n  ".join(leaks) + "\n")

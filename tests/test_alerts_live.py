@@ -102,7 +102,7 @@ class Prometheus:
         return [a for a in self.api("alerts")["alerts"] if a["state"] in ("pending", "firing")]
 
     def query(self, expr: str) -> list[dict[str, Any]]:
-        return self.api("query", query=expr)["result"]  # type: ignore[no-any-return]
+        return self.api("query", query=expr)["result"]
 
     def stop(self) -> None:
         stop(self.proc)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from hangwatchd.analyze.verdict import analyze
 from hangwatchd.cudacore.symbolize import symbolize
+from hangwatchd.host.deadline import Deadline
 from hangwatchd.testing import ScratchDaemon, stop, wait_for
 
 from .conftest import FIXTURES, extract, hangwatchd
@@ -100,7 +101,7 @@ def test_a_hostile_pickle_is_refused_not_run(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
 
     class Evil:
-        def __reduce__(self):  # type: ignore[no-untyped-def]
+        def __reduce__(self) -> tuple[object, tuple[str]]:
             return (os.system, (f"touch {marker}",))
 
     pdir = tmp_path / "300"
@@ -282,7 +283,7 @@ def test_a_capture_is_stored_even_when_its_analysis_fails(tmp_path: Path, monkey
     from hangwatchd.model import Suspicion
     from hangwatchd.workload.registration_file import from_proc
 
-    def broken(_path: Path):  # type: ignore[no-untyped-def]
+    def broken(_path: Path) -> None:
         raise KeyError("a bug in the analysis")
 
     monkeypatch.setattr(make_incident, "analyze", broken)
@@ -292,7 +293,7 @@ def test_a_capture_is_stored_even_when_its_analysis_fails(tmp_path: Path, monkey
         assert reg is not None
         store = Store(tmp_path / "state")
         store.open()
-        incident_id = make_incident.make_incident(store, [(ProcStep(), 5.0)], [reg], Suspicion("heartbeat", "test", 0.0), 30.0)
+        incident_id = make_incident.make_incident(store, [(ProcStep(), 5.0)], [reg], Suspicion("heartbeat", "test", 0.0), Deadline.after(30.0))
     finally:
         stop(p, sig=signal.SIGKILL)
     (inc,) = store.list()
@@ -354,7 +355,7 @@ def test_the_detector_the_gpu_dump_gate_and_the_verdict_read_one_catalogue(tmp_p
                                                          {"thread_name": "nccl", "frames": proxy}]))
     (v,) = analyze(tmp_path).ranks
     assert v.verdict == verdict, v
-    names = frames + [f["name"] for f in proxy]
+    names = [str(n) for n in frames] + [str(f["name"]) for f in proxy]
     blocked, idle = classify(names, BLOCKING, IDLE)
     assert (blocked is not None) == (verdict != "idle-python") and idle == (verdict == "idle-python")
     if gate:

@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ def env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=f"{WORKLOADS}{os.pathsep}{ROOT}")
 
 
-def started(proc: subprocess.Popen[str]) -> None:
+def started(proc: subprocess.Popen[Any]) -> None:  # started with text=True
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line.startswith("READY"), f"the workload did not start: {line!r}"
@@ -194,7 +193,7 @@ def test_workers_of_a_watched_process_are_not_discovered_as_processes_of_their_o
                 return [p["pid"] for p in json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)["processes"]]
 
             assert wait_for(watched, 10, "the parent discovered") == [work.pid]
-            time.sleep(1.0)  # three more discovery passes (no event marks a pass that found nothing new)
+            d.looked(3, what="discovery")  # three more discovery passes, each handed to the loop
             assert watched() == [work.pid]
         finally:
             stop(work, group=True)
@@ -217,7 +216,8 @@ def gpu_incident(tmp_path: Path, own: dict[str, int] | None, device: int, dump: 
     if dump:
         sym = symbolize(FIXTURES / "triton_hang" / "coredump.nvcudmp.xz").to_dict()
         if dump == "none":
-            sym["kernels"] = [dict(k, status="pending", sms=[]) for k in sym["kernels"]]
+            kernels: list[dict[str, Any]] = sym["kernels"]  # type: ignore[assignment]  # to_dict is JSON: a list of dicts here
+            sym["kernels"] = [dict(k, status="pending", sms=[]) for k in kernels]
             sym["pcs"] = []
         (pdir / "symbolized.json").write_text(json.dumps(sym))
     nvml: dict[str, Any] = {
@@ -368,8 +368,8 @@ def test_a_dataloader_incident_put_together_by_hand_leads_with_the_stuck_worker(
     assert page.count("<h2>Process ") == 1  # the children are not shown again as hung processes
 
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402 - hypothesis only for the property tests below
+from hypothesis import strategies as st  # noqa: E402 - hypothesis only for the property tests below
 
 _VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-2, 100) | st.floats(allow_nan=False) | st.text(max_size=12),

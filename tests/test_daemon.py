@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ TIMEOUT = 2.0
 
 
 @pytest.fixture
-def daemon(tmp_path: Path):  # type: ignore[no-untyped-def]
+def daemon(tmp_path: Path) -> Iterator[ScratchDaemon]:
     d = ScratchDaemon(tmp_path)
     yield d
     d.stop()
@@ -98,7 +99,7 @@ def test_a_healthy_workload_raises_nothing_and_an_exited_one_is_forgotten(daemon
     try:
         assert quick.wait(10) == 0
         wait_for(lambda: any(e.get("event") == "process_forgotten" for e in daemon.logs()), 10, "forgetting")
-        time.sleep(3)
+        daemon.looked(3)  # the healthy one looked at again past its 1 s timeout: a look at each deadline
         assert daemon.store().list() == []
         assert daemon.metric("hangwatchd_hangs_total", reason="heartbeat") == 0.0
         st = json.loads(hangwatchd("status", "--json", "--runtime-dir", str(daemon.runtime_dir)).stdout)
@@ -287,10 +288,11 @@ def test_a_dump_written_while_the_daemon_was_down_is_ingested_at_start_and_only_
         assert "WARP_ILLEGAL_ADDRESS" in inc["summary"]
     # The same dump again (restored from a backup, say): remembered across the restart, not ingested twice.
     raw_dump(dump_dir, 4242)
-    with ScratchDaemon(tmp_path) as d:
-        time.sleep(3)
-        assert len(d.store().list()) == 1
-        assert dump.exists()
+    d = ScratchDaemon(tmp_path)
+    d.event("daemon_ready")  # the dump dir was scanned before it
+    d.stop()  # and a capture handed out at start would have finished: stopping waits for every one
+    assert len(d.store().list()) == 1
+    assert dump.exists()
 
 
 def test_an_inotify_overflow_rescans_registrations_and_dumps(tmp_path: Path) -> None:
@@ -345,7 +347,7 @@ def test_a_captured_hang_rearms_only_after_the_process_beats_again(tmp_path: Pat
             assert all(i["reason"] == "heartbeat" for i in incs)
             recovered = [e for e in d.logs() if e.get("event") == "process_recovered"]
             assert len(recovered) == 1 and "new beats" in str(recovered[0]["why"])
-            time.sleep(3)
+            d.looked(4)  # looked at again past its 1 s timeout while it stays silent: captured, not declared again
             assert len(d.store().list()) == 2
         finally:
             stop(work)

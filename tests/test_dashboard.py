@@ -136,7 +136,7 @@ def test_the_metrics_table_is_what_the_daemon_exports(exported: set[str]) -> Non
     families = {n for n in exported if n.startswith("hangwatchd_")
                 and not re.search(r"_(bucket|sum|count|created)$", n)}
     # a counter's family also shows without _total in TYPE-derived names: compare by the documented spelling
-    families = {n for n in families if not (n + "_total") in families}
+    families = {n for n in families if (n + "_total") not in families}
     assert documented == families
 
 
@@ -160,7 +160,7 @@ def test_the_dashboard_shows_the_workloads_job_names_in_a_real_prometheus(tmp_pa
 
         variables = {v["name"]: v for v in json.loads(DASHBOARD.read_text())["templating"]["list"]}
         for name, want in (("Hostname", {"node-dash"}), ("workload_job", jobs)):
-            metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", variables[name]["definition"]).groups()  # type: ignore[union-attr]
+            metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", variables[name]["definition"]).groups()  # type: ignore[union-attr]  # the pattern matches, or the test fails right here
             assert set(prom.api(f"label/{label}/values", **{"match[]": metric})) == want, name
 
         every = {"$__rate_interval": "1m", "$__range": "1h", "$Hostname": ".*", "$workload_job": ".*"}

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import tomllib
 from pathlib import Path
 from typing import Any
 
+import tomllib
 import yaml
 
 from hangwatchd import config

@@ -103,8 +103,8 @@ def test_gpu_dumps_on_one_gpu_are_triggered_one_at_a_time(tmp_path: Path, shared
             else:
                 assert asked[1] - asked[0] < 0.5
         finally:
-            for r in ranks:
-                stop(r)
+            for rank in ranks:
+                stop(rank)
 
 
 @pytest.mark.parametrize("mode, expect", [
@@ -270,7 +270,7 @@ def test_a_wait_for_a_file_ends_when_its_writer_is_gone(tmp_path: Path) -> None:
         writer = subprocess.Popen([sys.executable, "-c", code])
         try:
             start = time.monotonic()
-            found = watch.wait(120.0, lambda: writer.poll() is not None)
+            found = watch.wait(120.0, lambda: writer.poll() is not None)  # noqa: B023 - waited for here, in this turn
             waited = time.monotonic() - start
         finally:
             writer.wait(30)

@@ -18,7 +18,7 @@ from . import podman
 from .conftest import FIXTURES
 
 ROOT = Path(__file__).resolve().parent.parent
-VERSION = re.search(r'^version = "(.*)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)  # type: ignore[union-attr]
+VERSION = re.search(r'^version = "(.*)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)  # type: ignore[union-attr]  # the pattern matches, or the test fails right here
 
 
 @pytest.fixture(scope="module")

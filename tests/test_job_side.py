@@ -61,10 +61,10 @@ def _imports(rel: str) -> tuple[set[str], list[tuple[str, bool]]]:
         if isinstance(node, ast.Try):
             catches = any(isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError")
                           for h in node.handlers)
-            for child in node.body:
-                visit(child, guarded or catches)
-            for child in [*node.handlers, *node.orelse, *node.finalbody]:
-                visit(child, guarded)
+            for stmt in node.body:
+                visit(stmt, guarded or catches)
+            for other in [*node.handlers, *node.orelse, *node.finalbody]:
+                visit(other, guarded)
             return
         if isinstance(node, ast.Import):
             for a in node.names:
@@ -127,9 +127,9 @@ def test_the_job_side_reads_as_python_3_9(rel: str) -> None:
             continue
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr) and id(node) not in annotations:
             text = ast.unparse(node)
-            assert "None" not in text.split(" | "), f"{rel}:{node.lineno}: {text} is evaluated (Python 3.10+)"
+            assert "None" not in text.split(" | "), f"{rel}:{getattr(node, 'lineno', '?')}: {text} is evaluated (Python 3.10+)"
         name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
-        assert name not in AFTER_3_9, f"{rel}:{node.lineno}: {name} is newer than Python 3.9"
+        assert name not in AFTER_3_9, f"{rel}:{getattr(node, 'lineno', '?')}: {name} is newer than Python 3.9"
         if isinstance(node, ast.Call):
             callee = ast.unparse(node.func)
             for kw in node.keywords:

@@ -89,7 +89,7 @@ def test_every_rank_below_a_launcher_is_watched_and_the_hung_one_is_captured_wit
             proc0 = json.loads((Path(inc["dir"]) / str(ranks[0]["pid"]) / "proc.json").read_text())
             assert (proc0["rank"], proc0["world_size"], proc0["job"]) == (0, 2, "J")
 
-            time.sleep(3)  # past the startup grace: the launcher, which never beats, is not hung
+            d.looked(6, after=time.time() + 3)  # looked at past the startup grace: the launcher, which never beats, is not hung
             assert len(d.store().list()) == 1
             after = {p["pid"]: p for p in status(d)}
             assert after[launcher["pid"]]["state"] == "healthy"
@@ -162,7 +162,7 @@ def test_a_workload_that_never_beats_is_not_hung_after_the_startup_grace(tmp_pat
             (inc,) = wait_for(d.settled, 20, "the declared one's incident", every=0.2)
             meta = json.loads((Path(inc["dir"]) / "incident.json").read_text())
             assert inc["job"] == "batch" and "no first beat" in meta["detail"]
-            time.sleep(2.0)
+            d.looked(4, after=time.time() + 2)  # the server looked at again: watched by its stack, never hung for a beat
             assert [i["job"] for i in d.store().list()] == ["batch"]
             (p,) = [p for p in status(d) if p["job"] == "server"]
             assert p["state"] == "healthy" and p["beats"] == 0
@@ -210,7 +210,7 @@ def test_a_launcher_known_by_name_is_never_hung_for_its_own_beats(tmp_path: Path
         try:
             (p,) = wait_for(lambda: status(d), 20, "the launcher registered")
             assert p["role"] == "launcher"
-            time.sleep(4)  # twice the startup grace, four times its timeout
+            d.looked(4, after=time.time() + 4)  # looked at past twice the startup grace, four times its timeout
             assert d.store().list() == []
             assert status(d)[0]["state"] == "healthy"
         finally:

@@ -117,7 +117,11 @@ def import_loops(root: Path) -> list[str]:
     A package and its own submodules count like any other pair: ``capture/__init__`` may
     gather its steps, and a step must then not import ``capture`` back."""
     graph = {module_name(root, p): sorted(imports_of(root, p)) for p in sorted(root.rglob("*.py"))}
-    loops, index, low, stack, on_stack = [], {}, {}, [], set()
+    loops: list[str] = []
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
 
     def visit(v: str) -> None:  # Tarjan's strongly connected components
         index[v] = low[v] = len(index)

@@ -161,7 +161,7 @@ def test_the_ring_keeps_only_the_newest_exits() -> None:
     assert pe.start(), pe.off
     try:
         pids = []
-        for i in range(40):
+        for _i in range(40):
             p = child(lambda: os._exit(0))
             os.waitpid(p, 0)
             pids.append(p)

@@ -23,6 +23,7 @@ from hangwatchd.analyze.verdict import analyze
 from hangwatchd.capture.nccl_ras import NcclRasStep
 from hangwatchd.capture.pipeline import run_steps
 from hangwatchd.host import procfs
+from hangwatchd.host.deadline import Deadline
 from hangwatchd.model import Registration
 from hangwatchd.testing import stop
 from hangwatchd.workload import registration_file
@@ -115,7 +116,7 @@ def test_the_step_asks_a_real_ras_speaking_server_and_keeps_both_answers(tmp_pat
         reg = workload(server.addr)
         out = tmp_path / "incident" / str(reg.process.pid)
         out.mkdir(parents=True)
-        files = NcclRasStep().run(reg, out, 3.0)
+        files = NcclRasStep().run(reg, out, Deadline.after(3.0))
     finally:
         server.close()
     assert files == ("nccl-ras.txt", "nccl-ras.json")
@@ -165,7 +166,8 @@ def test_ranks_sharing_a_ras_address_ask_it_once_per_incident(tmp_path: Path, wo
         regs = [workload(server.addr), workload(server.addr)]
         for reg in regs:
             (tmp_path / "inc" / str(reg.process.pid)).mkdir(parents=True)
-        threads = [threading.Thread(target=step.run, args=(r, tmp_path / "inc" / str(r.process.pid), 3.0)) for r in regs]
+        threads = [threading.Thread(target=step.run, args=(r, tmp_path / "inc" / str(r.process.pid), Deadline.after(3.0)))
+                   for r in regs]
         for t in threads:
             t.start()
         for t in threads:
@@ -176,7 +178,7 @@ def test_ranks_sharing_a_ras_address_ask_it_once_per_incident(tmp_path: Path, wo
             assert (tmp_path / "inc" / str(reg.process.pid) / "nccl-ras.txt").read_bytes() == (RAS / "dead-70s.txt").read_bytes()
             assert not (tmp_path / "inc" / str(reg.process.pid) / "nccl-ras.json").exists()
         (tmp_path / "inc2" / "1").mkdir(parents=True)
-        step.run(regs[0], tmp_path / "inc2" / "1", 3.0)  # the next incident asks again
+        step.run(regs[0], tmp_path / "inc2" / "1", Deadline.after(3.0))  # the next incident asks again
         assert server.connections == 4
     finally:
         server.close()
@@ -191,7 +193,7 @@ def test_an_unreachable_ras_port_is_one_na_line_within_its_deadline(tmp_path: Pa
     try:
         reg = workload(addr)
         start = time.monotonic()
-        cap = run_steps([(NcclRasStep(), 1.0)], reg, tmp_path / "x" / str(reg.process.pid), 30.0)
+        cap = run_steps([(NcclRasStep(), 1.0)], reg, tmp_path / "x" / str(reg.process.pid), Deadline.after(30.0))
         took = time.monotonic() - start
     finally:
         if server:
@@ -218,7 +220,7 @@ def test_the_address_is_the_processs_own_then_the_registered_then_the_default() 
 def test_a_remote_ras_address_is_refused_without_a_connection(tmp_path: Path, workload) -> None:
     reg = workload("192.0.2.1:28028")  # TEST-NET: root never connects where a user's environment points
     start = time.monotonic()
-    cap = run_steps([(NcclRasStep(), 2.0)], reg, tmp_path / "x" / str(reg.process.pid), 30.0)
+    cap = run_steps([(NcclRasStep(), 2.0)], reg, tmp_path / "x" / str(reg.process.pid), Deadline.after(30.0))
     (res,) = cap.steps
     assert time.monotonic() - start < 0.5 and res.not_applicable and res.error is not None
     assert res.error.startswith("NCCL_RAS_ADDR") and "not an address of this node" in res.error
@@ -327,7 +329,7 @@ def test_run_gives_each_workload_its_own_ras_address_and_the_flight_recorder_nam
         procs = [d.run([sys.executable, "-c", RUN_CODE], stdout=subprocess.PIPE, env=env)
                  for env in (dict(os.environ), dict(os.environ), dict(os.environ, NCCL_RAS_ADDR=mine, TORCH_NCCL_TRACE_BUFFER_SIZE="77"))]
         try:
-            seen = [json.loads(p.stdout.readline()) for p in procs]
+            seen = [json.loads(p.stdout.readline()) for p in procs if p.stdout is not None]
         finally:
             stop(*procs, sig=signal.SIGKILL)
     a, b, user = seen
@@ -353,7 +355,9 @@ def test_the_daemon_asks_the_jobs_ras_and_blames_the_dead_peer(tmp_path: Path) -
                 # the answer is the real job's, with its surviving rank's pid made our workload's
                 assert p.stdout is not None
                 pid = json.loads(p.stdout.readline())["pid"]
+                assert server.text is not None
                 server.text = server.text.replace(b"786", str(pid).encode())
+                assert server.js is not None
                 server.js = server.js.replace(b"786", str(pid).encode())
                 (inc,) = wait_for(d.settled, 30, "an incident")
             finally:

@@ -161,12 +161,12 @@ class Attacker:
                              group=NOBODY, extra_groups=[], cwd="/", stdout=subprocess.PIPE, text=True,
                              start_new_session=True, env=env)
         self.procs.append(p)
-        line = p.stdout.readline().split()  # type: ignore[union-attr]
+        line = p.stdout.readline().split()  # type: ignore[union-attr]  # started with a PIPE
         assert line and line[0] == "registered", line
         return p, line[1:]
 
     def spawn(self, argv: list[str], **kw: object) -> subprocess.Popen[str]:
-        p = subprocess.Popen(argv, start_new_session=True, text=True, **kw)  # type: ignore[call-overload]
+        p = subprocess.Popen(argv, start_new_session=True, text=True, **kw)  # type: ignore[call-overload]  # **kw holds Popen's own keywords
         self.procs.append(p)
         return p
 
@@ -194,7 +194,7 @@ class RootHang:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        for line in self.proc.stdout:  # type: ignore[union-attr]
+        for line in self.proc.stdout:  # type: ignore[union-attr]  # started with a PIPE
             if b"stopped beating" in line:
                 self.stopped.append(time.monotonic())
 
@@ -322,7 +322,8 @@ os.rename(tmp, os.path.join({str(dumps)!r}, 'nodump_{socket.gethostname()}.{pid}
             assert stored["pids"] == [] and stored["reason"] == "unattributed-dump"
             assert d.metric("hangwatchd_incidents_total", reason="gpu-exception") == 0.0
             assert d.metric("hangwatchd_incidents_total", reason="unattributed-dump") == 1.0
-            assert d.metric("hangwatchd_gpu_exceptions_total", type="WARP_ILLEGAL_ADDRESS") == 0.0  # its series exists at 0 from the start (alerts): not counted
+            # Its series exists at 0 from the start (alerts): not counted.
+            assert d.metric("hangwatchd_gpu_exceptions_total", type="WARP_ILLEGAL_ADDRESS") == 0.0
             # Filed as the attacker's own: the attacker may read it, and `hangwatchd show` works for them.
             assert nobody_can_read(Path(inc["dir"]) / "incident.json")
             shown = as_nobody_cli("show", str(inc["id"]), "--state-dir", str(d.state_dir))
@@ -370,7 +371,7 @@ def test_beat_and_status_files_swapped_after_acceptance_cost_only_that_registrat
             wait_for(lambda: not (pids & watched_pids(d)), 15, "every tampered registration dropped")
             assert refusals(d, "tampered_") == len(swaps)
             victim.stored_in_time()
-            time.sleep(2)  # a rescan or two: none comes back while its files stay swapped
+            d.looked(2, what="rescan")  # two rescans: none comes back while its files stay swapped
             assert not (pids & watched_pids(d))
             assert not [i for i in d.store().list() if set(i["processes"]) & pids]
             assert d.proc.poll() is None
@@ -381,7 +382,7 @@ def test_beat_and_status_files_swapped_after_acceptance_cost_only_that_registrat
             victim.stop()
         # Its processes end with their beat files still swapped: the cleanup must not stop the daemon either.
         attacker.stop()
-        time.sleep(1.5)
+        d.looked(2, what="rescan")  # the daemon went on: it rescanned what the cleanup left, twice
         assert d.proc.poll() is None
 
 
@@ -492,7 +493,7 @@ for n in range(3000):
     os.rename(tmp, os.path.join({str(dumps)!r}, {f"core_{socket.gethostname()}.{pid}."!r} + str(n) + '.nvcudmp'))
     time.sleep(0.02)
 """], user=NOBODY, group=NOBODY, extra_groups=[], cwd="/")
-            assert b"stopped beating" in work.stdout.readline()  # type: ignore[union-attr]
+            assert b"stopped beating" in work.stdout.readline()  # type: ignore[union-attr]  # started with a PIPE
             stopped = time.monotonic()
             inc = wait_for(lambda: next((i for i in d.settled() if i["reason"] == "heartbeat"), None), 60, "the incident")
             data = json.loads((Path(inc["dir"]) / "incident.json").read_text())
@@ -505,7 +506,7 @@ for n in range(3000):
             if work.poll() is None:
                 os.killpg(work.pid, signal.SIGKILL)
             work.wait()
-            work.stdout.close()  # type: ignore[union-attr]
+            work.stdout.close()  # type: ignore[union-attr]  # started with a PIPE
 
 
 def test_the_per_user_limits_are_validated(tmp_path: Path) -> None:

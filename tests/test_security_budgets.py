@@ -100,7 +100,7 @@ for where in ({str(dump_dir)!r}, {str(d.state_dir / 'dumps')!r}):
     assert (dump_dir / "core_x.1.1.nvcudmp.part").stat().st_size == 60 * GiB
     with ScratchDaemon(base / "d", config=config) as d:
         checked = wait_for(lambda: events(d, "retention_checked"), 20, "retention to run")
-        assert int(checked[0]["store_bytes"]) < 64 << 20  # its own incidents, not the planted file
+        assert int(str(checked[0]["store_bytes"])) < 64 << 20  # its own incidents, not the planted file
         assert events(d, "retention_removed") == []
         assert [i["id"] for i in d.store().list()] == [kept["id"]]
         assert Path(str(kept["dir"])).is_dir()
@@ -217,7 +217,7 @@ def test_every_body_read_from_the_store_is_capped(s3: S3Server, tmp_path: Path) 
         client.list_objects_v2(Bucket=s3.bucket, Prefix="hw/none")
         tracemalloc.start()
         try:
-            assert agent._get_latest("j", 1000, conditional=False) is None  # noqa: SLF001 - the poller's one read
+            assert agent._get_latest("j", 1000, conditional=False) is None  # the poller's one read
             assert reader.job_incidents(parse(s3.url()), "j", client=client) == []
             peak = tracemalloc.get_traced_memory()[1]
         finally:
@@ -421,8 +421,8 @@ def test_a_users_control_characters_reach_no_terminal(base: Path, attacker: Atta
                            user=NOBODY, group=NOBODY, extra_groups=[], cwd="/", stdout=subprocess.PIPE)
         assert p.stdout is not None and p.stdout.readline().startswith("registered")
         # status.json is written off the loop, at most once a second: wait until the process shows.
-        status = wait_for(lambda: (r := cli("status", "--runtime-dir", str(d.runtime_dir))).returncode == 0
-                          and str(p.pid) in r.stdout and r, 10, "the attacker's process in hangwatchd status")
+        status = wait_for(lambda: r if (r := cli("status", "--runtime-dir", str(d.runtime_dir))).returncode == 0
+                          and str(p.pid) in r.stdout else None, 10, "the attacker's process in hangwatchd status")
         shown_escaped(status.stdout, whole=False)  # the table cuts a job name at 32 characters
         (inc,) = wait_for(lambda: [i for i in d.store().list() if p.pid in i["processes"]], 30, "the attacker's hang stored")
         listed = cli("incidents", "--state-dir", str(d.state_dir))
@@ -472,7 +472,7 @@ def test_symbol_names_from_a_dump_reach_no_terminal_raw(tmp_path: Path) -> None:
     raw = tmp_path / "d.nvcudmp"
     raw.write_bytes(lzma.decompress((FIXTURES / "cpp_ima" / "coredump.nvcudmp.xz").read_bytes()))
     data = symbolize(raw, nvdisasm=None).to_dict()
-    real = data["kernels"][0]["name"]
+    real = data["kernels"][0]["name"]  # type: ignore[index]  # to_dict is JSON: a list of dicts here
     text = json.dumps(data).replace(json.dumps(real)[1:-1], json.dumps(HOSTILE)[1:-1])
     out = gpu.render(Symbolized.from_dict(json.loads(text)))
     assert not any(c in out for c in "\x1b\x07\r\u202e\x9b") and "evil\\x1b]0;owned" in out
@@ -551,7 +551,7 @@ def test_the_symbolising_child_runs_as_the_dumps_owner_or_nobody(owner: int, bas
     t = threading.Thread(target=lambda: done.append(_stopped(sandbox, dump, pidfile)))
     t.start()
     try:
-        pid = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), 10, "the child's helper"))
+        pid = int(wait_for(lambda: pidfile.read_text() if pidfile.exists() else None, 10, "the child's helper"))
         uids, gids, groups = _ids(pid)
         want = str(owner or NOBODY)
         assert uids == [want] * 4 and groups == "", (uids, groups)

@@ -33,9 +33,7 @@ from hangwatchd.testing import ScratchDaemon, stop, wait_for, workload_argv
 from hangwatchd.workload import exits
 from tests.s3server import S3Server
 
-from .test_security import (  # noqa: F401  (base and attacker are fixtures)
-    NOBODY, QUICK, SYSTEM_PYTHON, TIMEOUT, Attacker, RootHang, all_bytes, attacker, base, needs_root, refusals,
-    watched_pids)
+from .test_security import NOBODY, QUICK, SYSTEM_PYTHON, TIMEOUT, Attacker, RootHang, all_bytes, attacker, base, needs_root, refusals, watched_pids  # noqa: F401 - fixtures (base, attacker) and names the tests below use
 
 VICTIM = 4243  # a second ordinary user, whose job the attacker goes after
 SLACK = 10.0  # a hang during an attack is stored within its timeout + this
@@ -174,12 +172,12 @@ def test_an_exit_record_of_another_user_never_joins_a_job(tmp_path: Path) -> Non
     gone = exits.Departures(tmp_path, keep=600)
     for r in (mine, theirs):
         gone.add(exits.Departed(r, time.time(), None, 0))
-    assert [d.registration for d in gone.of_job("train", os.getuid())] == [mine]
-    assert [d.registration for d in gone.of_job("train", os.getuid() + 1)] == [theirs]
+    assert [d.registration for d in gone.of_job(mine)] == [mine]
+    assert [d.registration for d in gone.of_job(theirs)] == [theirs]
     # A record nested deeper than any of ours is no record, and no error.
     (tmp_path / exits.DIR / exits.file_name(mine.process)).write_bytes(b"[" * 4000)
     assert exits.read(tmp_path, mine.process, os.getuid()) is None
-    assert gone.of_job("train", os.getuid())[0].exit is None
+    assert gone.of_job(mine)[0].exit is None
 
 
 def test_the_notify_proxy_counts_only_what_the_workload_itself_sends(tmp_path: Path) -> None:
@@ -200,10 +198,11 @@ def test_the_notify_proxy_counts_only_what_the_workload_itself_sends(tmp_path: P
         proxy.workload, proxy.workload_uid = procfs.identify(work.pid), os.getuid()
         proxy.start()
         for p in (beside, work):
-            p.stdin.write("go\n")  # type: ignore[union-attr]
-            p.stdin.flush()  # type: ignore[union-attr]
-            assert p.stdout.readline().strip() == "sent"  # type: ignore[union-attr]
-            wait_for(lambda: proxy.dropped + beat_segment.read(str(beat)).count >= (1 if p is beside else 2), 10, "the datagram read")
+            p.stdin.write("go\n")  # type: ignore[union-attr]  # started with a PIPE
+            p.stdin.flush()  # type: ignore[union-attr]  # started with a PIPE
+            assert p.stdout.readline().strip() == "sent"  # type: ignore[union-attr]  # started with a PIPE
+            wanted = 1 if p is beside else 2
+            wait_for(lambda: proxy.dropped + beat_segment.read(str(beat)).count >= wanted, 10, "the datagram read")  # noqa: B023 - waited for here
         assert proxy.dropped == 1
         assert beat_segment.read(str(beat)).count == 1
         wait_for(proxy.status_file.exists, 10, "the workload's STATUS= kept")  # written just after the beat
@@ -319,7 +318,11 @@ def test_notify_datagrams_from_another_user_neither_keep_a_job_alive_nor_reach_s
     upstream = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     upstream.bind(str(base / "systemd.notify"))  # the unit's NOTIFY_SOCKET around hangwatchd run
     got: list[bytes] = []
-    threading.Thread(target=lambda: [got.append(upstream.recv(4096)) for _ in iter(int, 1)], daemon=True).start()
+    def listen() -> None:
+        while True:
+            got.append(upstream.recv(4096))
+
+    threading.Thread(target=listen, daemon=True).start()
     evil_status = "EVIL-" + os.urandom(4).hex()
     with ScratchDaemon(base / "d", config=QUICK) as d:
         work = d.run([sys.executable, "-c", NOTIFY_WORKLOAD], "--heartbeat-timeout", str(TIMEOUT), "--job", "notified",
@@ -342,9 +345,9 @@ while True:
         print("sent", flush=True)
     time.sleep(0.01)
 """], user=NOBODY, group=NOBODY, extra_groups=[], cwd="/", stdout=subprocess.PIPE)
-            assert spam.stdout.readline().strip() == "sent"  # type: ignore[union-attr]
+            assert spam.stdout.readline().strip() == "sent"  # type: ignore[union-attr]  # started with a PIPE
             os.kill(work.pid, signal.SIGUSR1)  # hangwatchd run passes it on: the workload stops beating
-            assert b"stopped beating" in work.stdout.readline()  # type: ignore[union-attr]
+            assert b"stopped beating" in work.stdout.readline()  # type: ignore[union-attr]  # started with a PIPE
             stopped = time.monotonic()
             inc = wait_for(lambda: next((i for i in d.store().list() if i["job"] == "notified"), None), TIMEOUT + 30,
                            "the workload's incident while another user pings for it")
@@ -370,7 +373,7 @@ def test_another_users_process_under_the_same_job_name_never_joins_the_job(base:
         stopped: list[float] = []
 
         def read() -> None:
-            for line in victim.stdout:  # type: ignore[union-attr]
+            for line in victim.stdout:  # type: ignore[union-attr]  # started with a PIPE
                 if "stopped beating" in line:
                     stopped.append(time.monotonic())
 
@@ -435,7 +438,7 @@ while True:
             pass
     time.sleep(0.01)
 """], user=NOBODY, group=NOBODY, extra_groups=[], cwd="/", stdout=subprocess.PIPE)
-        opened = int(holder.stdout.readline())  # type: ignore[union-attr]
+        opened = int(holder.stdout.readline())  # type: ignore[union-attr]  # started with a PIPE
     finally:
         assert d.stop() == 0
     d = ScratchDaemon(base / "d", config=QUICK)  # raises, with the daemon's log, when it cannot start
@@ -490,8 +493,8 @@ os.execv({str(suid)!r}, [{str(suid)!r}, "-c", "import time; time.sleep(600)"])
         wait_for(lambda: f" {proc.pid} " in calls.read_text(), 15, "py-spy on it while it is the attacker's own")
         victim = Hang(d)
         try:
-            proc.stdin.write("go\n")  # type: ignore[union-attr]
-            proc.stdin.flush()  # type: ignore[union-attr]
+            proc.stdin.write("go\n")  # type: ignore[union-attr]  # started with a PIPE
+            proc.stdin.flush()  # type: ignore[union-attr]  # started with a PIPE
             wait_for(lambda: f"{NOBODY}\t0\t0\t0" in Path(f"/proc/{proc.pid}/status").read_text(), 10, "the setuid exec")
             wait_for(lambda: proc.pid not in watched_pids(d), 15, "the process dropped once it became setuid")
             victim.stored_in_time()
@@ -546,7 +549,7 @@ def test_another_users_hang_on_another_node_never_captures_a_job_of_the_same_nam
             (inc,) = wait_for(lambda: [i for i in b.store().list() if i["reason"] == "job-request"], 60,
                               "node B's capture for node A's request")
             assert inc["processes"] == [own_pid]  # the attacker's own rank, not root's of the same name
-            time.sleep(2)
+            b.event("hang_acted", incident=inc["id"])  # node B is done with the request: nothing else of it comes
             assert all(root_pid not in i["processes"] for i in b.store().list())
             assert own.poll() is None
         finally:

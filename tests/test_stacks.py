@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 from hangwatchd.analyze.stacks import gpu_wait
 
@@ -17,7 +18,7 @@ def test_the_hung_triton_job_waits_in_custreamsynchronize(tmp_path: Path) -> Non
 
 
 def test_a_thread_stuck_anywhere_in_libcuda_counts(tmp_path: Path) -> None:
-    stack = [{"frames": [{"name": "0x7f00", "short_filename": "libcuda.so.580.159.04"},
+    stack: list[dict[str, Any]] = [{"frames": [{"name": "0x7f00", "short_filename": "libcuda.so.580.159.04"},
                          {"name": "cuLaunchKernel", "short_filename": "libcuda.so.580.159.04"},
                          {"name": "main", "filename": "train.py", "line": 3}]}]
     (tmp_path / "pyspy-native.json").write_text(json.dumps(stack))

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-import pytest
 
 from hangwatchd.testing import ScratchDaemon, stop, wait_for
 
@@ -21,7 +18,7 @@ FAST = {"stack_interval": 0.5, "stack_window": 3.0, "pyspy_native": False, "gpu_
 
 
 def python(code: str, **kw: object) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-c", code], **kw)  # type: ignore[call-overload]
+    return subprocess.Popen([sys.executable, "-c", code], **kw)  # type: ignore[call-overload]  # **kw holds Popen's own keywords
 
 
 def test_discovery_finds_a_gpu_process_that_never_imports_hangwatchd_and_catches_its_deadlock(tmp_path: Path, fake_gpu: Path) -> None:

@@ -19,7 +19,7 @@ from .score import FALSE_ALARM, HALF, MISSED, RIGHT, SKIPPED, WRONG
 from .watch import Outcome
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _figures import RESULTS, commit  # noqa: E402
+from _figures import RESULTS, commit
 
 GATE_RIGHT_PCT = 95.0
 LINE_WIDTH = 110

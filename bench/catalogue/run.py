@@ -38,14 +38,14 @@ if __package__ in (None, ""):  # run as a file: make ``bench.catalogue`` and ``h
     __package__ = "bench.catalogue"
 
 try:
-    from hangwatchd.testing import ScratchDaemon  # noqa: E402
+    from hangwatchd.testing import ScratchDaemon
 except ImportError as exc:  # a python without the project's dependencies (the shebang's python3)
     raise SystemExit(f"catalogue: {exc}; run it with the project's venv: .venv/bin/python bench/catalogue/run.py "
                      "(./dev sets .venv up)") from None
 
-from . import check, report  # noqa: E402
-from .cases import Case, CaseError, discover, select  # noqa: E402
-from .watch import Outcome, run_case, skipped  # noqa: E402
+from . import check, report
+from .cases import Case, CaseError, discover, select
+from .watch import Outcome, run_case, skipped
 
 # Stacks sampled every second so that a 5 s stack timeout is judged on 5 samples; captures and
 # incidents never throttled (the per-user budgets are for other users' floods, and a run as a

@@ -79,7 +79,7 @@ def _stack_location(stack: Any) -> str | None:
 
 def exited_ranks(incident: Path) -> list[Exited]:
     """Every ``PID/exit.json`` in the incident, read defensively (it may be put together by hand)."""
-    out = []
+    out: list[Exited] = []
     try:
         dirs = sorted(p for p in incident.iterdir() if p.is_dir() and not p.is_symlink())
     except OSError:
@@ -148,7 +148,7 @@ def _ranges(ranks: list[int]) -> str:
     """0, 2, 3, 4, 5, 9 as "0, 2-5, 9": a multi-node job's absent ranks in a line."""
     parts: list[str] = []
     start = prev = ranks[0]
-    for r in ranks[1:] + [None]:  # type: ignore[list-item]
+    for r in [*ranks[1:], None]:
         if r is not None and r == prev + 1:
             prev = r
             continue
@@ -168,7 +168,8 @@ def account(incident: Path, meta: dict[str, Any], base: Analysis) -> Analysis:
     if not exited and not world:
         return base
     # When the job hung: incident.json once stored, else what the daemon wrote beside the exit.
-    listed = meta.get("processes") if isinstance(meta.get("processes"), list) else []
+    raw = meta.get("processes")
+    listed = raw if isinstance(raw, list) else []
     hung = next((p for p in listed if isinstance(p, dict)), None)
     stopped = _num(meta.get("since"))
     if hung is None or stopped is None:

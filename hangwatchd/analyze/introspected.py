@@ -309,7 +309,7 @@ class Reader:
             if kind == "future" and detail.get("done"):
                 return k
             gone = self._ended_tasks(expr) if kind != "future" else []
-            for x, how in gone:
+            for x, _how in gone:
                 self.g.wait(Edge(k, what, x, how=HOW + ": a task that ended named it", sure=False,
                                  why=f"it was the task to {verb} {what}"))
             if not gone:

@@ -113,7 +113,7 @@ def _add_process(g: Graph, p: Proc, by_pid: dict[int, Proc]) -> None:
         if k not in told:
             _edges_of(g, p, k, t, w, waits, by_pid)
     _children_edges(g, p, waits, by_pid)
-    for k, (t, w) in waits.items():  # where each wait is, said once for all its edges
+    for k, (_t, w) in waits.items():  # where each wait is, said once for all its edges
         g.edges[k] = [dataclasses.replace(e, call=e.call or tw.call_of(w)) for e in g.out(k)]
 
 
@@ -458,7 +458,7 @@ def _children_edges(g: Graph, p: Proc, waits: dict[str, tuple[Thread, tw.Wait]],
     points at each child captured and each that exited (exits.json)."""
     kids = [c for c in by_pid.values() if c.parent == p.pid and c.pid != p.pid]
     gone = _exited_children(g, p)
-    for k, (t, w) in waits.items():
+    for k, (_t, w) in waits.items():
         child_wait = _waits_for_children(w) and g.parties[k].state == WAITS
         io_from_kids = w.kind == tw.IO and any(as_int(x.get("pid")) in {c.pid for c in kids}
                                                for x in dicts(w.blocked.get("peers")))

@@ -77,8 +77,9 @@ def stuck_at(m: Member) -> tuple[dict[str, Any] | None, str] | None:
     main = th.main_thread(list(m.ev.threads), m.pid)
     frames = (main or {}).get("frames") or []
     py = next((f for f in frames if th.is_python(f)), None)
-    if main is not None and py is not None and th.innermost_user_frame(main) is py:
-        return py, th.short(py)
+    innermost = th.innermost_user_frame(main) if main is not None else None
+    if innermost is not None and id(innermost) == id(py):  # that very frame (``is`` would narrow it to py's type)
+        return innermost, th.short(innermost)
     b = m.ev.proc.get("blocked_on")
     if _blocked_text(m.ev) and isinstance(b, dict) and b.get("fd") is not None and not _waits_on_parent(m.ev):
         frame = (th.innermost_user_frame(main) if main else None) or py

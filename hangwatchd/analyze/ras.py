@@ -178,7 +178,8 @@ def parse_json(text: str) -> tuple[RasView | None, str]:
                     if _int(n) is not None:
                         counts.setdefault(coll[:64], []).append(RasCount(rank, _int(n) or 0, one.node, one.pid, one.gpu))
         for r in _list(comm.get("missing_ranks")):
-            status = r.get("status") if isinstance(r.get("status"), dict) else {}
+            raw_status = r.get("status")
+            status = raw_status if isinstance(raw_status, dict) else {}
             dead = status.get("considered_dead") is True
             missing.append(RasRank(_int(r.get("rank")), _str(r.get("host")), _int(r.get("pid")), _int(r.get("cuda_dev")),
                                    "dead" if dead else "missing", name))

@@ -53,11 +53,11 @@ def blame(view: RasView, waiting: str | None = None) -> tuple[str | None, tuple[
         behind = m.behind
         if not behind:
             continue
-        out = tuple(Blame(c.rank, c.pid, c.node, c.gpu,
-                          f"NCCL RAS: launched {c.count} {m.collective} where rank {top.rank} launched {top.count}")
-                    for c in behind)
+        blamed = tuple(Blame(c.rank, c.pid, c.node, c.gpu,
+                             f"NCCL RAS: launched {c.count} {m.collective} where rank {top.rank} launched {top.count}")
+                       for c in behind)
         c = behind[0]
         sentence = (f"{who(c.rank, c.pid, c.node, c.gpu)} is behind: it launched {c.count} {m.collective} "
                     f"where rank {top.rank} launched {top.count} (communicator {m.communicator[:8]}){tail}.")
-        return sentence, out
+        return sentence, blamed
     return None, ()

@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-
 # Every kind of verdict a process can get, each documented with an example in docs/verdicts.md.
 VERDICT_KINDS = (
     # the root of a wait-for chain (analyze/waitfor.py)

@@ -88,7 +88,8 @@ def is_reporter(t: dict[str, Any]) -> bool:
 
 def _thread(t: dict[str, Any]) -> dict[str, Any]:
     """A thread with only frames that are objects; names and files as strings, lines as ints."""
-    frames = t.get("frames") if isinstance(t.get("frames"), list) else []
+    raw = t.get("frames")
+    frames = raw if isinstance(raw, list) else []
     clean = []
     for f in frames:
         if not isinstance(f, dict):

@@ -94,8 +94,8 @@ def busy_text(nvml: dict[str, Any], gpus: list[int], pid: int | None = None) -> 
             ctx = f", device {device[g]:g}% busy with all its processes" if g in device else ""
             parts.append(f"GPU {g}: this process {own[g]:g}%{ctx}")
         return ", " + "; ".join(parts)
-    known = [device[g] for g in gpus if g in device]
-    return f", GPU {max(known):g}% busy (device-wide, all processes)" if known and max(known) else ""
+    top = max((device[g] for g in gpus if g in device), default=0.0)
+    return f", GPU {top:g}% busy (device-wide, all processes)" if top else ""
 
 
 def idle_gpu(symbolized: dict[str, Any], nvml: dict[str, Any], pid: int | None = None) -> str | None:

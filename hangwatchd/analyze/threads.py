@@ -80,7 +80,8 @@ def lock_blocked_at(t: Thread, wchans: dict[int, str]) -> Frame | None:
     if str(py.get("name") or "").endswith(("acquire", "__enter__")):
         outer = next((f for f in frames[first_py + 1 :] if is_python(f)), None)
         return outer if outer is not None and is_user_frame(outer) else None
-    wchan = wchans.get(t.get("os_thread_id")) if isinstance(t.get("os_thread_id"), int) else None
+    tid = t.get("os_thread_id")
+    wchan = wchans.get(tid) if isinstance(tid, int) else None
     if is_user_frame(py) and not t.get("active") and wchan and "futex" in wchan:
         return py
     return None

@@ -15,12 +15,24 @@ from pathlib import Path
 from typing import Any
 
 from ..detect import patterns
-from . import chain_text, evidence, flight, gpu_events, lockstep, process_graph, process_tree, ras, ras_blame, stream_deadlock, waitfor
+from . import (
+    chain_text,
+    evidence,
+    flight,
+    gpu_events,
+    lockstep,
+    process_graph,
+    process_tree,
+    ras,
+    ras_blame,
+    stream_deadlock,
+    waitfor,
+)
 from . import threads as th
-from .waitfor import Graph
 from .gone import account
 from .records import Analysis, Collective, Culprit, RankVerdict
 from .stacks import is_user_frame, library_frames
+from .waitfor import Graph
 
 
 def _where(frame: dict[str, Any]) -> str:
@@ -130,7 +142,6 @@ def judge_evidence(pdir: Path, ev: evidence.Evidence, known: dict[str, Any] | No
                 pending = e.name if e else f"collective #{enq}"
     gpus = stream_deadlock.process_gpus(nvml)
     gpu_busy = stream_deadlock.busy_text(nvml, gpus, pid)
-    wchans = {t["tid"]: str(t.get("wchan") or "") for t in evidence.dicts(proc.get("threads")) if evidence.as_int(t.get("tid"))}
 
     def verdict(kind: str, detail: str, loc: str | None = location, coll: str | None = None) -> RankVerdict:
         return RankVerdict(rank, pid, kind, detail, loc, coll, last, proc.get("node"))
@@ -138,10 +149,10 @@ def judge_evidence(pdir: Path, ev: evidence.Evidence, known: dict[str, Any] | No
     def full(f: dict[str, Any] | None) -> str | None:
         return _where(f) if f else None
 
-    for e in evidence.dicts(sym.get("exceptions")):
-        frame = next((f for f in evidence.dicts(e.get("frames")) if f.get("file")), None)
-        loc = f"{frame.get('function')} ({frame.get('file')}:{frame.get('line')})" if frame else e.get("kernel")
-        return verdict("gpu-exception", f"{e.get('type', 'an exception')} in {e.get('kernel')}", loc)
+    for exc in evidence.dicts(sym.get("exceptions")):
+        frame = next((f for f in evidence.dicts(exc.get("frames")) if f.get("file")), None)
+        loc = f"{frame.get('function')} ({frame.get('file')}:{frame.get('line')})" if frame else exc.get("kernel")
+        return verdict("gpu-exception", f"{exc.get('type', 'an exception')} in {exc.get('kernel')}", loc)
     kernels = [str(k["name"]) for k in stream_deadlock.kernels_on(sym, gpus)]
     nccl = [k for k in kernels if "nccl" in k.lower()]
     if nccl:
@@ -308,7 +319,9 @@ def _apart(ranks: list[RankVerdict], found: list[evidence.Evidence]) -> tuple[st
     differ = ("different collectives" if len(names) > 1 else "the same collective called from different places"
               if len(places) > 1 else f"{top[0]} with different arguments")
     first = sorted(order, key=lambda kv: -min(v.rank or 0 for v in kv[1]))
-    lead = f"{who(first[0][1]).capitalize()} never entered {first[1][0][0]} that {who(first[1][1])} wait{'s' if len(first[1][1]) == 1 else ''} in, and the other way round"
+    other = first[1][1]
+    lead = (f"{who(first[0][1]).capitalize()} never entered {first[1][0][0]} that {who(other)} "
+            f"wait{'s' if len(other) == 1 else ''} in, and the other way round")
     summary = f"{lead}: the ranks wait in {differ}: {sides}."
     culprits = [Culprit(v.rank, v.pid, f"waits in {what(k)}", v.location) for k, vs in first for v in vs]
     return summary, culprits

@@ -1,14 +1,38 @@
-"""The one small interface every capture step implements."""
+"""The one small interface every capture step implements, and when in a capture each runs."""
 
 from __future__ import annotations
 
+import enum
 import errno
 import os
 from pathlib import Path
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from ..host import untrusted
+from ..host.deadline import Deadline
 from ..model import Registration
+
+
+class Phase(enum.Enum):
+    """When a step runs in a capture: each step says so on its own type (``Step.phase``).
+
+    FIRST       before the incident is first stored, one after another on each rank.
+    BESIDE      before the incident is first stored, beside the rank's other steps (it only
+                watches over a window, or asks the driver or NCCL, never the process).
+    LATE        after: started on every rank together (the moment matters across ranks),
+                beside the first stage, its evidence added to the stored incident.
+    DESTRUCTIVE last, after the incident is stored, only where the policy allows: it ends the process.
+    """
+
+    FIRST = "first"
+    BESIDE = "beside"
+    LATE = "late"
+    DESTRUCTIVE = "destructive"
+
+    @property
+    def stored_first(self) -> bool:
+        """In the incident as first stored (else added to it after)."""
+        return self in (Phase.FIRST, Phase.BESIDE)
 
 
 class StepFailed(Exception):
@@ -21,10 +45,12 @@ class StepNotApplicable(StepFailed):
 
 
 class Step(Protocol):
-    name: str  # a step may also set ``destructive = True``: it runs last, and only when policy allows
+    name: str
+    phase: ClassVar[Phase]
 
-    def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
-        """Capture into ``outdir`` within ``timeout`` seconds; return the files written.
+    def run(self, target: Registration, outdir: Path, deadline: Deadline) -> tuple[str, ...]:
+        """Capture into ``outdir`` by ``deadline`` (the capture's, cut at this step's own timeout), and
+        hand it down unchanged to every subprocess and probe; return the files written.
 
         Raise StepFailed with one clear line when it cannot, StepNotApplicable when it does not apply."""
         ...

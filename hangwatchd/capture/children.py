@@ -18,12 +18,14 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from ..host import blocked_on as blocked, procfs
+from ..host import blocked_on as blocked
+from ..host import procfs
+from ..host.deadline import Deadline
 from ..model import ProcessId, Registration
 from ..workload.runtime_files import write_json
-from .base import StepFailed, StepNotApplicable
+from .base import Phase, StepFailed, StepNotApplicable
 from .proc import facts
 from .pyspy import PySpyStep
 
@@ -36,10 +38,10 @@ class ChildrenStep:
     native: bool = True
     max_children: int = 16  # a bound on the work one hung process can make the daemon do
     node: str | None = None
+    phase: ClassVar[Phase] = Phase.FIRST
 
-    def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
-        begun = time.monotonic()
-        end = begun + timeout
+    def run(self, target: Registration, outdir: Path, deadline: Deadline) -> tuple[str, ...]:
+        begun = time.monotonic()  # the children share one scan of the node's descriptors, begun now or later
         pid = target.process.pid
         if not procfs.alive(target.process):
             raise StepFailed(f"pid {pid} started at {target.process.start_time} is gone")
@@ -49,7 +51,7 @@ class ChildrenStep:
             raise StepNotApplicable(f"pid {pid} has no child processes of uid {target.uid}")
         kids = kids[: self.max_children]
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(PARALLEL, len(kids)), thread_name_prefix="child") as pool:
-            rows = list(pool.map(lambda c: self._one(target, c, outdir.parent, end, begun), kids))
+            rows = list(pool.map(lambda c: self._one(target, c, outdir.parent, deadline, begun), kids))
         captured = [r for r, _ in (x for x in rows if x is not None)]
         _number_roles(captured)
         for row, data in (x for x in rows if x is not None):
@@ -68,7 +70,8 @@ class ChildrenStep:
                                               "more": max(0, len(procfs.descendants(pid, self.max_children + 1)) - self.max_children)})
         return ("children.json",)
 
-    def _one(self, parent: Registration, pid: int, where: Path, end: float, begun: float) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+    def _one(self, parent: Registration, pid: int, where: Path, deadline: Deadline,
+             begun: float) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
         """The child's row in children.json and its proc.json (written once its role is numbered)."""
         me = procfs.identify(pid)
         if me is None:
@@ -83,10 +86,10 @@ class ChildrenStep:
             row["error"] = "captured as a process of its own"
             return row, None
         row["dir"] = str(pid)
-        data = facts(reg, self.node, min(end, time.monotonic() + 2.0), since=begun)  # py-spy keeps the rest
+        data = facts(reg, self.node, deadline.cut(2.0).at, since=begun)  # py-spy keeps the rest
         state = str(data.get("state") or "")
         threads: list[dict[str, Any]] = []
-        left = end - time.monotonic()
+        left = deadline.left()
         if state.startswith(("Z", "X")):
             row["error"] = "exited, not yet reaped by its parent"
         elif left <= 0:
@@ -94,15 +97,17 @@ class ChildrenStep:
         else:
             try:
                 # Two dumps (native, then plain with locals), each given half: both end by the deadline.
-                PySpyStep(native=self.native, locals=True).run(reg, cdir, left / 2 if self.native else left)
+                PySpyStep(native=self.native, locals=True).run(reg, cdir, deadline.cut(left / 2) if self.native else deadline)
                 threads = _threads(cdir)
             except StepFailed as exc:
                 row["error"] = str(exc)
         comm = _comm(pid)
-        row["role"] = role_of(comm, threads, data.get("cmdline") or [])
+        cmdline = data.get("cmdline")
+        row["role"] = role_of(comm, threads, cmdline if isinstance(cmdline, list) else [])
         holders = _parent_holds(data.get("blocked_on"), parent.process.pid, pid)
-        if isinstance(data.get("blocked_on"), dict) and holders:
-            data["blocked_on"]["held_by"] = holders  # type: ignore[index]
+        blocked = data.get("blocked_on")
+        if isinstance(blocked, dict) and holders:
+            blocked["held_by"] = holders
         data["comm"] = comm
         row["blocked_on"] = data.get("blocked_on")
         return row, data

@@ -16,12 +16,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from ..host import procfs, untrusted
+from ..host.deadline import Deadline
 from ..model import Registration
 from ..workload import dump_names
 from . import dump_artifacts, late
-from .base import StepFailed, StepNotApplicable, poke_held_fifo
+from .base import Phase, StepFailed, StepNotApplicable, poke_held_fifo
 from .waitfile import Watch
 
 KEYS = frozenset({"CUDA_COREDUMP_PIPE", "CUDA_COREDUMP_FILE", "CUDA_ENABLE_USER_TRIGGERED_COREDUMP"})
@@ -59,10 +61,10 @@ class CudaDumpStep:
     driver_logs: Path | None = None  # RUNTIME_DIR/driver-logs, where hangwatchd run keeps coredump: lines
     devices: str = "/dev/nvidia"  # the GPU device files' prefix: a dump waits for its GPU's turn
     name: str = "cuda_dump"
-    destructive: bool = True  # the dump ends the process
+    phase: ClassVar[Phase] = Phase.DESTRUCTIVE  # the dump ends the process
 
-    def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
-        end = time.monotonic() + timeout  # the wait, symbolising and compressing all end here
+    def run(self, target: Registration, outdir: Path, deadline: Deadline) -> tuple[str, ...]:
+        end, timeout = deadline.at, deadline.left()  # the wait, symbolising and compressing all end here
         proc = target.process
         pid = proc.pid
         if not procfs.alive(proc):
@@ -85,7 +87,7 @@ class CudaDumpStep:
         # The dump's directory is the workload's choice: held as a descriptor from here on.
         watch = Watch(target_glob.parent, target_glob.name, owner)
         try:
-            gone = lambda: not procfs.alive(proc)  # noqa: E731
+            gone = lambda: not procfs.alive(proc)  # noqa: E731 - a closure named where it is used
             with turn(procfs.gpu_device_files(pid, self.devices), end):
                 poke_held_fifo(pid, pipes[0], b"\0", owner)
                 watch.begun(min(TURN, max(0.0, end - time.monotonic())), gone)

@@ -12,11 +12,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
+from ..host.deadline import Deadline
 from ..host.proc_exits import ProcExits
 from ..model import Registration
 from ..workload.runtime_files import write_json
-from .base import StepNotApplicable
+from .base import Phase, StepNotApplicable
 
 
 @dataclass
@@ -24,8 +26,9 @@ class ExitsStep:
     name: str = "exits"
     listener: ProcExits | None = None  # the daemon's; None where nothing listens (hangwatchd capture)
     window: float = 600.0  # seconds back from the capture
+    phase: ClassVar[Phase] = Phase.FIRST  # what the kernel recorded already: read in a moment, before the incident
 
-    def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
+    def run(self, target: Registration, outdir: Path, deadline: Deadline) -> tuple[str, ...]:
         if self.listener is None:
             raise StepNotApplicable("no listener for process exits (only the daemon runs one)")
         if not self.listener.on:

@@ -14,10 +14,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from ..host import procfs, untrusted
+from ..host.deadline import Deadline
 from ..model import Registration
-from .base import StepFailed, StepNotApplicable, poke_held_fifo
+from .base import Phase, StepFailed, StepNotApplicable, poke_held_fifo
 from .waitfile import Watch
 
 MAX_TRACE = 256 << 20  # bytes: a flight recorder trace is a few MB
@@ -78,11 +80,12 @@ def request_trace(pid: int, pipe: Pipe, timeout: float, finished: Callable[[], b
 @dataclass
 class FlightRecorderStep:
     name: str = "flight_recorder"
+    phase: ClassVar[Phase] = Phase.LATE  # every rank's recorder asked at once, its trace added after the incident is stored
 
-    def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
+    def run(self, target: Registration, outdir: Path, deadline: Deadline) -> tuple[str, ...]:
         pid = target.process.pid
         pipe = find_pipe(target)
-        end = time.monotonic() + timeout
+        end, timeout = deadline.at, deadline.left()
         with request_trace(pid, pipe, timeout, lambda: not procfs.alive(target.process)) as (watch, found):
             if found is None:
                 if time.monotonic() < end:  # the wait ended early: the process was gone

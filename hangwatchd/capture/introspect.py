@@ -28,11 +28,12 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ..host import procfs, untrusted
+from ..host.deadline import Deadline
 from ..model import Registration
-from .base import StepFailed, StepNotApplicable, poke_held_fifo
+from .base import Phase, StepFailed, StepNotApplicable, poke_held_fifo
 from .waitfile import Watch
 
 MAX_REPORT = 4 << 20  # bytes; the reporter caps its own at 2 MiB
@@ -216,9 +217,10 @@ def collect(asked: Asked, alive: Any, end: float, dest: Path) -> None:
 @dataclass
 class IntrospectStep:
     name: str = "introspect"
+    phase: ClassVar[Phase] = Phase.FIRST  # after the children are known, before anything that may end the process
 
-    def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
-        end = time.monotonic() + timeout
+    def run(self, target: Registration, outdir: Path, deadline: Deadline) -> tuple[str, ...]:
+        end = deadline.at
         pid = target.process.pid
         mine: Asked | None = None
         why_not: StepFailed | None = None
@@ -269,7 +271,7 @@ class IntrospectStep:
                 continue
             me = procfs.identify(pid)
             try:
-                collect(asked, lambda: me is not None and procfs.alive(me), end, outdir.parent / str(row["dir"]) / REPORT)
+                collect(asked, lambda me=me: me is not None and procfs.alive(me), end, outdir.parent / str(row["dir"]) / REPORT)
                 outcome[str(pid)] = {"ok": True, "file": f"{row['dir']}/{REPORT}"}
             except (StepFailed, OSError) as exc:
                 outcome[str(pid)] = {"ok": False, "error": str(exc)}

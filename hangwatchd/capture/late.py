@@ -27,14 +27,14 @@ from pathlib import Path
 
 import structlog
 
+from ..host.deadline import Deadline
 from ..metrics import Metrics
 from ..model import Registration, StepResult
-from .base import Step
+from .base import Phase, Step
 from .pipeline import run_steps
 
 log = structlog.get_logger("hangwatchd.capture")
 
-LATE = frozenset({"flight_recorder", "cuda_dump"})  # slow, and nothing in the verdict's first line waits on them
 HEAD_START = 10.0  # seconds from the flight recorder's request to the GPU dump that ends its process
 
 
@@ -58,13 +58,10 @@ class Stored:
         return self._what
 
 
-def is_late(step: Step) -> bool:
-    return step.name in LATE or bool(getattr(step, "destructive", False))
-
-
 def split(steps: Sequence[tuple[Step, float]]) -> tuple[list[tuple[Step, float]], list[tuple[Step, float]]]:
-    """(the steps stored first, the steps added after), each in the configured order."""
-    return [x for x in steps if not is_late(x[0])], [x for x in steps if is_late(x[0])]
+    """(the steps stored first, the steps added after: LATE and DESTRUCTIVE ones, slow, and nothing in
+    the verdict's first line waits on them), each in the configured order."""
+    return [x for x in steps if x[0].phase.stored_first], [x for x in steps if not x[0].phase.stored_first]
 
 
 StepDone = Callable[[Registration, Path, StepResult], None]
@@ -84,7 +81,7 @@ def publish(outdir: Path) -> None:
     if fn is not None:
         try:
             fn()
-        except Exception as exc:  # noqa: BLE001 - handing over early is a favour: the step goes on
+        except Exception as exc:  # handing over early is a favour: the step goes on
             log.error("early_evidence_failed", dir=str(outdir), error=f"{type(exc).__name__}: {exc}", exc_info=True)
 
 
@@ -95,9 +92,9 @@ def run_late(
     gate: Callable[[Path], str | None] | None,
     metrics: Metrics | None,
     done: StepDone,
+    deadline: Deadline,
     head_start: float = HEAD_START,
     early: Early | None = None,
-    deadline: float | None = None,
     stored: Stored | None = None,
     refused: Collection[tuple[int, str]] = (),
 ) -> None:
@@ -105,7 +102,7 @@ def run_late(
     step)``; call ``done(target, outdir, result)`` on that step's thread as soon as it is over,
     so each piece of evidence is handed over as it comes, and ``early(target, outdir)`` where a
     step has finished some of its files before it is over (``publish``). Returns when every
-    rank is done. ``deadline`` (monotonic): the capture's; no step runs past it.
+    rank is done. ``deadline``: the capture's; no step runs past it.
 
     ``stored``: the incident is being stored meanwhile. The gentle steps run at once and hand
     over once it is stored; the destructive ones start only then. Not stored: what was
@@ -113,8 +110,8 @@ def run_late(
     steps the policy refused, said in the stored incident already: not run."""
     if not steps or not targets:
         return
-    gentle = [x for x in steps if not getattr(x[0], "destructive", False)]
-    last = [x for x in steps if getattr(x[0], "destructive", False)]
+    gentle = [x for x in steps if x[0].phase is not Phase.DESTRUCTIVE]
+    last = [x for x in steps if x[0].phase is Phase.DESTRUCTIVE]
 
     def one(target: Registration, step: Step, timeout: float, step_gate: Callable[[Path], str | None] | None,
             ran: threading.Event | None = None) -> None:
@@ -122,11 +119,9 @@ def run_late(
         if early is not None:
             with _early_lock:
                 _early[str(outdir)] = lambda: early(target, outdir)
-        if deadline is not None:  # its own timeout, cut at the capture's deadline
-            timeout = min(timeout, max(0.0, deadline - time.monotonic()))
         try:
-            # Each under its own deadline, whatever the others took.
-            results = run_steps([(step, timeout)], target, outdir, timeout, metrics, step_gate).steps
+            # Each by its own timeout from when it starts, whatever the others took, cut at the capture's deadline.
+            results = run_steps([(step, timeout)], target, outdir, deadline, metrics, step_gate).steps
         finally:
             with _early_lock:
                 _early.pop(str(outdir), None)
@@ -138,7 +133,7 @@ def run_late(
         for result in results:
             try:
                 done(target, outdir, result)
-            except Exception as exc:  # noqa: BLE001 - the incident is stored: one rank's bug must not undo it
+            except Exception as exc:  # the incident is stored: one rank's bug must not undo it
                 log.error("late_evidence_failed", pid=target.process.pid, step=result.step,
                           error=f"{type(exc).__name__}: {exc}", exc_info=True)
 
@@ -161,7 +156,7 @@ def run_late(
                 if (target.process.pid, step.name) not in refused:
                     one(target, step, timeout, gate)
         # Its steps are cut at the capture's deadline; a lane past it (a bug) is left behind, not waited for.
-        lane.join(None if deadline is None else max(0.0, deadline - time.monotonic()) + 5.0)
+        lane.join(deadline.left() + 5.0)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(targets), thread_name_prefix="late") as pool:
         for f in [pool.submit(rank, t) for t in targets]:

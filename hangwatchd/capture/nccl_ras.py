@@ -35,10 +35,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from ..host import procfs
+from ..host.deadline import Deadline
 from ..model import Registration
-from .base import StepFailed, StepNotApplicable
+from .base import Phase, StepFailed, StepNotApplicable
 
 DEFAULT_ADDR = "localhost:28028"
 PROTOCOL = 2
@@ -154,7 +156,8 @@ def holder_of(inode: int, uid: int, first: list[int], end: float) -> int | None:
     for pid in first:
         if holds(pid):
             return pid
-    near, rest = [], []
+    near: list[int] = []
+    rest: list[int] = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -308,18 +311,18 @@ def ask(addr: str, timeout: float, check: Callable[[socket.socket], None] | None
 @dataclass
 class NcclRasStep:
     name: str = "nccl_ras"
-    beside: bool = True  # it asks NCCL's RAS service over TCP, never the process: beside the other steps
+    phase: ClassVar[Phase] = Phase.BESIDE  # it asks NCCL's RAS service over TCP, never the process: beside the other steps
     # (incident directory, address) -> the answer; every rank of the incident gets the same one.
     _answers: OrderedDict[tuple[str, str], Answer] = field(default_factory=OrderedDict)
     _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
     _guard: threading.Lock = field(default_factory=threading.Lock)
 
-    def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
+    def run(self, target: Registration, outdir: Path, deadline: Deadline) -> tuple[str, ...]:
         env = procfs.environ(target.process.pid, frozenset({"NCCL_RAS_ADDR", "NCCL_RAS_ENABLE"}))
         if env.get("NCCL_RAS_ENABLE") == "0":
             raise StepNotApplicable("NCCL_RAS_ENABLE=0 in the process's environment")
         addr = address_of(env, target.ras_addr)
-        answer = self._answer(str(outdir.parent), addr, timeout, job_check(target, time.monotonic() + timeout))
+        answer = self._answer(str(outdir.parent), addr, deadline.left(), job_check(target, deadline.at))
         if answer.refused:
             raise StepFailed(answer.error or "refused")
         if answer.error:

@@ -10,10 +10,12 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from ..host import subproc
+from ..host.deadline import Deadline
 from ..model import Registration
-from .base import StepFailed, StepNotApplicable
+from .base import Phase, StepFailed, StepNotApplicable
 
 PROBE = Path(__file__).with_name("nvml_probe.py")
 NOT_HERE = 3  # the probe's status for: no NVML library, driver or GPU on this machine
@@ -22,15 +24,15 @@ NOT_HERE = 3  # the probe's status for: no NVML library, driver or GPU on this m
 @dataclass
 class NvmlStep:
     name: str = "nvml"
-    beside: bool = True  # it asks the driver, never the process: it runs beside the rank's other steps
+    phase: ClassVar[Phase] = Phase.BESIDE  # it asks the driver, never the process: beside the rank's other steps
 
 
-    def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
+    def run(self, target: Registration, outdir: Path, deadline: Deadline) -> tuple[str, ...]:
         # By its file, not -m: importing the package hangwatchd.capture (every step, structlog,
         # prometheus_client, zstandard) cost the probe ~190 ms of its ~220 ms.
-        res = subproc.run([sys.executable, "-P", str(PROBE), str(target.process.pid)], timeout=timeout)  # -P: not its dir on sys.path
+        res = subproc.run_by([sys.executable, "-P", str(PROBE), str(target.process.pid)], deadline.at)  # -P: not its dir on sys.path
         if res.timed_out:
-            raise StepFailed(f"NVML did not answer within {timeout:g} s (the probe was killed)")
+            raise StepFailed(f"NVML did not answer within {res.seconds:.1f} s, by the capture's deadline (the probe was killed)")
         if res.returncode == NOT_HERE:
             raise StepNotApplicable(res.stderr_line() or "NVML is not available here")
         if res.returncode != 0:

@@ -23,11 +23,11 @@ def probe(pid: int) -> dict[str, Any]:
             h = nv.nvmlDeviceGetHandleByIndex(i)
             dev: dict[str, Any] = {"index": i, "name": _s(nv.nvmlDeviceGetName(h)), "uuid": _s(nv.nvmlDeviceGetUUID(h))}
             for key, fn in (
-                ("utilization_percent", lambda: nv.nvmlDeviceGetUtilizationRates(h).gpu),
-                ("memory_used_bytes", lambda: nv.nvmlDeviceGetMemoryInfo(h).used),
-                ("memory_total_bytes", lambda: nv.nvmlDeviceGetMemoryInfo(h).total),
-                ("power_watts", lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000),
-                ("temperature_c", lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
+                ("utilization_percent", lambda h=h: nv.nvmlDeviceGetUtilizationRates(h).gpu),
+                ("memory_used_bytes", lambda h=h: nv.nvmlDeviceGetMemoryInfo(h).used),
+                ("memory_total_bytes", lambda h=h: nv.nvmlDeviceGetMemoryInfo(h).total),
+                ("power_watts", lambda h=h: nv.nvmlDeviceGetPowerUsage(h) / 1000),
+                ("temperature_c", lambda h=h: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
             ):
                 try:
                     dev[key] = fn()
@@ -93,7 +93,7 @@ def _absent(exc: Exception) -> bool:
 
 def main() -> int:
     try:
-        import pynvml  # noqa: F401
+        import pynvml  # noqa: F401 - whether the library is there is the question
     except ImportError:
         print("NVML is not available here: pip install nvidia-ml-py on a machine with an NVIDIA driver", file=sys.stderr)
         return 3

@@ -1,9 +1,11 @@
 """The capture pipeline: steps in order, each cut at the capture's one deadline, each outcome recorded.
 
-A capture's deadline is set when the hang is declared; every step gets its own
-timeout or what is left before that deadline, whichever is less (the GPU dump
-too: a capture never runs past its deadline). Whatever a step raises is that
-step's failure, recorded with its traceback in the log; the next step runs.
+A capture's deadline (``host.deadline.Deadline``) is set when the hang is
+declared and handed down unchanged; every step runs by its own timeout or that
+deadline, whichever comes first (``Deadline.cut``; the GPU dump too: a capture
+never runs past its deadline). When a step runs is said on its type
+(``Step.phase``). Whatever a step raises is that step's failure, recorded with
+its traceback in the log; the next step runs.
 """
 
 from __future__ import annotations
@@ -14,37 +16,19 @@ from pathlib import Path
 
 import structlog
 
+from ..host.deadline import Deadline
 from ..metrics import Metrics
 from ..model import ProcessCapture, Registration, StepResult
-from .base import Step, StepFailed, StepNotApplicable
+from .base import Phase, Step, StepFailed, StepNotApplicable
 from .parallel import run_across
 
 log = structlog.get_logger("hangwatchd.capture")
 
 
-def run_steps(
-    steps: Sequence[tuple[Step, float]],
-    target: Registration,
-    outdir: Path,
-    budget: float,
-    metrics: Metrics | None = None,
-    gate: Callable[[Path], str | None] | None = None,
-) -> ProcessCapture:
-    """Run each (step, timeout) on ``target`` into ``outdir``; never raises for a step's failure.
-
-    A step gets its own timeout or what is left of ``budget``, whichever is less;
-    when the budget is spent the remaining steps are skipped, and say so. A
-    destructive step (the GPU dump) runs only if ``gate(outdir)`` gives no reason
-    against it, after seeing what the earlier steps captured.
-    """
-    end = time.monotonic() + budget
-    return run_steps_by(steps, target, outdir, end, metrics, gate)
-
-
 def vetoed(step: Step, target: Registration, outdir: Path, gate: Callable[[Path], str | None] | None) -> StepResult | None:
     """The skipped result of a destructive step the policy refuses (``gate(outdir)`` gave a reason,
     or there is no gate), logged; None where the step may run."""
-    if not getattr(step, "destructive", False):
+    if step.phase is not Phase.DESTRUCTIVE:
         return None
     veto = gate(outdir) if gate else "no policy allows destructive steps here"
     if not veto:
@@ -53,15 +37,18 @@ def vetoed(step: Step, target: Registration, outdir: Path, gate: Callable[[Path]
     return StepResult(step.name, True, 0.0, f"skipped: {veto}", skipped=True)
 
 
-def run_steps_by(
+def run_steps(
     steps: Sequence[tuple[Step, float]],
     target: Registration,
     outdir: Path,
-    end: float,
+    deadline: Deadline,
     metrics: Metrics | None = None,
     gate: Callable[[Path], str | None] | None = None,
 ) -> ProcessCapture:
-    """``run_steps`` cut at the absolute deadline ``end`` (time.monotonic())."""
+    """Run each (step, timeout) on ``target`` into ``outdir``, each by its timeout or ``deadline``,
+    whichever comes first; never raises for a step's failure. Past the deadline the remaining
+    steps are skipped, and say so. A destructive step (the GPU dump) runs only if ``gate(outdir)``
+    gives no reason against it, after seeing what the earlier steps captured."""
     outdir.mkdir(parents=True, exist_ok=True)
     results: list[StepResult] = []
     for step, timeout in steps:
@@ -69,13 +56,12 @@ def run_steps_by(
         if refused:
             results.append(refused)
             continue
-        left = end - time.monotonic()
-        if left <= 0:
+        if deadline.passed():
             results.append(StepResult(step.name, False, 0.0, "skipped: the capture's time budget was spent", skipped=True))
             continue
         start = time.monotonic()
         try:
-            files = step.run(target, outdir, min(timeout, left))
+            files = step.run(target, outdir, deadline.cut(timeout, start))
             result = StepResult(step.name, True, time.monotonic() - start, files=tuple(files))
         except StepNotApplicable as exc:  # nothing to capture here (no GPU, no process group): not a failure
             result = StepResult(step.name, True, time.monotonic() - start, str(exc), not_applicable=True)
@@ -83,7 +69,7 @@ def run_steps_by(
             result = StepResult(step.name, False, time.monotonic() - start, str(exc))
         except OSError as exc:  # a full disk, a vanished directory: the step fails, the pipeline goes on
             result = StepResult(step.name, False, time.monotonic() - start, f"{type(exc).__name__}: {exc}")
-        except Exception as exc:  # noqa: BLE001 - a bug in one step (or input a user shaped to break it) is that step's failure
+        except Exception as exc:  # a bug in one step (or input a user shaped to break it) is that step's failure
             result = StepResult(step.name, False, time.monotonic() - start, f"{type(exc).__name__}: {exc}")
             log.error("capture_step_raised", pid=target.process.pid, step=step.name, error=result.error, exc_info=exc)
         results.append(result)
@@ -100,21 +86,22 @@ def capture_all(
     steps: Sequence[tuple[Step, float]],
     targets: Sequence[Registration],
     outdir: Path,
-    budget: float,
+    deadline: Deadline,
     metrics: Metrics | None = None,
     gate: Callable[[Path], str | None] | None = None,
 ) -> list[ProcessCapture]:
     """Capture every target into ``outdir/PID``: the gentle steps on every target, then the destructive ones."""
     # Everything gentle on every rank first: a GPU dump ends its process, and a launcher
     # like torchrun then tears down the other ranks before they could be read.
-    gentle = [(s, t) for s, t in steps if not getattr(s, "destructive", False)]
-    last = [(s, t) for s, t in steps if getattr(s, "destructive", False)]
-    # The GPU dump's time, held back from the gentle steps (half the budget where it is smaller than that).
+    gentle = [(s, t) for s, t in steps if s.phase is not Phase.DESTRUCTIVE]
+    last = [(s, t) for s, t in steps if s.phase is Phase.DESTRUCTIVE]
+    # The GPU dump's time, held back from the gentle steps (half the time left where it is more than that).
     dump_time = sum(t for _, t in last)
-    reserve = (dump_time if dump_time < budget else budget / 2) if last else 0.0
+    left = deadline.left()
+    gentle_by = deadline.sooner(dump_time if dump_time < left else left / 2) if last else deadline
 
-    def one(ss: Sequence[tuple[Step, float]], t: Registration, outdir_: Path, left: float) -> ProcessCapture:
-        destructive = any(getattr(s, "destructive", False) for s, _ in ss)
-        return run_steps(ss, t, outdir_, left if destructive else max(0.0, left - reserve), metrics, gate)
+    def one(ss: Sequence[tuple[Step, float]], t: Registration, outdir_: Path, by: Deadline) -> ProcessCapture:
+        destructive = any(s.phase is Phase.DESTRUCTIVE for s, _ in ss)
+        return run_steps(ss, t, outdir_, by if destructive else min(by, gentle_by), metrics, gate)
 
-    return run_across(gentle + last, targets, lambda t: outdir / str(t.process.pid), budget, one)
+    return run_across(gentle + last, targets, lambda t: outdir / str(t.process.pid), deadline, one)

@@ -7,14 +7,15 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ..host import procfs
 from ..host.blocked_on import Waits
+from ..host.deadline import Deadline
 from ..host.peers import Looker
 from ..model import Registration
 from ..workload.runtime_files import write_json
-from .base import StepFailed
+from .base import Phase, StepFailed
 
 # Environment keys that say which job and rank a process is.
 IDENTITY_KEYS = frozenset({
@@ -27,13 +28,14 @@ IDENTITY_KEYS = frozenset({
 @dataclass
 class ProcStep:
     name: str = "proc"
+    phase: ClassVar[Phase] = Phase.FIRST
     node: str | None = None  # the node's name in the shared store (config node_name)
 
-    def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
+    def run(self, target: Registration, outdir: Path, deadline: Deadline) -> tuple[str, ...]:
         p = target.process
         if not procfs.alive(p):
             raise StepFailed(f"pid {p.pid} started at {p.start_time} is gone")
-        data = facts(target, self.node, time.monotonic() + timeout * 0.8)  # the rest: writing it
+        data = facts(target, self.node, deadline.at - deadline.left() * 0.2)  # the rest: writing it
         if not procfs.alive(p):
             raise StepFailed(f"pid {p.pid} exited while it was being read")
         write_json(outdir / "proc.json", data)

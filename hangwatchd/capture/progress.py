@@ -13,14 +13,16 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from ..host import subproc, untrusted
+from ..host.deadline import Deadline
 from ..host.pyspy_binary import find_pyspy
 from ..model import Registration
 from ..watch.stack_history import signature_of
 from ..workload import beat_segment
 from ..workload.runtime_files import write_json
-from .base import StepFailed
+from .base import Phase, StepFailed
 
 WINDOW = 1.0
 
@@ -34,7 +36,7 @@ def _beats(target: Registration) -> beat_segment.Reading | None:
         return None
 
 
-def _stack(pid: int, uid: int, timeout: float) -> tuple[object, ...] | None:
+def _stack(pid: int, uid: int, deadline: Deadline) -> tuple[object, ...] | None:
     tool = find_pyspy()
     if tool is None:
         return None
@@ -42,7 +44,7 @@ def _stack(pid: int, uid: int, timeout: float) -> tuple[object, ...] | None:
         untrusted.check_owner(pid, uid)
     except untrusted.Refused:
         return None
-    res = subproc.run([tool, "dump", "--json", "--nonblocking", "--pid", str(pid)], timeout=timeout)
+    res = subproc.run_by([tool, "dump", "--json", "--nonblocking", "--pid", str(pid)], deadline.at)
     if not res.ok:
         return None
     try:
@@ -55,10 +57,10 @@ def _stack(pid: int, uid: int, timeout: float) -> tuple[object, ...] | None:
 class ProgressStep:
     name: str = "progress"
     window: float = WINDOW
-    beside: bool = True  # it only watches: the pipeline runs it beside the rank's other steps
+    phase: ClassVar[Phase] = Phase.BESIDE  # it only watches: the pipeline runs it beside the rank's other steps
 
-    def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
-        window = max(0.1, min(self.window, timeout / 3))
+    def run(self, target: Registration, outdir: Path, deadline: Deadline) -> tuple[str, ...]:
+        window = max(0.1, min(self.window, deadline.left() / 3))
         pid = target.process.pid
         before = _beats(target)
         if before is not None:
@@ -68,9 +70,9 @@ class ProgressStep:
             data = {"window_seconds": window, "beats": beats, "beating": beats > 0,
                     "last_beat_age_seconds": after.age() if after else None, "stack_moved": None}
         else:
-            first = _stack(pid, target.uid, timeout / 3)
+            first = _stack(pid, target.uid, deadline.cut(deadline.left() / 3))
             time.sleep(window)
-            second = _stack(pid, target.uid, timeout / 3)
+            second = _stack(pid, target.uid, deadline)
             if first is None or second is None:
                 raise StepFailed("no beat segment and no readable stack: progress unknown")
             data = {"window_seconds": window, "beats": None, "beating": None, "stack_moved": first != second}

@@ -11,12 +11,13 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from ..host import native_frames, procfs, subproc, untrusted
+from ..host.deadline import Deadline
 from ..host.pyspy_binary import find_pyspy, ptrace_hint
 from ..model import Registration
-from .base import StepFailed
-
+from .base import Phase, StepFailed
 
 RETRIES = 3  # more reads of a process whose threads moved under py-spy's read, within the run's deadline
 
@@ -26,16 +27,17 @@ class PySpyStep:
     native: bool = True
     name: str = "pyspy"
     locals: bool = False  # the plain dump also takes each frame's local variables (a worker's id)
+    phase: ClassVar[Phase] = Phase.FIRST
 
-    def run(self, target: Registration, outdir: Path, timeout: float) -> tuple[str, ...]:
+    def run(self, target: Registration, outdir: Path, deadline: Deadline) -> tuple[str, ...]:
         tool = find_pyspy()
         if tool is None:
             raise StepFailed("py-spy is not installed; pip install py-spy")
         pid = target.process.pid
         # One deadline for both runs, never the whole timeout twice: the native run may take two
         # thirds of it, so a plain dump after a native one that hung still gets the rest.
-        start = time.monotonic()
-        deadline = start + timeout
+        timeout = deadline.left()
+        native_by = deadline.sooner(timeout / 3)
         errors: list[str] = []
         files: list[str] = []
         for native, name in ((True, "pyspy-native.json"), (False, "pyspy.json")):
@@ -48,7 +50,7 @@ class PySpyStep:
             except untrusted.Refused as exc:
                 raise StepFailed(f"not read: {exc}") from None
             argv = [tool, "dump", "--json", "--pid", str(pid)] + (["--native"] if native else ["--locals"] if self.locals else [])
-            until = start + timeout * 2 / 3 if native else deadline
+            until = native_by.at if native else deadline.at
             res = subproc.run_by(argv, until)
             for _ in range(RETRIES):
                 # py-spy reads the interpreter's threads while they move: a process starting or ending
@@ -72,7 +74,7 @@ class PySpyStep:
                 continue
             if native and isinstance(stacks, list):
                 # A process in another mount namespace maps files py-spy cannot open by name.
-                native_frames.name_unknown_frames(pid, stacks, deadline)
+                native_frames.name_unknown_frames(pid, stacks, deadline.at)
             (outdir / name).write_text(json.dumps(stacks, indent=1))
             files.append(name)
         if not procfs.alive(target.process):

@@ -26,7 +26,9 @@ class Function:
 def demangle(mangled: str) -> str:
     if not mangled.startswith("_Z"):
         return mangled
-    from .demangle import demangle_symbol  # imported here: a dump of only C names never needs it
+    from .demangle import (
+        demangle_symbol,  # imported here: a dump of only C names never needs it
+    )
 
     return demangle_symbol(mangled)
 

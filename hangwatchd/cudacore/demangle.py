@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
+from typing import Any
 
 SONAMES = ("libstdc++.so.6", "libc++.so.1", "libc++abi.so.1")
 
@@ -28,7 +29,7 @@ def _load() -> Callable[[bytes], bytes | None]:
         free = libc.free
         free.argtypes = [ctypes.c_void_p]
 
-        def run(mangled: bytes) -> bytes | None:
+        def run(mangled: bytes, cxa: Any = cxa, free: Any = free) -> bytes | None:
             status = ctypes.c_int(-1)
             out = cxa(mangled, None, None, ctypes.byref(status))
             if not out:

@@ -25,7 +25,9 @@ def find_nvdisasm() -> str | None:
     import glob
     import importlib.util
 
-    from ..host import subproc  # here, not above: `symbolize` on a dump whose line tables answer never runs it
+    from ..host import (
+        subproc,  # here, not above: `symbolize` on a dump whose line tables answer never runs it
+    )
 
     homes = [h for h in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda") if h]
     candidates = [os.path.join(h, "bin", "nvdisasm") for h in homes]

@@ -143,19 +143,13 @@ class CoreDump:
         if module.image is None:
             raise CoreDumpError(f"{self.path}: module {module.index} has no relocated cubin in the dump")
         s = module.image
-        return bytes(self._buf[s.offset : s.offset + s.size])  # type: ignore[index]
+        return bytes(self._buf[s.offset : s.offset + s.size])  # type: ignore[index]  # buf is bytes or an mmap: both slice and unpack alike
 
     def region(self, module: Module) -> tuple[object, int, int]:
         """Where the module's cubin lies: (the dump's mapping, offset, size); nothing copied."""
         if module.image is None:
             raise CoreDumpError(f"{self.path}: module {module.index} has no relocated cubin in the dump")
         return self._buf, module.image.offset, module.image.size
-
-    def module_for(self, device: int, handle: int) -> Module | None:
-        for m in self.modules:
-            if m.device == device and m.handle == handle:
-                return m
-        return None
 
 
 @contextlib.contextmanager
@@ -170,7 +164,7 @@ class _Parser:
     def __init__(self, path: str, buf: object) -> None:
         self.path = path
         self.buf = buf
-        self.size = len(buf)  # type: ignore[arg-type]
+        self.size = len(buf)  # type: ignore[arg-type]  # buf is bytes or an mmap: both have a length
         self.sections: dict[int, Section] = {}  # made when first needed: see section()
         self.shoff = self.shentsize = self.shnum = 0  # the section header table: where, each header's size, how many
         self.names_at = (0, 0)  # the section name table: offset, size
@@ -212,7 +206,8 @@ class _Parser:
         for the tables we decode, and the sections they link to."""
         if self.size < EHDR.size:
             raise self.fail(f"only {self.size} bytes, too short to be a CUDA coredump")
-        ident, e_type, machine, _v, _entry, _phoff, shoff, _flags, _ehsize, _phentsize, _phnum, shentsize, shnum, shstrndx = EHDR.unpack(self._read(0, EHDR.size))
+        (ident, e_type, machine, _v, _entry, _phoff, shoff, _flags, _ehsize, _phentsize, _phnum, shentsize, shnum,
+         shstrndx) = EHDR.unpack(self._read(0, EHDR.size))
         if ident[:4] != b"\x7fELF":
             raise self.fail("not an ELF file, so not a CUDA coredump")
         if ident[4] != 2 or ident[5] != 1:
@@ -297,7 +292,7 @@ class _Parser:
         there maps its neighbours too (fault-around; a whole large folio on ext4 and XFS), so
         the headers and tables of a 123 MB dump, read through it, kept megabytes resident."""
         pread = getattr(self.buf, "pread", None)
-        return pread(offset, size) if pread else bytes(self.buf[offset : offset + size])  # type: ignore[index]
+        return pread(offset, size) if pread else bytes(self.buf[offset : offset + size])  # type: ignore[index]  # buf is bytes or an mmap: both slice
 
     def _name(self, at: int) -> str:
         """A section's name, read alone from the name table (a table of 40,000 names is never
@@ -339,7 +334,7 @@ class _Parser:
         if count * entsize <= SMALL:
             data = self._read(s.offset, count * entsize)
             return [lay.decode(data, i * entsize, entsize) for i in range(count)]
-        return [lay.decode(self.buf, s.offset + i * entsize, entsize) for i in range(count)]  # type: ignore[arg-type]
+        return [lay.decode(self.buf, s.offset + i * entsize, entsize) for i in range(count)]  # type: ignore[arg-type]  # buf is bytes or an mmap: both unpack alike
 
     def _parent(self, s: Section, expected: int, rows: int | None = None) -> Section:
         parent = self.section(s.link)
@@ -417,7 +412,6 @@ class _Parser:
             for i, r in enumerate(self._rows(s, L.CTA)):
                 ctas[(s.index, i)] = (smtbl.info, sm, r["gridId64"] or 0, (r["blockIdxX"] or 0, r["blockIdxY"] or 0, r["blockIdxZ"] or 0))
         lane_tables: dict[tuple[int, int], Section] = {}
-        warp_rows: dict[int, int] = {}
         for s in by_type.get(L.SHT_LN_TABLE, []):
             lane_tables[(s.link, s.info)] = s
         warps = []

@@ -89,10 +89,11 @@ def stop() -> None:
     once, and the directory would stay behind in TMPDIR."""
     from multiprocessing import forkserver, resource_tracker, util
 
-    forkserver._forkserver._stop()  # noqa: SLF001 - the one way to stop it before exit
-    resource_tracker._resource_tracker._stop()  # noqa: SLF001
-    for finalizer in list(util._finalizer_registry.values()):  # noqa: SLF001
-        if getattr(finalizer, "_callback", None) is util._remove_temp_dir:  # noqa: SLF001
+    # multiprocessing's private names (not in its type stubs): the one way to stop these before exit.
+    forkserver._forkserver._stop()  # type: ignore[attr-defined]  # private, see above
+    resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]  # private, see above
+    for finalizer in list(util._finalizer_registry.values()):  # type: ignore[attr-defined]  # private, see above
+        if getattr(finalizer, "_callback", None) is util._remove_temp_dir:  # type: ignore[attr-defined]  # private, see above
             finalizer()  # runs once: removes the directory and forgets it, so exit does not try again
 
 
@@ -260,7 +261,7 @@ def _child(answer: Any, path: str, strict: bool, nvdisasm: str | None, lim: Limi
     if uid is not None:
         # Everything the reading needs is imported while root: after the drop the interpreter's own
         # files may be out of reach (an interpreter under root's home, as on a developer's machine).
-        from . import warm  # noqa: F401
+        from . import warm  # noqa: F401 - imported for its side effect: the modules loaded before the fork
         try:
             if work is not None:  # TMPDIR may be root's alone (the systemd unit's): the child gets its own
                 os.chown(work, uid, _gid_of(uid))

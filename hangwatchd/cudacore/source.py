@@ -29,7 +29,7 @@ def _xz(f: IO[bytes]) -> IO[bytes]:
 def _gzip(f: IO[bytes]) -> IO[bytes]:
     import gzip
 
-    return gzip.GzipFile(fileobj=f, mode="rb")
+    return gzip.GzipFile(fileobj=f, mode="rb")  # type: ignore[return-value]  # a GzipFile is a binary file object
 
 
 def _zstd(f: IO[bytes]) -> IO[bytes]:
@@ -104,7 +104,7 @@ def mapped(path: str | os.PathLike[str]) -> Iterator[mmap.mmap | bytes]:
             try:
                 with opener(f) as src:
                     _copy_bounded(src, tmp)
-            except Exception as exc:  # noqa: BLE001 - each decompressor has its own error types
+            except Exception as exc:  # each decompressor has its own error types
                 if isinstance(exc, (CoreDumpError, MemoryError)):
                     raise
                 raise CoreDumpError(f"{p}: the compressed file is damaged or truncated ({exc})") from None

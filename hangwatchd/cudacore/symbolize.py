@@ -178,7 +178,7 @@ class _Resolver:
     def cubin(self, module: Module) -> Cubin:
         key = _where(module)
         if key not in self._cubins:
-            cubin = Cubin(*self.dump.region(module)) if module.image else Cubin(b"")  # type: ignore[arg-type]
+            cubin = Cubin(*self.dump.region(module)) if module.image else Cubin(b"")  # type: ignore[arg-type]  # a region of the dump (bytes or an mmap)
             if cubin.error and module.image:
                 self.fail_or_note(f"module {module.index} on device {module.device}: {cubin.error}")
             self._cubins[key] = cubin
@@ -256,7 +256,7 @@ class _Resolver:
     def _table(self, module: Module) -> LineTable:
         key = _where(module)
         if key not in self._tables:
-            self._tables[key] = LineTable(*self.dump.region(module))  # type: ignore[arg-type]
+            self._tables[key] = LineTable(*self.dump.region(module))  # type: ignore[arg-type]  # a region of the dump (bytes or an mmap)
         return self._tables[key]
 
 
@@ -311,10 +311,10 @@ def symbolize(path: str | os.PathLike[str], strict: bool = True, nvdisasm: str |
                     "kernel": kernel_name(w.device, w.grid_id), "hint": hint,
                     "warps": 0, "lanes": 0, "sms": set(), "blocks": set(),
                 })
-                g["warps"] += 1  # type: ignore[operator]
-                g["lanes"] += nlanes  # type: ignore[operator]
-                g["sms"].add(w.sm)  # type: ignore[attr-defined]
-                g["blocks"].add(w.block_idx)  # type: ignore[attr-defined]
+                g["warps"] += 1  # type: ignore[operator]  # the group\'s dict holds several types
+                g["lanes"] += nlanes  # type: ignore[operator]  # the group\'s dict holds several types
+                g["sms"].add(w.sm)  # type: ignore[attr-defined]  # the group\'s dict holds several types
+                g["blocks"].add(w.block_idx)  # type: ignore[attr-defined]  # the group\'s dict holds several types
         for se in dump.sm_exceptions:
             if (se.device, se.sm) in faulted_sms:
                 continue
@@ -327,10 +327,10 @@ def symbolize(path: str | os.PathLike[str], strict: bool = True, nvdisasm: str |
             ))
         pcs = []
         for (dev, pc), g in groups.items():
-            frames, frames_from = r.frames(dev, pc, g["hint"])  # type: ignore[arg-type]
+            frames, frames_from = r.frames(dev, pc, g["hint"])  # type: ignore[arg-type]  # the group's dict holds several types
             pcs.append(PcGroup(
-                device=dev, kernel=g["kernel"], pc=pc, warps=g["warps"], lanes=g["lanes"],  # type: ignore[arg-type]
-                sms=tuple(sorted(g["sms"])), blocks=tuple(sorted(g["blocks"])),  # type: ignore[arg-type]
+                device=dev, kernel=g["kernel"], pc=pc, warps=g["warps"], lanes=g["lanes"],  # type: ignore[arg-type]  # as above
+                sms=tuple(sorted(g["sms"])), blocks=tuple(sorted(g["blocks"])),  # type: ignore[call-overload]  # as above
                 frames=frames, frames_from=frames_from,
             ))
         pcs.sort(key=lambda p: (-p.warps, -p.lanes, p.device, p.pc))

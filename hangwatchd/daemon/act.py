@@ -27,9 +27,10 @@ from pathlib import Path
 
 import structlog
 
-from ..host import procfs, untrusted
+from ..host import procfs
+from ..host.atomic import write_atomic
 from ..metrics import Metrics
-from ..model import ProcessId, Registration
+from ..model import ProcessId, Registration, is_job_mate
 from ..watch.ranks import launched_above
 from ..workload import ended
 
@@ -84,16 +85,19 @@ class Acting:
         abort, and only when the request said abort: the store is written by anyone who holds its
         keys, and the owner's ``--on-hang abort`` means "when hung", not "when someone says so".
         Returns the pids signalled."""
-        # The job is (owner uid, name): only the hung process's user's processes are its ranks.
+        # The job is (owner uid, name): only the hung process and its job-mates are its ranks.
         owner = regs[0].uid if regs else None
-        targets = [r for r in regs if r.uid == owner and r.role != "launcher" and policy(r, self.default) == "abort"]
+        targets = [r for i, r in enumerate(regs) if (i == 0 and r.role != "launcher" or is_job_mate(regs[0], r))
+                   and policy(r, self.default) == "abort"]
         if requested is not None and not (requested == "abort" and self.on_request):
             if requested == "abort" and targets:
                 log.info("abort_not_taken", incident=incident, pids=[r.process.pid for r in targets], uid=owner,
                          why="another node's request asked for it, this node did not see these processes hung, "
                              "and abort_on_request is off")
+            log.info("hang_acted", incident=incident, action="report", requested=requested)
             return []
         if not targets:
+            log.info("hang_acted", incident=incident, action="report")
             return []
         now = time.time()
         self._prune(now)
@@ -113,6 +117,7 @@ class Acting:
                 continue
             signalled.append(r.process.pid)
             self._kill_later(pidfd, r.process.pid)
+        log.info("hang_acted", incident=incident, action="abort", pids=signalled)
         if signalled:
             self.metrics.jobs_aborted.labels(**self.metrics.const).inc()
             log.warning("job_aborted", incident=incident, job=targets[0].job, pids=signalled, grace=self.grace,
@@ -142,7 +147,7 @@ class Acting:
 
     def _record(self, process: ProcessId, incident: str, now: float) -> None:
         try:
-            untrusted.write_replacing(ended.path_of(self.runtime_dir, process),
+            write_atomic(ended.path_of(self.runtime_dir, process),
                                       json.dumps({"incident": incident, "action": "abort", "time": now}).encode())
         except OSError as exc:
             log.error("ended_record_failed", pid=process.pid, error=str(exc))

@@ -1,11 +1,14 @@
-"""Hangs and exception dumps made into incidents on worker threads: handed out, collected when done.
+"""Hangs and exception dumps made into incidents on worker threads: handed out, and back as values.
 
 The loop never waits for a capture. A confirmed hang (or another node's
 request for this node's ranks of a job) goes to a worker that captures,
 analyses and stores (``make_incident``); an exception dump goes to one that
-files it (``dump_ingest``). When a worker is done the loop collects it: the
-incident is counted, announced to the fleet, and its processes marked
-captured (or, when no incident came of it, watched again).
+files it (``dump_ingest``). Each worker ends by posting one ``CaptureDone``
+to the loop's queue, from a ``finally``: the incident, or the error that
+stopped it. The loop hands it to ``finished``, which counts and announces the
+incident and says, for each process, what became of it; the state machine
+moves them on (captured, or HUNG with a retry due). Workers get
+registrations, never a ``Watched``.
 
 Each ordinary user's captures and dumps are held to that user's budgets
 (``host.user_limits.Budgets``): one capture in flight per uid (the rest wait
@@ -18,11 +21,12 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import os
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +36,15 @@ from ..analyze.jsonfile import read_json_or_none
 from ..capture import capture_budget
 from ..capture.base import Step
 from ..config import Config
-from ..detect.machine import StateMachine
-from ..fleet.agent import Agent
+from ..detect.machine import Declare
+from ..fleet.agent import Agent, CaptureRequest
+from ..host.deadline import Deadline
 from ..incidents.spool import Spool
 from ..incidents.store import Store
 from ..metrics import Metrics
-from ..model import Registration, State, Suspicion
+from ..model import Registration, State, Suspicion, in_job
 from ..watch.admission import Registrations
-from ..watch.watched import Watched, Watchlist
+from ..watch.watched import Watched, Watchlist, notify_status
 from ..workload import dump_names, exits
 from . import exception_dumps
 from .act import Acting
@@ -56,21 +61,33 @@ INGESTED_MAX = 10_000  # exception-dump names remembered in memory (oldest forgo
 CAPTURES_MAX = 64  # captures (hangs and dumps) queued or running at once; past it a hang waits for its retry
 
 
-class Saturated(Exception):
-    """The capture queue is full: the hang is captured at its retry (see ``StateMachine.declare``)."""
+@dataclass(frozen=True)
+class CaptureDone:
+    """A capture's (or an exception dump's) worker is done: its incident, or why there is none."""
+
+    capture: int
+    incident: str | None = None  # None: no incident came of it (``error`` says why; none for a dump refused and counted)
+    linked: bool = True  # an exception dump: whether it was linked to the process its name gives
+    error: str | None = None
 
 
-class OverBudget(Exception):
-    """Its user's capture budget is spent: the hang is captured at its retry."""
+@dataclass(frozen=True)
+class ChoreDone:
+    """Other slow work of the loop's on the same workers (the spool, retention): done, or its error."""
+
+    name: str
+    error: str | None = None
 
 
 @dataclass
 class _Capture:
-    watched: list[Watched]
+    watched: list[Watched]  # the processes whose fate waits on it (none for an exception dump)
+    registrations: list[Registration]
     suspicion: Suspicion
     started: float
-    deadline: float  # monotonic: every step of it is cut here
-    future: concurrent.futures.Future[Any]  # the incident id (an exception dump's: exception_dumps.Filed), or None
+    deadline: Deadline  # every step of it is cut here
+    id: int = 0
+    future: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
     job_incident: str | None = None
     requested: str | None = None  # the action another node's capture request carried
     uid: int | None = None  # whose budget it is charged to
@@ -78,7 +95,8 @@ class _Capture:
 
 class CaptureWorkers:
     def __init__(self, config: Config, store: Store, spool: Spool, steps: list[tuple[Step, float]], metrics: Metrics,
-                 watched: Watchlist, registrations: Registrations, fleet: Agent | None, wake: Callable[..., None]) -> None:
+                 watched: Watchlist, registrations: Registrations, fleet: Agent | None, post: Callable[[object], None],
+                 act: Acting | None = None) -> None:
         self.config = config
         self.store = store
         self.spool = spool
@@ -87,14 +105,14 @@ class CaptureWorkers:
         self.watched = watched
         self.registrations = registrations
         self.fleet = fleet
-        self.wake = wake  # a worker is done: wake the loop to collect it
-        self.machine: StateMachine | None = None  # set once made: it hands hangs here
-        self.act: Acting | None = None  # set by the daemon: what follows a stored incident (on_hang)
+        self.post = post  # the loop's queue: each worker's CaptureDone or ChoreDone
+        self.act = act  # what follows a stored incident (on_hang)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="capture")
-        self.captures: list[_Capture] = []
+        self.captures: dict[int, _Capture] = {}
+        self._ids = itertools.count(1)
         self.dumping: set[int] = set()  # pids whose GPU dump a capture is taking: not exception dumps
         self.ingested: dict[str, None] = {}  # dump files already made into incidents, oldest first (INGESTED_MAX)
-        self.flushing: concurrent.futures.Future[None] | None = None  # the spool being flushed, off the loop
+        self.flushing = False  # the spool is being flushed, off the loop
         self.jobs_at = 0.0  # when the fleet's list of jobs watched here is next refreshed
         self.budgets = registrations.limits.budgets  # per-user: captures in flight, capture time, dumps, log lines
         self.waiting: dict[int, collections.deque[Callable[[], None]]] = {}  # uid -> captures held by its budget
@@ -102,19 +120,29 @@ class CaptureWorkers:
 
     def healthy(self, now: float) -> bool:
         """No capture is running past its own deadline (and a grace for its last step to be killed)."""
-        return all(now < c.deadline + WEDGED_AFTER for c in self.captures)
+        return all(now < c.deadline.at + WEDGED_AFTER for c in self.captures.values())
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
-        """Other slow work of the loop's (retention, the spool), on the same workers."""
-        return self.pool.submit(self._logged, fn, *args)
+    def submit(self, name: str, fn: Callable[..., Any], *args: Any) -> None:
+        """Other slow work of the loop's (retention, the spool), on the same workers; a ``ChoreDone`` follows."""
+        self.pool.submit(self._chore, name, fn, *args)
 
-    @staticmethod
-    def _logged(fn: Callable[..., Any], *args: Any) -> Any:
+    def _chore(self, name: str, fn: Callable[..., Any], *args: Any) -> None:
+        error: str | None = "stopped before it finished"
         try:
-            return fn(*args)
-        except Exception as exc:
-            log.exception("worker_failed", work=getattr(fn, "__name__", str(fn)), error=f"{type(exc).__name__}: {exc}")
-            raise
+            fn(*args)
+            error = None
+        except Exception as exc:  # the loop hears of it as this chore's error
+            log.exception("worker_failed", work=name, error=f"{type(exc).__name__}: {exc}")
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.post(ChoreDone(name, error))
+
+    def chore_done(self, done: ChoreDone) -> None:
+        """On the loop: a chore is over (its error logged where it happened, counted here)."""
+        if done.name == "spool":
+            self.flushing = False
+        if done.error is not None:
+            self.metrics.loop_errors.labels(**self.metrics.labels(where=done.name)).inc()
 
     def remember_ingested(self, names: set[str] | list[str]) -> None:
         for name in names:
@@ -123,47 +151,45 @@ class CaptureWorkers:
             del self.ingested[next(iter(self.ingested))]
 
     def shutdown(self) -> None:
-        """Stop: queued captures are dropped (logged), running ones end at their deadlines, and
-        every capture that finished is logged and counted like any other."""
+        """Stop: queued captures are dropped (logged), running ones end at their deadlines. Each that
+        ran has posted its CaptureDone: the loop hands those to ``finished`` like any other."""
         self.pool.shutdown(wait=True, cancel_futures=True)
-        for c in self.captures:
+        for c in list(self.captures.values()):
             if c.future.cancelled():
-                log.warning("capture_cancelled", pids=[w.process.pid for w in c.watched], reason=c.suspicion.reason,
+                log.warning("capture_cancelled", pids=[r.process.pid for r in c.registrations], reason=c.suspicion.reason,
                             why="the daemon stopped before it started")
-        self.captures = [c for c in self.captures if not c.future.cancelled()]
-        self.collect()
+                del self.captures[c.id]
 
     # -- hangs -------------------------------------------------------------
 
-    def on_hung(self, group: list[Watched], suspicion: Suspicion, deadline: float, job_incident: str | None,
-                requested: str | None = None) -> None:
+    def start(self, d: Declare) -> str | None:
         """A confirmed hang (the hung process and its job-mates): queue their capture, cut at
-        ``deadline``, within its user's budget (a capture whose user has one in flight waits for it).
-        Raises when it cannot be queued; the caller then retries later. ``requested``: the action
-        another node's capture request carried."""
+        ``d.deadline``, within its user's budget (a capture whose user has one in flight waits for
+        it). None when queued; else why not (the state machine then has it tried again later)."""
         if len(self.captures) >= CAPTURES_MAX:
-            raise Saturated(f"{len(self.captures)} captures queued or running (CAPTURES_MAX)")
+            return f"{len(self.captures)} captures queued or running (CAPTURES_MAX)"
+        group = list(d.group)
         uid = group[0].registration.uid
-        outcome = self._admit(uid, lambda: self._start(group, suspicion, deadline, job_incident, requested))
+        outcome = self._admit(uid, lambda: self._start(group, d))
         if outcome == "deferred":
-            raise OverBudget(f"uid {uid}'s capture budget is spent")
+            return f"uid {uid}'s capture budget is spent"
         if outcome == "start":
-            self._start(group, suspicion, deadline, job_incident, requested)
+            self._start(group, d)
+        return None
 
-    def _start(self, group: list[Watched], suspicion: Suspicion, deadline: float, job_incident: str | None,
-               requested: str | None) -> None:
+    def _start(self, group: list[Watched], d: Declare) -> None:
         w = group[0]
-        gone = self.registrations.departures.of_job(w.registration.job, w.registration.uid, w.registration.registered_at)  # job-mates that exited: often the cause
+        regs = [x.registration for x in group]
+        gone = self.registrations.departures.of_job(w.registration)  # job-mates that exited: often the cause
         if gone:
-            log.info("exited_job_mates", job=w.registration.job, pids=[d.registration.process.pid for d in gone])
-        declare = job_incident is None and self.fleet is not None and w.registration.job is not None
-        on_hang = self.act.action(x.registration for x in group) if self.act and declare else "report"
-        c = _Capture(list(group), suspicion, time.monotonic(), deadline, concurrent.futures.Future(), job_incident, requested,
-                     uid=w.registration.uid)
-        c.future = self.pool.submit(self._capture, c, [x.registration for x in group], w.notify_status(), gone,
-                                    declare, on_hang)
-        c.future.add_done_callback(self.wake)
-        self.captures.append(c)
+            log.info("exited_job_mates", job=w.registration.job, pids=[g.registration.process.pid for g in gone])
+        declare = d.job_incident is None and self.fleet is not None and w.registration.job is not None
+        on_hang = self.act.action(regs) if self.act and declare else "report"
+        c = _Capture(group, regs, d.suspicion, time.monotonic(), d.deadline, next(self._ids), job_incident=d.job_incident,
+                     requested=d.requested, uid=w.registration.uid)
+        c.future = self.pool.submit(self._capture, c.id, regs, d.suspicion, d.deadline, c.job_incident,
+                                    notify_status(w.registration), gone, declare, on_hang)
+        self.captures[c.id] = c
         self.dumping.update(x.process.pid for x in group)
 
     def _admit(self, uid: int | None, later: Callable[[], None]) -> str:
@@ -201,52 +227,61 @@ class CaptureWorkers:
         if not queue:
             self.waiting.pop(c.uid, None)
 
-    def serve_requests(self) -> None:
-        """Another node declared a job hung: capture this node's ranks of it now, whatever they look like here."""
-        if self.fleet is None:
-            return
-        now = time.monotonic()
-        if now >= self.jobs_at:  # the jobs watched here, for the fleet's poller: at most once a second (O(watched))
+    def tell_fleet(self, now: float) -> None:
+        """The jobs watched here, for the fleet's poller: at most once a second (O(watched))."""
+        if self.fleet is not None and now >= self.jobs_at:
             self.fleet.jobs = frozenset((w.registration.uid, w.registration.job) for w in self.watched.values()
                                         if w.registration.job)
             self.jobs_at = now + 1.0
-        for req in self.fleet.pending():
-            # A rank registered after the request belongs to a restarted job of the same name, not this hang
-            # (give or take the skew between two nodes' clocks).
-            now = time.monotonic()
-            self.requested = {p: t for p, t in self.requested.items() if now - t < REQUEST_PAUSE_EVERY}
-            # A job is (owner, name): another user's job of the same name elsewhere is not this one.
-            of_job = [w for w in self.watched.values() if w.registration.job == req.job and w.role != "launcher"
-                      and (req.uid is None or w.registration.uid == req.uid)
-                      and w.registration.registered_at <= req.time + CLOCK_SKEW]
-            # Paused for a request once per REQUEST_PAUSE_EVERY; one hung or captured here is in hand already.
-            group = [w for w in of_job if w.state in (State.STARTING, State.HEALTHY, State.SUSPECT)
-                     and w.process not in self.requested]
-            if of_job and not group:
-                log.warning("job_capture_request_ignored", job=req.job, job_incident=req.job_incident, by=req.node,
-                            why=f"its processes here were captured on a store request less than "
-                                f"{REQUEST_PAUSE_EVERY:g} s ago; they are not paused again for one"
-                            if any(w.process in self.requested for w in of_job)
-                            else "its processes here are hung, or captured for a hang of their own, already")
-            if not group or not self.fleet.accept(req):
-                continue
-            for x in group:
-                self.requested[x.process] = now
-            log.warning("job_capture_requested", job=req.job, job_incident=req.job_incident, by=req.node,
-                        pids=[w.process.pid for w in group])
-            why = Suspicion("job-request", f"node {req.node} declared job {req.job} hung ({req.reason}: {req.detail})", req.time)
-            assert self.machine is not None
-            self.machine.declare(group, why, time.monotonic(), req.job_incident, requested=req.on_hang)
 
-    def _capture(self, c: _Capture, targets: list[Registration], notify_status: str | None,
-                 gone: list[exits.Departed], declare: bool, on_hang: str = "report") -> str | None:
-        """On a worker thread: tell the fleet, capture, analyse, store, hand the incident to the fleet."""
-        suspicion = c.suspicion
+    def requested_group(self, req: CaptureRequest, now: float) -> list[Watched]:
+        """Another node declared a job hung: this node's ranks of it to capture now, whatever they look
+        like here (none when they are in hand already, or were paused for a request lately)."""
+        assert self.fleet is not None
+        # A rank registered after the request belongs to a restarted job of the same name, not this hang
+        # (give or take the skew between two nodes' clocks).
+        self.requested = {p: t for p, t in self.requested.items() if now - t < REQUEST_PAUSE_EVERY}
+        # A job is (owner, name): another user's job of the same name elsewhere is not this one.
+        of_job = [w for w in self.watched.values() if in_job(w.registration, req.job, req.uid, w.role)
+                  and w.registration.registered_at <= req.time + CLOCK_SKEW]
+        # Paused for a request once per REQUEST_PAUSE_EVERY; one hung or captured here is in hand already.
+        group = [w for w in of_job if w.state in (State.STARTING, State.HEALTHY, State.SUSPECT)
+                 and w.process not in self.requested]
+        if of_job and not group:
+            log.warning("job_capture_request_ignored", job=req.job, job_incident=req.job_incident, by=req.node,
+                        why=f"its processes here were captured on a store request less than "
+                            f"{REQUEST_PAUSE_EVERY:g} s ago; they are not paused again for one"
+                        if any(w.process in self.requested for w in of_job)
+                        else "its processes here are hung, or captured for a hang of their own, already")
+        if not group or not self.fleet.accept(req):
+            return []
+        for x in group:
+            self.requested[x.process] = now
+        log.warning("job_capture_requested", job=req.job, job_incident=req.job_incident, by=req.node,
+                    pids=[w.process.pid for w in group])
+        return group
+
+    def _capture(self, capture: int, targets: list[Registration], suspicion: Suspicion, deadline: Deadline,
+                 job_incident: str | None, notify: str | None, gone: list[exits.Departed], declare: bool,
+                 on_hang: str) -> None:
+        """On a worker thread: tell the fleet, capture, analyse, store, hand the incident to the fleet;
+        then, whatever happened, one CaptureDone on the loop's queue."""
+        done = CaptureDone(capture, error="the worker stopped before it finished")
+        try:
+            done = CaptureDone(capture, self._make(targets, suspicion, deadline, job_incident, notify, gone, declare, on_hang))
+        except Exception as exc:  # the loop hears of it as this capture's error
+            done = CaptureDone(capture, error=f"{type(exc).__name__}: {exc}")
+            log.error("capture_failed", pids=[t.process.pid for t in targets], error=done.error, exc_info=exc)
+        finally:
+            self.post(done)
+
+    def _make(self, targets: list[Registration], suspicion: Suspicion, deadline: Deadline, job_incident: str | None,
+              notify: str | None, gone: list[exits.Departed], declare: bool, on_hang: str) -> str:
         job = targets[0].job
         if declare and self.fleet is not None and job is not None:
             try:  # every other node watching a rank of this job captures it too, under one job incident id
-                c.job_incident = self.fleet.declare(job, suspicion.reason, suspicion.detail, on_hang, targets[0].uid)
-            except Exception as exc:  # noqa: BLE001 - the fleet's trouble costs the request, never this node's capture
+                job_incident = self.fleet.declare(job, suspicion.reason, suspicion.detail, on_hang, targets[0].uid)
+            except Exception as exc:  # the fleet's trouble costs the request, never this node's capture
                 log.exception("job_declare_failed", job=job, error=f"{type(exc).__name__}: {exc}")
         first = str(targets[0].process.pid)
 
@@ -254,55 +289,45 @@ class CaptureWorkers:
             return gpu_dump_veto(self.config.gpu_dump, outdir, suspicion.signals if outdir.name == first else (),
                                  suspicion.reason)
 
-        budget = c.deadline - time.monotonic()
-        if budget <= 0:
-            raise TimeoutError(f"its deadline passed while it waited for a worker ({-budget:.1f} s ago)")
-        incident_id = make_incident(self.store, self.steps, targets, suspicion, budget, self.metrics, gate,
-                                    notify_status, self.spool, gone, self.config.node, c.job_incident)
+        if deadline.passed():
+            raise TimeoutError(f"its deadline passed while it waited for a worker ({time.monotonic() - deadline.at:.1f} s ago)")
+        incident_id = make_incident(self.store, self.steps, targets, suspicion, deadline, self.metrics, gate,
+                                    notify, self.spool, gone, self.config.node, job_incident)
         if self.fleet and incident_id and self.spool.find(incident_id) is None:
             self.fleet.stored(incident_id, self.store.dir / incident_id, next((t.job for t in targets if t.job), None),
-                              c.job_incident)
+                              job_incident)
         return incident_id
 
-    def collect(self) -> None:
-        """The workers that are done: count and announce their incidents, move their processes on."""
-        for c in [c for c in self.captures if c.future.done()]:
-            self.captures.remove(c)
-            self._release(c)
-            reason = c.suspicion.reason
-            try:
-                incident_id = c.future.result()
-                if isinstance(incident_id, exception_dumps.Filed):  # an exception dump: linked to its process, or not
-                    reason = reason if incident_id.linked else "unattributed-dump"
-                    incident_id = incident_id.incident
-            except Exception as exc:  # noqa: BLE001 - a failed capture must never stop the loop
-                log.error("capture_failed", pids=[w.process.pid for w in c.watched], error=f"{type(exc).__name__}: {exc}",
-                          exc_info=exc)
-                self.metrics.loop_errors.labels(**self.metrics.labels(where="capture")).inc()
-                incident_id = None
-            else:
-                if incident_id is None:
-                    continue  # a refused dump: counted and logged already
-                self.metrics.incidents.labels(**self.metrics.labels(reason=reason)).inc()
-                self.metrics.incident_stored(incident_id, reason, c.watched[0].registration.job if c.watched else None, time.time())
-                pending = self.spool.find(incident_id) is not None if incident_id else False
-                log.warning("incident_pending" if pending else "incident_stored", incident=incident_id,
-                            reason=reason, pids=[w.process.pid for w in c.watched],
-                            seconds=round(time.monotonic() - c.started, 3))
-                if pending:
-                    self.metrics.incidents_pending.labels(**self.metrics.const).set(len(self.spool.pending()))
-                if self.act and c.suspicion.reason != "gpu-exception":  # stored (or its report kept): now the job's policy acts
-                    self.act.after_store([w.registration for w in c.watched], incident_id, c.requested)
-            now = time.monotonic()
-            for w in c.watched:
-                self.dumping.discard(w.process.pid)
-                if self.watched.get(w.process) is not w:
-                    continue  # gone meanwhile (or an exception dump's stand-in)
-                assert self.machine is not None
-                if incident_id is None:
-                    self.machine.capture_failed(w, now)
-                else:
-                    self.machine.stored(w, incident_id)
+    def finished(self, done: CaptureDone) -> list[tuple[Watched, str | None]]:
+        """On the loop: a worker is done. Its incident counted and announced, the job's policy applied;
+        returns each process whose fate waited on it, with its incident (None: none came of it)."""
+        c = self.captures.pop(done.capture, None)
+        if c is None:
+            return []
+        self._release(c)
+        reason = c.suspicion.reason
+        pids = [r.process.pid for r in c.registrations]
+        for pid in pids:
+            self.dumping.discard(pid)
+        incident_id = done.incident
+        if done.error is not None:
+            if c.suspicion.reason == "gpu-exception":
+                log.error("capture_failed", pids=pids, error=done.error)  # a dump's worker logs nothing itself
+            self.metrics.loop_errors.labels(**self.metrics.labels(where="capture")).inc()
+        elif incident_id is not None:
+            reason = reason if done.linked else "unattributed-dump"
+            self.metrics.incidents.labels(**self.metrics.labels(reason=reason)).inc()
+            self.metrics.incident_stored(incident_id, reason, c.registrations[0].job if c.registrations else None, time.time())
+            pending = self.spool.find(incident_id) is not None
+            log.warning("incident_pending" if pending else "incident_stored", incident=incident_id,
+                        reason=reason, pids=pids, seconds=round(time.monotonic() - c.started, 3))
+            if pending:
+                self.metrics.incidents_pending.labels(**self.metrics.const).set(len(self.spool.pending()))
+            if self.act and c.suspicion.reason != "gpu-exception":  # stored (or its report kept): now the job's policy acts
+                self.act.after_store(c.registrations, incident_id, c.requested)
+        else:
+            return []  # a refused dump: counted and logged already
+        return [(w, incident_id) for w in c.watched]
 
     # -- GPU dumps nobody asked for: exceptions ---------------------------
 
@@ -345,23 +370,32 @@ class CaptureWorkers:
         reg = self.registrations.registration_of(pid)  # here on the loop, which owns the watchlist; the worker gets the answer
         if reg is not None and reg.uid != owner:
             reg = None  # a file naming another user's process is not that process's: never its pid in our lines
-        future = self.pool.submit(exception_dumps.ingest_counted, self.store, self.config.dumps / name, pid, reg,
-                                  self.config.driver_logs, self.metrics, self.spool,
-                                  lambda uid: self.budgets.allow("log", uid, time.monotonic()))
-        future.add_done_callback(self.wake)
-        fake = Watched(reg, State.CAPTURED, seen_at=time.monotonic(), timeout=0) if reg else None  # a stand-in, never watched
-        self.captures.append(_Capture([fake] if fake else [], Suspicion("gpu-exception", name, time.time()),
-                                      time.monotonic(), time.monotonic() + capture_budget(self.config), future,
-                                      uid=owner))
+        c = _Capture([], [reg] if reg else [], Suspicion("gpu-exception", name, time.time()), time.monotonic(),
+                     Deadline.after(capture_budget(self.config)), next(self._ids), uid=owner)
+        c.future = self.pool.submit(self._file_dump, c.id, name, pid, reg)
+        self.captures[c.id] = c
+
+    def _file_dump(self, capture: int, name: str, pid: int | None, reg: Registration | None) -> None:
+        """On a worker: an exception dump filed (or refused), then, whatever happened, one CaptureDone."""
+        done = CaptureDone(capture, error="the worker stopped before it finished")
+        try:
+            filed = exception_dumps.ingest_counted(self.store, self.config.dumps / name, pid, reg, self.config.driver_logs,
+                                                   self.metrics, self.spool,
+                                                   lambda uid: self.budgets.allow("log", uid, time.monotonic()))
+            done = CaptureDone(capture, filed.incident if filed else None, filed.linked if filed else True)
+        except Exception as exc:  # noqa: BLE001 - the loop hears of it as this dump's error
+            done = CaptureDone(capture, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            self.post(done)
 
     # -- reports kept while the state dir was full -------------------------
 
     def flush_spool(self) -> None:
         """Reports kept while the state dir had no room: stored and indexed once it has, on a worker
         (it analyses and renders pages), one flush at a time."""
-        if self.flushing is not None and not self.flushing.done():
-            return
-        self.flushing = self.submit(self._flush_spool)
+        if not self.flushing:
+            self.flushing = True
+            self.submit("spool", self._flush_spool)
 
     def _flush_spool(self) -> None:
         pending = self.spool.pending()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,7 +114,7 @@ def ingest(store: Store, path: Path, pid: int | None, claimed: Registration | No
                         detail=detail, job=reg.job, processes=(ProcessCapture(reg, (step,)),))
     try:
         write_pages(draft.path, incident, analyze(draft.path).to_dict())
-    except Exception as exc:  # noqa: BLE001 - the page is a convenience; the dump's report is stored all the same
+    except Exception as exc:  # the page is a convenience; the dump's report is stored all the same
         log.error("analysis_failed", incident=draft.id, error=f"{type(exc).__name__}: {exc}", exc_info=True)
     finish_draft(store, spool, draft, incident, f"gpu-exception: {detail}", metrics=metrics)
     try:
@@ -174,7 +174,7 @@ class Scan:
     busy: bool  # some are still changing: look again in QUIET_S
 
 
-def scan(directory: Path, ingested: set[str], now: float | None = None) -> Scan:
+def scan(directory: Path, ingested: Container[str], now: float | None = None) -> Scan:
     """The names in ``directory`` not yet ingested, split into whole and maybe still being written.
 
     OSError when the directory cannot be listed."""

@@ -21,6 +21,8 @@ workload's chosen place, overwritten by the next dump.
 One thread looks for pipes (every second at first, every ``MAX_GAP`` at most,
 for ``WINDOW`` seconds after a process is watched) and ``WORKERS`` threads
 wait for the traces; the loop hands processes over (``add``) and never waits.
+Each rank's outcome (warmed, or why not) comes back on the loop's queue as a
+``WarmupDone`` value, an exception included.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
 
@@ -49,8 +52,18 @@ TRACE_WAIT = 20.0  # seconds PyTorch may take to write the trace (its import too
 MAX_TRACE = 16 << 20  # bytes of a trace read to see whether it has entries; a bigger one has thousands
 
 
+@dataclass(frozen=True)
+class WarmupDone:
+    """One rank's flight recorder asked as it started: "warmed", or why it was not."""
+
+    registration: Registration
+    outcome: str
+    seconds_after_watched: float
+
+
 class Warmup:
-    def __init__(self, interval: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, post: Callable[[object], None], interval: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.post = post  # the loop's queue
         self.interval = interval
         self.clock = clock
         self._pending: dict[int, tuple[Registration, float, float]] = {}  # pid -> (process, added, next look)
@@ -119,6 +132,7 @@ class Warmup:
 
     def _ask(self, reg: Registration, pipe: Pipe, added: float) -> None:
         pid = reg.process.pid
+        outcome = "failed: the warm-up stopped before it finished"
         try:
             outcome = ask(reg, pipe, self._stop.is_set)
         except Exception as exc:  # noqa: BLE001 - one rank's failure must not end the worker
@@ -126,16 +140,12 @@ class Warmup:
         finally:
             with self._lock:
                 self._asking.discard(pid)
-        now = self.clock()
-        if outcome == "empty":  # asked before its first collective: again later
-            self._later(pid, now)
-            return
-        self._forget(pid)
-        if outcome == "warmed":
-            log.info("flight_recorder_warmed", pid=pid, job=reg.job, rank=reg.rank,
-                     seconds_after_watched=round(now - added, 2))
-        else:
-            log.warning("flight_recorder_warmup_failed", pid=pid, job=reg.job, rank=reg.rank, error=outcome)
+            now = self.clock()
+            if outcome == "empty":  # asked before its first collective: again later
+                self._later(pid, now)
+            else:
+                self._forget(pid)
+                self.post(WarmupDone(reg, outcome, now - added))
 
 
 def ask(reg: Registration, pipe: Pipe, stopping: Callable[[], bool] = lambda: False) -> str:

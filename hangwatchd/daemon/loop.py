@@ -1,19 +1,36 @@
-"""The daemon: one event loop that hands the work of each stage to its room.
+"""The daemon: one event loop that owns every watched process, and hands the slow work to workers.
 
 The loop sleeps in ``select`` until something happens: a registration file
-appears (inotify), a watched process exits (its pidfd), a capture or a stack
-sample finishes (a wake-up pipe), a signal arrives, or the earliest timer is
+appears (inotify), a watched process exits (its pidfd), a worker posts a result
+to the loop's one queue (``Inbox``), a signal arrives, or the earliest timer is
 due (a process's heartbeat deadline, the rescan, systemd's watchdog). It never
 blocks on what it watches: reads of /proc and of beat segments do not block,
-and captures and samples run on worker threads with their own deadlines.
+and captures, samples and scans run on worker threads with their own deadlines.
 
-Who does what: ``registrations`` admits and forgets processes, ``detect``
-judges them (``machine``, with stack samples from ``sampler``),
-``capture_workers`` runs each hang through ``make_incident`` (capture,
-analyse, store) and each exception dump through ``dump_ingest`` on worker
-threads, ``retention`` keeps the store to its limits (on a thread of its own,
-told by the store what it stored) and ``status_file`` says what is watched.
-The loop owns the ``Watchlist`` and calls them in turn.
+Who owns what. The loop thread alone writes the ``Watchlist`` (every field that
+decides a process's fate, through ``Watchlist.change`` and its table of legal
+transitions). Workers get frozen records and post one frozen value back, from
+a ``finally`` (their exceptions arrive as values):
+
+    sampler (py-spy)        SampleTaken(process, native, sample | its error)
+    capture workers         CaptureDone(capture, incident | error), ChoreDone(name, error)
+    discovery thread        GpuPidsFound(pids)
+    discovery's /proc scan  Discovered(registrations | error)
+    fleet poller            CaptureRequest (another node's request for a job's ranks)
+    flight-recorder warm-up WarmupDone(registration, outcome)
+    NVML listener           GpusFound(gpus), GpuEvent (an XID)
+
+Two threads keep to themselves and decide no process's fate: retention
+(``incidents/retention.py``, its own schedule, told by the store what it
+stored) and the recorder of process exits (``host/proc_exits.py``, read by the
+capture's ``exits`` step).
+
+``_dispatch`` hands each to its room; the state machine (``detect.machine``)
+answers with decisions (``Declare``, ``Drop``) that ``_act`` carries out: a
+capture queued on the workers, then the group HUNG (``handed_over``). One hang
+read from start to end: ``_look`` -> ``machine.observe`` -> ``Declare`` ->
+``_act`` -> ``workers.start`` -> ``CaptureDone`` -> ``_capture_done`` ->
+``machine.stored``. The status writer gets plain data made here.
 """
 
 from __future__ import annotations
@@ -21,7 +38,6 @@ from __future__ import annotations
 import os
 import selectors
 import signal
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,10 +51,12 @@ from ..capture import capture_budget, make_steps
 from ..config import Config
 from ..cudacore import sandbox
 from ..detect import HeartbeatDetector
-from ..detect.machine import StateMachine
-from ..detect.sampler import Sampler
+from ..detect.machine import Decision, Declare, Drop, StateMachine, retry_pause
+from ..detect.sampler import Sampler, SampleTaken
 from ..detect.stack import BLOCKING, IDLE
-from ..fleet.agent import Agent
+from ..fleet.agent import Agent, CaptureRequest
+from ..host import procfs
+from ..host.gpu_events import GpuEvent, GpusFound
 from ..host.notify import notify, watchdog_interval
 from ..host.proc_exits import ProcExits
 from ..host.user_limits import Budgets, UserLimits
@@ -47,17 +65,19 @@ from ..incidents.retention import Retention
 from ..incidents.spool import SPOOL_DIR, Spool
 from ..incidents.store import Store, StoreWriteError
 from ..metrics import Metrics, create, serve
-from ..watch.admission import Registrations
-from ..watch.discovery import Discovery
+from ..model import State, Suspicion
+from ..watch.admission import Discovered, Registrations
+from ..watch.discovery import Discovery, GpuPidsFound
 from ..watch.watched import Watched, Watchlist
 from ..workload import registration_file
 from . import act, exception_dumps
-from .capture_workers import CaptureWorkers
-from .fr_warmup import Warmup
+from .capture_workers import CaptureDone, CaptureWorkers, ChoreDone
+from .fr_warmup import Warmup, WarmupDone
+from .inbox import Inbox
 from .instance_lock import AlreadyRunning, InstanceLock, LockDirError
 from .loop_guard import Guard
 from .node_health import NodeHealth
-from .status_file import STATUS_EVERY, StatusFile
+from .status_file import STATUS_EVERY, WRITE_GAP, StatusFile
 
 log = structlog.get_logger("hangwatchd.daemon")
 
@@ -79,49 +99,46 @@ class Daemon:
         cfg = self.config
         self.metrics = self.metrics or create(node=cfg.node)
         self.retention = Retention(cfg)  # its own thread and schedule; the store tells it what it stored
+        self.inbox = Inbox()  # every worker's result comes back here, as a value
+        post = self.inbox.post
         self.store = Store(cfg.state_dir, on_stored=self.retention.stored)
         self.fleet = Agent(cfg.store, cfg.node, Path(cfg.state_dir), cfg.store_poll_interval, cfg.job_incident_window,
-                           cfg.store_spool_max, self._wake, self._count_sends) if cfg.store else None
+                           cfg.store_spool_max, post, self._count_sends) if cfg.store else None
         self.status = StatusFile(Path(cfg.runtime_dir))
         self.watched = Watchlist(self.metrics, on_change=self._status_changed, limit=WATCH_MAX)
         self.status_dirty = False  # a state changed since status.json was last handed to its writer
+        self.status_posted = 0.0  # when it was last handed over (at most once a WRITE_GAP)
         self.limits = UserLimits(cfg.max_registrations_per_uid, cfg.pyspy_samples_per_uid, budgets=Budgets(
             cfg.captures_per_uid, cfg.capture_seconds_per_uid, {"dump": cfg.dumps_per_uid_per_minute,
                                                                 "incident": cfg.incidents_per_uid_per_minute,
                                                                 "log": cfg.log_lines_per_uid_per_minute}))
         self.selector = selectors.DefaultSelector()
         self.guard = Guard(self.metrics)
-        self.registrations = Registrations(cfg, self.watched, self.metrics, self.limits,
-                                           attach=lambda fd, p: self.selector.register(fd, selectors.EVENT_READ, p),
-                                           detach=self.selector.unregister, first_look=self._first_look, guard=self.guard,
-                                           wake=self._wake)
+        self.registrations = Registrations(cfg, self.watched, self.metrics, self.limits, self.selector, self.guard, post)
         self.spool = Spool(Path(cfg.runtime_dir) / SPOOL_DIR, cfg.spool_bytes_per_uid)  # reports kept while the state dir is full
         self.exits = ProcExits(listen="exits" in cfg.capture_steps)  # processes that end, with their signal
-        self.workers = CaptureWorkers(cfg, self.store, self.spool, make_steps(cfg, self.exits), self.metrics,
-                                      self.watched, self.registrations, self.fleet, self._wake)
+        self.workers = CaptureWorkers(cfg, self.store, self.spool, make_steps(cfg, self.exits), self.metrics, self.watched,
+                                      self.registrations, self.fleet, post,
+                                      act.Acting(Path(cfg.runtime_dir), cfg.on_hang, cfg.abort_grace, self.metrics,
+                                                 cfg.abort_on_request))
         detector = HeartbeatDetector(cfg.startup_grace, cfg.learn_timeouts, cfg.learned_timeout_factor,
                                      cfg.learned_timeout_min, cfg.learned_timeout_max, int(cfg.learn_min_beats))
         self.machine = StateMachine(cfg, detector, self.watched, self.metrics,
                                     tuple(BLOCKING) + tuple(cfg.stack_blocking_patterns), cfg.stack_idle_pattern or IDLE,
-                                    on_hung=self.workers.on_hung, on_tampered=self.registrations.tampered,
                                     capture_budget=capture_budget(cfg))
-        self.workers.machine = self.machine
-        self.workers.act = act.Acting(Path(cfg.runtime_dir), cfg.on_hang, cfg.abort_grace, self.metrics, cfg.abort_on_request)
-        self.sampler = Sampler(cfg.pyspy_timeout, cfg.pyspy_samples_per_uid, self.limits, self._wake, self.metrics)
+        self.sampler = Sampler(cfg.pyspy_timeout, cfg.pyspy_samples_per_uid, self.limits, post)
         self.lock = InstanceLock(Path(cfg.runtime_dir))
         self.state_lock = InstanceLock(Path(cfg.state_dir), "state dir", "--state-dir", says=str(cfg.runtime_dir))
-        self.node_health = NodeHealth(Path(cfg.runtime_dir), self.metrics)  # GPU faults (XIDs), health.json
+        # GPU faults (XIDs) from the NVML listener's thread; health.json written by the status writer's.
+        self.node_health = NodeHealth(Path(cfg.runtime_dir), self.metrics, post, self.status.post_file)
         # New GPU processes within seconds, found on a thread of its own (watch/discovery.py).
-        self.discovery = Discovery(cfg.discover_devices, cfg.discover_interval, self._wake) if cfg.discover else None
+        self.discovery = Discovery(cfg.discover_devices, cfg.discover_interval, post) if cfg.discover else None
         # Each rank's flight recorder asked as it starts, until PyTorch has named a trace's frames (fr_warmup.py).
-        self.warmup = Warmup() if cfg.flight_recorder_warmup and "flight_recorder" in cfg.capture_steps else None
+        self.warmup = Warmup(post) if cfg.flight_recorder_warmup and "flight_recorder" in cfg.capture_steps else None
         self.rescan_due = False  # the inotify queue overflowed: events were lost
         self.next_dump_scan = float("inf")  # a scan found dumps still being written: look again then
         self.stopping = False
         self.metrics_address = ""
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
 
     # -- start and stop --------------------------------------------------
 
@@ -178,7 +195,7 @@ class Daemon:
                                              | inflags.DELETE | inflags.MOVED_FROM)
         self.dump_wd = self.inotify.add_watch(cfg.dumps, inflags.CLOSE_WRITE | inflags.MOVED_TO)
         self.selector.register(self.inotify.fileno(), selectors.EVENT_READ, "inotify")
-        self.selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self.selector.register(self.inbox.fileno(), selectors.EVENT_READ, "inbox")
         if cfg.metrics_address:
             self.metrics_address = serve(self.metrics.registry, cfg.metrics_address)
         self.metrics.info.labels(**self.metrics.const).info({"version": __version__})
@@ -191,14 +208,7 @@ class Daemon:
 
     def stop(self, *_: object) -> None:
         self.stopping = True
-        self._wake()
-
-    def _wake(self, *_: object) -> None:
-        """Wake the loop from another thread or a signal handler (a full pipe is awake enough)."""
-        try:
-            self._wake_w.send(b"w")
-        except OSError:
-            pass
+        self.inbox.wake()  # a signal handler: no lock taken, one byte sent
 
     def run(self) -> int:
         # SIGHUP stops cleanly like SIGTERM (README: Signals): a config reload would have to
@@ -231,8 +241,9 @@ class Daemon:
             notify("STOPPING=1")
             log.info("daemon_stopping", captures_in_flight=len(self.workers.captures))
             self.registrations.stop()
-            self.workers.shutdown()  # running captures end at their deadlines; each finished one is logged and counted
+            self.workers.shutdown()  # running captures end at their deadlines ...
             self.sampler.shutdown()
+            self._dispatch(time.monotonic(), only=(CaptureDone, ChoreDone))  # ... each finished one logged and counted
             if self.workers.act:
                 self.workers.act.stop()
             if self.discovery is not None:
@@ -264,6 +275,8 @@ class Daemon:
         while not self.stopping:
             now = time.monotonic()
             timers = [next_rescan, next_status, next_spool, self.next_dump_scan, self.watched.next_due()]
+            if self.status_dirty:
+                timers.append(self.status_posted + WRITE_GAP)
             if ping_every:
                 timers.append(next_ping)
             timeout = max(LOOP_TICK, min(timers) - now)
@@ -273,32 +286,14 @@ class Daemon:
             for key, _mask in events:
                 if key.data == "inotify":
                     guard("inotify", self._on_inotify)
-                elif key.data == "wake":
-                    self._drain_wake()
                 elif isinstance(key.data, registration_file.ProcessId):
                     guard("exit", self.registrations.exited, key.data)
             now = time.monotonic()
-            self.workers.collect()
-            if self.discovery is not None:
-                found = self.discovery.take()
-                if found:
-                    guard("discover", self.registrations.discover, found)
-            self.workers.serve_requests()
-            guard("discovery", self.registrations.discovered)
-            for w, sample, native in self.sampler.ready(self.watched):
-                if not guard("judge_stack", self.machine.judge_stack, w, sample, native, now, pid=w.process.pid):
-                    self.machine.backoff(w, now, "sample")
+            self._dispatch(now)  # what the workers sent back
+            self.workers.tell_fleet(now)
             for w in self.watched.due(now):
-                if w.process not in self.watched:
-                    continue  # forgotten while handling an earlier one
-                if w.next_check <= now and not guard("observe", self.machine.observe, w, now, pid=w.process.pid):
-                    self.machine.backoff(w, now, "observe")
-                if w.process not in self.watched:
-                    continue  # dropped for a tampered file
-                if w.next_sample <= now and not w.sampling and not guard("sample", self._sample, w, now, pid=w.process.pid):
-                    self.machine.backoff(w, now, "sample")
-                if w.process in self.watched and w.next_check <= now:
-                    self.machine.backoff(w, now, "observe")  # its look left no timer (a bug): never lose a process
+                if w.process in self.watched:  # not forgotten while handling an earlier one
+                    self._look(w, now)
             if now >= self.next_dump_scan:
                 self.next_dump_scan = float("inf")
                 guard("scan_dumps", self._scan_dumps)
@@ -309,11 +304,12 @@ class Daemon:
                 guard("rescan", self.rescan)
                 self.watched.reschedule_all()  # the safety net under the timer heap, as the rescan is under inotify
                 next_rescan = now + self.config.rescan_interval
+            self._first_looks(now)
             if now >= next_spool:
                 guard("spool", self.workers.flush_spool)
                 next_spool = now + SPOOL_RETRY_EVERY
-            if now >= next_status or self.status_dirty:
-                guard("status", self._write_status)
+            if now >= next_status or (self.status_dirty and now >= self.status_posted + WRITE_GAP):
+                guard("status", self._write_status, now)
                 next_status = now + STATUS_EVERY
             if ping_every and now >= next_ping:
                 if self.workers.healthy(now):  # the loop runs (we are in it), no capture is past its own deadline
@@ -322,15 +318,132 @@ class Daemon:
             self.metrics.loop_duration.labels(**self.metrics.const).observe(time.monotonic() - started)
             self.metrics.loop_cpu.labels(**self.metrics.const).inc(time.thread_time() - cpu_started)
 
-    def _drain_wake(self) -> None:
+    # -- what the workers sent back ----------------------------------------
+
+    def _dispatch(self, now: float, only: tuple[type, ...] = (object,)) -> None:
+        """Every value posted since the last turn, each to its room, in order (one's failure contained,
+        logged and counted); then the processes they admitted get their first look. ``only``: the
+        kinds still taken (stopping: what finished, not what would start more work)."""
+        for message in self.inbox.drain():
+            if isinstance(message, only):
+                self.guard(type(message).__name__, self._deliver, message, now)
+        self._first_looks(now)
+
+    def _deliver(self, m: object, now: float) -> None:
+        """The room that takes each kind of value a worker posts."""
+        if isinstance(m, SampleTaken):
+            self._sample_taken(m, now)
+        elif isinstance(m, CaptureDone):
+            self._capture_done(m, now)
+        elif isinstance(m, ChoreDone):
+            self.workers.chore_done(m)
+        elif isinstance(m, GpuPidsFound):
+            self.metrics.passes.labels(**self.metrics.labels(what="discovery")).inc()
+            if m.pids:
+                self.registrations.discover(list(m.pids))
+        elif isinstance(m, Discovered):
+            self.registrations.discovered(m)
+        elif isinstance(m, CaptureRequest):
+            self._store_request(m, now)
+        elif isinstance(m, WarmupDone):
+            self._warmup_done(m)
+        elif isinstance(m, GpusFound):
+            self.node_health.gpus_found(m)
+        elif isinstance(m, GpuEvent):
+            self.node_health.gpu_event(m)
+        else:  # a worker posted what nobody takes: a bug, never a silent loss
+            raise TypeError(f"no room takes {type(m).__name__}")
+
+    def _sample_taken(self, taken: SampleTaken, now: float) -> None:
+        w = self.watched.get(taken.process)
+        if w is None:
+            return  # forgotten meanwhile
+        if not procfs.alive(taken.process):
+            self.watched.change(w, sampling=False)  # its exit is on its way (the pidfd)
+            return
         try:
-            while self._wake_r.recv(4096):
-                pass
-        except BlockingIOError:
-            pass
+            self._act(self.machine.sample_taken(w, taken, now), now)
+        except Exception:
+            self.machine.backoff(w, now, "sample")
+            raise
+
+    def _capture_done(self, done: CaptureDone, now: float) -> None:
+        for w, incident in self.workers.finished(done):
+            if self.watched.get(w.process) is not w:
+                continue  # gone meanwhile
+            if incident is None:
+                self.machine.capture_failed(w, now)
+            else:
+                self.machine.stored(w, incident)
+
+    def _store_request(self, req: CaptureRequest, now: float) -> None:
+        """Another node declared a job hung: capture this node's ranks of it now, whatever they look like here."""
+        if self.fleet is None:
+            return
+        group = self.workers.requested_group(req, now)
+        if group:
+            why = Suspicion("job-request", f"node {req.node} declared job {req.job} hung ({req.reason}: {req.detail})", req.time)
+            self._act(self.machine.declare(group, why, now, req.job_incident, requested=req.on_hang), now)
+
+    @staticmethod
+    def _warmup_done(done: WarmupDone) -> None:
+        r = done.registration
+        if done.outcome == "warmed":
+            log.info("flight_recorder_warmed", pid=r.process.pid, job=r.job, rank=r.rank,
+                     seconds_after_watched=round(done.seconds_after_watched, 2))
+        else:
+            log.warning("flight_recorder_warmup_failed", pid=r.process.pid, job=r.job, rank=r.rank, error=done.outcome)
+
+    # -- the state machine's decisions, carried out -------------------------
+
+    def _act(self, decisions: list[Decision], now: float) -> None:
+        for d in decisions:
+            if isinstance(d, Declare):
+                try:  # the transaction: the capture queued (or why not), then the group HUNG
+                    refused = self.workers.start(d)
+                except Exception as exc:  # whatever failed, the hang is captured again later
+                    log.exception("capture_not_queued", pids=[x.process.pid for x in d.group], retry_in=retry_pause(1),
+                                  error=f"{type(exc).__name__}: {exc}")
+                    refused = f"{type(exc).__name__}: {exc}"
+                self.machine.handed_over(d, refused, now)
+            elif isinstance(d, Drop):
+                self.registrations.tampered(d.watched, d.refused)
+
+    def _look(self, w: Watched, now: float) -> None:
+        """A process is due: its detector's look, then its stack sample, each contained."""
+        if w.next_check <= now and not self.guard("observe", self._observe, w, now, pid=w.process.pid):
+            self.machine.backoff(w, now, "observe")
+        if w.process not in self.watched:
+            return  # dropped for a tampered file
+        if w.next_sample <= now and not w.sampling and not self.guard("sample", self._sample, w, now, pid=w.process.pid):
+            self.machine.backoff(w, now, "sample")
+        if w.process in self.watched and w.next_check <= now:
+            self.machine.backoff(w, now, "observe")  # its look left no timer (a bug): never lose a process
+
+    def _observe(self, w: Watched, now: float) -> None:
+        self._act(self.machine.observe(w, now), now)
+
+    def _sample(self, w: Watched, now: float) -> None:
+        native = w.state is State.SUSPECT and w.suspicion is not None and w.suspicion.reason == "stack"
+        again = self.sampler.start(w.registration, native, now)
+        if again is None:
+            self.watched.change(w, sampling=True)  # until its SampleTaken comes back, which it always does
+        else:
+            self.watched.change(w, sample_at=again)
+
+    def _first_looks(self, now: float) -> None:
+        """Processes admitted since the last turn: the detectors' first look, and the flight-recorder warm-up."""
+        for w in self.registrations.take_arrived():
+            if self.watched.get(w.process) is not w:
+                continue
+            if not self.guard("observe", self._observe, w, now, pid=w.process.pid):
+                self.machine.backoff(w, now, "observe")
+            if self.warmup is not None:
+                self.warmup.add(w.registration)
 
     def rescan(self) -> None:
         self.registrations.rescan()
+        self.metrics.passes.labels(**self.metrics.labels(what="rescan")).inc()
 
     def _on_inotify(self) -> None:
         for event in self.inotify.read(timeout=0):
@@ -347,23 +460,15 @@ class Daemon:
             else:
                 self.guard("inotify_event", self.registrations.changed, name, event.mask)
 
-    def _first_look(self, w: Watched, now: float) -> None:
-        self.machine.observe(w, now)
-        if self.warmup is not None:
-            self.warmup.add(w.registration)
-
     def _status_changed(self) -> None:
         self.status_dirty = True
 
-    def _write_status(self) -> None:
-        """Hand a snapshot to the status writer: it writes off the loop, at most once a second."""
+    def _write_status(self, now: float) -> None:
+        """Hand the status writer plain data made here (it writes off the loop, at most once a WRITE_GAP)."""
         self.status_dirty = False
-        self.status.post(list(self.watched.values()))
-
-    def _sample(self, w: Watched, now: float) -> None:
-        again = self.sampler.sample(w, now)
-        if again is not None:
-            self.watched.change(w, sample_at=again)
+        self.status_posted = now
+        wall = time.time()
+        self.status.post([(w.status_row(now, wall), w.registration) for w in self.watched.values()])
 
     def _scan_dumps(self) -> None:
         """Dumps that appeared while nobody watched (the daemon down, an inotify overflow)."""

@@ -26,7 +26,7 @@ class Guard:
         try:
             fn(*args)
             return True
-        except Exception as exc:  # noqa: BLE001 - one process's, file's or dump's trouble never stops the loop
+        except Exception as exc:  # one process's, file's or dump's trouble never stops the loop
             self.metrics.loop_errors.labels(**self.metrics.labels(where=where)).inc()
             log.exception("loop_error", where=where, pid=pid, error=f"{type(exc).__name__}: {exc}")
             return False

@@ -25,10 +25,19 @@ from ..capture import late
 from ..capture.base import Step
 from ..capture.pipeline import capture_all, vetoed
 from ..host import gpu_events
+from ..host.atomic import write_atomic
+from ..host.deadline import Deadline
 from ..incidents.spool import Spool, begin_draft, finish_draft
 from ..incidents.store import COMING, LATE_DIR, Store, StoreWriteError, incident_to_json
 from ..metrics import Metrics
-from ..model import Incident, PendingEvidence, ProcessCapture, Registration, StepResult, Suspicion
+from ..model import (
+    Incident,
+    PendingEvidence,
+    ProcessCapture,
+    Registration,
+    StepResult,
+    Suspicion,
+)
 from ..report import html
 from ..workload import exits
 
@@ -40,7 +49,7 @@ def make_incident(
     steps: Sequence[tuple[Step, float]],
     targets: Sequence[Registration],
     suspicion: Suspicion,
-    budget: float,
+    deadline: Deadline,
     metrics: Metrics | None = None,
     gate: Callable[[Path], str | None] | None = None,
     notify_status: str | None = None,
@@ -49,7 +58,8 @@ def make_incident(
     node: str | None = None,
     job_incident: str | None = None,
 ) -> str:
-    """Capture every target into one new incident and store it; return the incident's id.
+    """Capture every target into one new incident and store it, by ``deadline`` (the capture's one,
+    set when the hang was declared, handed to every step unchanged); return the incident's id.
 
     The incident is stored once every target's facts and stacks are in; the slow
     evidence (flight recorders, GPU dumps: ``capture.late``) is added to it as each
@@ -67,7 +77,7 @@ def make_incident(
     draft = begin_draft(store, spool, suspicion.reason, job, pids, metrics)
     if draft.spooled:
         why = "the state dir has no room: the report is kept, a GPU dump would be lost (it ends the process)"
-        gate = lambda _outdir: why  # noqa: E731
+        gate = lambda _outdir: why  # noqa: E731 - a closure named where it is used
     first, later = late.split(steps)
     if draft.spooled:  # a spooled report is sealed once: everything goes in before
         first, later = list(steps), []
@@ -78,10 +88,10 @@ def make_incident(
     if later:
         lane = threading.Thread(target=_add_late, name=f"late-{draft.id}", daemon=True,
                                 args=(store, later, targets, draft.id, stored, refused, suspicion, gate, metrics,
-                                      declared, declared + budget))
+                                      declared, deadline))
         lane.start()
     try:
-        captures = capture_all(first, targets, draft.path, budget, metrics, gate)
+        captures = capture_all(first, targets, draft.path, deadline, metrics, gate)
         exits.write_into(draft.path, list(gone), targets[0] if targets else None, suspicion.since)
         gpu_events.attach(draft.path, pids, suspicion.since)  # the GPU faults (XIDs) of the GPUs these ran on
         # A GPU dump the policy refuses is not coming: said at once, in the incident as first stored.
@@ -125,7 +135,7 @@ def _analysed(directory: Path, incident: Incident) -> tuple[Incident, dict[str, 
     try:
         analysis = analyze(directory)
         verdict, analysis_dict = analysis.summary, analysis.to_dict()
-    except Exception as exc:  # noqa: BLE001 - a capture is stored even when its analysis fails
+    except Exception as exc:  # a capture is stored even when its analysis fails
         log.error("analysis_failed", incident=incident.id, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
         verdict, analysis_dict = f"the analysis failed ({type(exc).__name__}: {exc}); the evidence is kept", None
     incident = dataclasses.replace(incident, verdict=verdict)
@@ -151,7 +161,7 @@ def coming(incident: Incident) -> str:
 def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequence[Registration], incident_id: str,
               stored: late.Stored, refused: set[tuple[int, str]], suspicion: Suspicion,
               gate: Callable[[Path], str | None] | None, metrics: Metrics | None, declared: float,
-              deadline: float | None = None) -> None:
+              deadline: Deadline) -> None:
     """Run the slow steps on every rank and add each piece of evidence to the incident as it comes,
     once it is stored (``stored`` says when, and with what); ``refused`` (pid, step): not run, the
     stored incident says so already (filled in before ``stored`` is set).
@@ -162,7 +172,7 @@ def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequen
     lock = threading.Lock()
     state: dict[str, Any] = {"incident": None, "dirty": False, "analysing": False}
     final = store.dir / incident_id
-    uids = [t.uid for t in targets]
+    uids: list[int | None] = [t.uid for t in targets]
 
     def late_gate(outdir: Path) -> str | None:  # the policy sees the rank's stored evidence, not the late dir
         pid = outdir.name.removeprefix(LATE_DIR).rsplit("-", 2)[1]  # .late-ID-PID-STEP
@@ -235,7 +245,7 @@ def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequen
                  seconds=round(time.monotonic() - declared, 3), outcome="partial")
 
     late.run_late(steps, targets, lambda t, step: store.late_dir(incident_id, t.process.pid, step), late_gate, metrics,
-                  step_done, early=early, deadline=deadline, stored=stored, refused=refused)
+                  step_done, deadline, early=early, stored=stored, refused=refused)
     if stored.wait() is not None:
         settle()  # whatever a thread that returned early left for the last one
 
@@ -245,8 +255,6 @@ def write_pages(draft_dir: Path, incident: Incident, analysis: dict[str, Any]) -
     the store only moves them. A page that cannot be made costs the page, never the incident."""
     try:
         for name, text in html.pages(draft_dir, analysis, incident_to_json(incident)).items():
-            tmp = draft_dir / f".{name}.tmp"
-            tmp.write_text(text)
-            tmp.replace(draft_dir / name)
-    except Exception as exc:  # noqa: BLE001 - a renderer's bug must not lose the evidence
+            write_atomic(draft_dir / name, text.encode())
+    except Exception as exc:  # a renderer's bug must not lose the evidence
         log.error("incident_page_failed", dir=str(draft_dir), error=f"{type(exc).__name__}: {exc}", exc_info=True)

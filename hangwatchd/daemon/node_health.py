@@ -6,17 +6,18 @@ fault: a GPU that needs a reset or is gone, or a watchdog that cannot watch
 (not running, its loop stalled, py-spy or ptrace unusable). A job's own hang is
 never one: it surfaces through the GPUProcessHung alert and its incident.
 
-The daemon writes ``RUNTIME_DIR/health.json`` at start and on each GPU fault
-(from the GPU-event thread); the loop's own liveness is the age of
-``status.json``, which the loop rewrites every few seconds.
+The daemon writes ``RUNTIME_DIR/health.json`` at start and on each GPU fault:
+the GPU-event thread posts each event to the loop's queue, the loop counts it
+and hands the file's new content to the status writer's thread. The loop's own
+liveness is the age of ``status.json``, which the loop rewrites every few seconds.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,49 +57,51 @@ def capture_problem() -> str | None:
 
 
 class HealthFile:
-    """health.json: the daemon's facts about the node, rewritten whole (from the loop at start, from the GPU thread after)."""
+    """health.json: the daemon's facts about the node, rewritten whole (on the loop; ``write`` puts it on disk)."""
 
-    def __init__(self, runtime_dir: Path) -> None:
+    def __init__(self, runtime_dir: Path, write: Callable[[Path, dict[str, Any]], None] | None = None) -> None:
         self.path = runtime_dir / HEALTH_FILE
-        self._lock = threading.Lock()
+        self.write = write or _write_now
         self.data: dict[str, Any] = {"pid": os.getpid(), "capture_problem": None, "gpu_faults": [], "gpus": None,
                                      "gpu_events": None}
 
     def start(self, capture: str | None) -> None:
-        with self._lock:
-            self.data["capture_problem"] = capture
-            self._write()
+        self.data["capture_problem"] = capture
+        _write_now(self.path, {**self.data, "time": time.time()})  # at start, before clients look: at once
 
     def gpus(self, gpus: list[int], unavailable: str | None = None) -> None:
-        with self._lock:
-            self.data["gpus"] = gpus
-            self.data["gpu_events"] = unavailable
-            self._write()
+        self.data["gpus"] = gpus
+        self.data["gpu_events"] = unavailable
+        self._write()
 
     def gpu_event(self, event: GpuEvent) -> None:
         if not event.node_fault:
             return  # a job's own error (13, 31, 43): in its incident, never a node condition
-        with self._lock:
-            self.data["gpu_faults"] = (self.data["gpu_faults"] + [event.to_json()])[-MAX_FAULTS:]
-            self._write()
+        self.data["gpu_faults"] = (self.data["gpu_faults"] + [event.to_json()])[-MAX_FAULTS:]
+        self._write()
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
 
     def _write(self) -> None:
-        try:
-            runtime_files.write_json(self.path, {**self.data, "time": time.time()})
-        except OSError:
-            pass  # the runtime dir is gone: health says unknown, which is right
+        self.write(self.path, {**self.data, "time": time.time()})
+
+
+def _write_now(path: Path, data: dict[str, Any]) -> None:
+    try:
+        runtime_files.write_json(path, data)
+    except OSError:
+        pass  # the runtime dir is gone: health says unknown, which is right
 
 
 class NodeHealth:
-    """The daemon's side: the GPU-event listener on its thread, the health file, the XID counter."""
+    """The daemon's side: the GPU-event listener on its thread (posting to the loop), the health file, the XID counter."""
 
-    def __init__(self, runtime_dir: Path, metrics: Metrics, nvml: Any = None) -> None:
-        self.file = HealthFile(runtime_dir)
+    def __init__(self, runtime_dir: Path, metrics: Metrics, post: Callable[[object], None],
+                 write: Callable[[Path, dict[str, Any]], None] | None = None, nvml: Any = None) -> None:
+        self.file = HealthFile(runtime_dir, write)
         self.metrics = metrics
-        self.listener = gpu_events.Listener(gpu_events.RECORDER, self._event, self._gpus, nvml=nvml)
+        self.listener = gpu_events.Listener(gpu_events.RECORDER, post, nvml=nvml)
 
     def start(self) -> None:
         self.file.start(capture_problem())
@@ -108,11 +111,11 @@ class NodeHealth:
         self.listener.stop()
         self.file.remove()
 
-    def _gpus(self, gpus: list[int]) -> None:  # on the listener's thread
-        self.metrics.gpus_seen(gpus)
-        self.file.gpus(gpus)
+    def gpus_found(self, found: gpu_events.GpusFound) -> None:  # on the loop
+        self.metrics.gpus_seen(list(found.gpus))
+        self.file.gpus(list(found.gpus))
 
-    def _event(self, event: GpuEvent) -> None:  # on the listener's thread
+    def gpu_event(self, event: GpuEvent) -> None:  # on the loop
         if not event.lost:
             self.metrics.xid_errors.labels(**self.metrics.labels(gpu=str(event.gpu), xid=xid_label(event.xid))).inc()
         self.file.gpu_event(event)

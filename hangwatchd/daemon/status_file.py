@@ -3,10 +3,12 @@
 ``hangwatchd status`` and the clients read these files (``runtime``); the
 daemon writes them here, on every state change and every few seconds, so a
 reader always sees a whole file of a recent moment. The loop only hands over
-a snapshot (``post``); a thread of its own writes it, at most once a second
+a snapshot (``post``): plain data made on the loop (``Watched.status_row``),
+never a live record; a thread of its own writes it, at most once a second
 (reading each process's STATUS= file and writing the JSON take time that
 grows with the number watched, and a disk can stall): the latest snapshot
-wins, older ones are dropped unwritten.
+wins, older ones are dropped unwritten. The same thread writes the other
+files the loop hands it (``post_file``: health.json), the latest of each.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import structlog
 from .. import __version__
 from ..host import procfs
 from ..host.notify import notify
-from ..watch.watched import Watched
+from ..model import Registration
+from ..watch.watched import notify_status
 from ..workload.runtime_files import DAEMON_FILE, STATUS_FILE, write_json
 
 log = structlog.get_logger("hangwatchd.daemon")
@@ -31,13 +34,16 @@ log = structlog.get_logger("hangwatchd.daemon")
 STATUS_EVERY = 10.0  # seconds: status.json is rewritten at least this often (`status` reads beat ages from the segments)
 WRITE_GAP = 1.0  # seconds: status.json is written at most this often, however many states change
 
+Row = tuple[dict[str, Any], Registration]  # a process's status (plain data) and its frozen registration (for its STATUS=)
+
 
 class StatusFile:
     def __init__(self, runtime_dir: Path) -> None:
         self.runtime_dir = runtime_dir
         self.metrics_address = ""
         self._cond = threading.Condition()
-        self._latest: list[Watched] | None = None  # the one snapshot waiting to be written (a newer replaces it)
+        self._latest: list[Row] | None = None  # the one snapshot waiting to be written (a newer replaces it)
+        self._files: dict[Path, dict[str, Any]] = {}  # other files waiting, the latest of each
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.written = 0  # snapshots written (the bench and tests read it)
@@ -46,10 +52,16 @@ class StatusFile:
         self._thread = threading.Thread(target=self._run, name="status", daemon=True)
         self._thread.start()
 
-    def post(self, watched: list[Watched]) -> None:
-        """On the loop: a snapshot to write soon. Never blocks on the disk."""
+    def post(self, rows: list[Row]) -> None:
+        """On the loop: a snapshot to write soon (plain data: no record the loop goes on changing). Never blocks on the disk."""
         with self._cond:
-            self._latest = watched
+            self._latest = rows
+            self._cond.notify()
+
+    def post_file(self, path: Path, data: dict[str, Any]) -> None:
+        """On the loop: another JSON file of the runtime dir to write soon, whole (the latest wins)."""
+        with self._cond:
+            self._files[path] = data
             self._cond.notify()
 
     def stop(self) -> None:
@@ -63,10 +75,15 @@ class StatusFile:
         last = 0.0
         while True:
             with self._cond:
-                while self._latest is None and not self._stopping:
+                while self._latest is None and not self._files and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     return
+                files, self._files = self._files, {}
+            for path, data in files.items():
+                self._write_json(path, data)
+            if self._latest is None:
+                continue
             time.sleep(max(0.0, last + WRITE_GAP - time.monotonic()))  # debounce: changes meanwhile join this write
             with self._cond:
                 snapshot, self._latest = self._latest, None
@@ -75,7 +92,7 @@ class StatusFile:
             last = time.monotonic()
             try:
                 self.write(snapshot)
-            except Exception as exc:  # noqa: BLE001 - a bad record costs this write, never the writer
+            except Exception as exc:  # a bad record costs this write, never the writer
                 log.exception("status_write_failed", file=str(self.runtime_dir / STATUS_FILE), error=f"{type(exc).__name__}: {exc}")
             self.written += 1
 
@@ -88,15 +105,15 @@ class StatusFile:
             "state_dir": state_dir, "dump_dir": str(dump_dir), "metrics_address": metrics_address,
         })
 
-    def write(self, watched: Iterable[Watched]) -> None:
+    def write(self, rows: Iterable[Row]) -> None:
         """status.json (every watched process) and the matching STATUS= line."""
-        watched = list(watched)
+        processes = [{**row, "notify_status": notify_status(reg)} for row, reg in rows]
         counts: dict[str, int] = {}
-        for w in watched:
-            counts[w.state.value] = counts.get(w.state.value, 0) + 1
+        for p in processes:
+            counts[p["state"]] = counts.get(p["state"], 0) + 1
         self._write_json(self.runtime_dir / STATUS_FILE, {
             "pid": os.getpid(), "time": time.time(), "metrics_address": self.metrics_address,
-            "processes": [w.summary() for w in watched],
+            "processes": processes,
         })
         self.say(", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "watching no processes")
 

@@ -93,5 +93,5 @@ def main() -> int:
 if __name__ == "__main__":
     # The workload writes to the same stdout: without this, piped output (./dev demo | tee)
     # shows the workload's line before the demo's own first lines.
-    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # a program's stdout is a TextIOWrapper
     sys.exit(main())

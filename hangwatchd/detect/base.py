@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from ..model import State, Suspicion
 from ..watch.watched import Watched
@@ -16,11 +16,14 @@ class Observation:
     state: State
     next_check: float  # monotonic seconds
     suspicion: Suspicion | None = None
+    # What the look learned of the process (fields of Watched: its beat, its last progress, a
+    # learned timeout, ...): the state machine writes them through Watchlist.change, the detector never.
+    learned: dict[str, Any] = field(default_factory=dict)
 
 
 class Detector(Protocol):
     name: str
 
     def observe(self, watched: Watched, now: float) -> Observation:
-        """Look at the process now (monotonic seconds); never block."""
+        """Look at the process now (monotonic seconds); never block, never write ``watched``."""
         ...

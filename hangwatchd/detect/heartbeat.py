@@ -14,13 +14,15 @@ it declared a timeout (``--heartbeat-timeout``).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
 from ..model import State, Suspicion
-from ..watch.watched import Watched
+from ..watch.watched import INTERVALS_KEEP, Watched
 from ..workload import beat_segment
 from .base import Observation
 
@@ -38,6 +40,12 @@ class HeartbeatDetector:
     name: str = "heartbeat"
 
     def observe(self, w: Watched, now: float) -> Observation:
+        """Its beats read now; what they say, and what was learned (``Observation.learned``)."""
+        learned: dict[str, Any] = {}
+        obs = self._judge(w, now, learned)
+        return dataclasses.replace(obs, learned=learned) if learned else obs
+
+    def _judge(self, w: Watched, now: float, learned: dict[str, Any]) -> Observation:
         beat_at = w.registration.beat_at  # resolved once, at admission: never reopened by path
         if beat_at is None:
             return Observation(w.state, now + 3600.0)  # nothing to read: the stack detector's business
@@ -45,57 +53,60 @@ class HeartbeatDetector:
             reading = beat_segment.read(beat_at)
         except beat_segment.SegmentError as exc:
             return Observation(State.SUSPECT, now, Suspicion("heartbeat", f"beat segment unreadable: {exc}", time.time(), ("heartbeat",)))
+        last_progress, never_beat = w.last_progress, w.never_beat
         if w.beat is None or reading.count != w.beat.count:
             if w.beat is not None and w.beat.count and reading.count > w.beat.count:
                 beats = reading.count - w.beat.count
-                w.intervals.append((reading.last_ns - w.beat.last_ns) / 1e9 / beats)
-                w.beats_observed += beats
-                self._learn(w)
-            w.beat = reading
+                intervals = (*w.intervals[-(INTERVALS_KEEP - 1):], (reading.last_ns - w.beat.last_ns) / 1e9 / beats)
+                learned.update(intervals=intervals, beats_observed=w.beats_observed + beats)
+                learned.update(self._learn(w, intervals, w.beats_observed + beats))
+            learned["beat"] = reading
             if reading.count:
                 # The beat's own monotonic timestamp, not when we happened to look.
-                w.last_progress = reading.last_ns / 1e9
-                if w.never_beat:
-                    w.never_beat = False  # it beats after all: the heartbeat applies from now
+                last_progress = learned["last_progress"] = reading.last_ns / 1e9
+                if never_beat:
+                    never_beat = learned["never_beat"] = False  # it beats after all: the heartbeat applies from now
                     log.info("first_beat_late", pid=w.process.pid, after=round(now - w.seen_at, 1))
-        if w.last_progress is None and w.role == "launcher":
+        timeout = learned.get("timeout", w.timeout)
+        source = learned.get("timeout_source", w.timeout_source)
+        if last_progress is None and w.role == "launcher":
             # Its ranks beat, it never does: its exit is what matters (the pidfd tells).
             return Observation(State.HEALTHY, now + 5.0)
-        if w.last_progress is None and w.registration.heartbeat_timeout is None:
+        if last_progress is None and w.registration.heartbeat_timeout is None:
             deadline = w.seen_at + self.startup_grace
-            if now >= deadline and not w.never_beat:
-                w.never_beat = True  # from now on its stack is sampled (see Watched.watched_by_stack)
+            if now >= deadline and not never_beat:
+                never_beat = learned["never_beat"] = True  # from now on its stack is sampled (see Watched.watched_by_stack)
                 log.warning("never_beat", pid=w.process.pid, job=w.registration.job, rank=w.registration.rank,
                             grace=self.startup_grace, watched_by="stack",
                             note="no first beat and no declared --heartbeat-timeout: watched by its stack, never hung for a missing beat")
-            state = State.HEALTHY if w.never_beat else State.STARTING
-            return Observation(state, (now + 1.0) if w.never_beat else min(deadline, now + min(1.0, w.timeout / 4)))
-        if w.last_progress is None:
+            state = State.HEALTHY if never_beat else State.STARTING
+            return Observation(state, (now + 1.0) if never_beat else min(deadline, now + min(1.0, timeout / 4)))
+        if last_progress is None:
             deadline = w.seen_at + self.startup_grace
             if now >= deadline:
                 return Observation(State.SUSPECT, now, Suspicion(
                     "heartbeat", f"no first beat within the startup grace of {self.startup_grace:g} s",
                     time.time() - (now - w.seen_at), ("heartbeat",)))
             # A first beat raises no event: look again soon, so the timeout starts from it.
-            return Observation(State.STARTING, min(deadline, now + min(1.0, w.timeout / 4)))
-        deadline = w.last_progress + w.timeout
+            return Observation(State.STARTING, min(deadline, now + min(1.0, timeout / 4)))
+        deadline = last_progress + timeout
         if now >= deadline:
-            silent = now - w.last_progress
+            silent = now - last_progress
             return Observation(State.SUSPECT, now, Suspicion(
-                "heartbeat", f"no beat for {silent:.1f} s (timeout {w.timeout:g} s, {w.timeout_source}; "
+                "heartbeat", f"no beat for {silent:.1f} s (timeout {timeout:g} s, {source}; "
                 f"{reading.count} beats before)", time.time() - silent, ("heartbeat",)))
-        if self._learning(w):
+        if self._learning(source):
             # Looks every second until it has a timeout of its own, then a quarter of it (at most 5 s):
             # the deadline itself is never passed over, and 1,000 processes are not read each second.
-            every = 1.0 if w.timeout_source != "learned" else max(1.0, min(5.0, w.timeout / 4))
-            return Observation(State.HEALTHY, min(deadline, now + min(every, max(0.25, w.timeout / 4))))
+            every = 1.0 if source != "learned" else max(1.0, min(5.0, timeout / 4))
+            return Observation(State.HEALTHY, min(deadline, now + min(every, max(0.25, timeout / 4))))
         return Observation(State.HEALTHY, deadline)
 
-    def _learning(self, w: Watched) -> bool:
-        return self.learn and w.timeout_source != "registration"
+    def _learning(self, source: str) -> bool:
+        return self.learn and source != "registration"
 
-    def _learn(self, w: Watched) -> None:
-        if not self._learning(w) or w.beats_observed < self.min_beats or len(w.intervals) < 3:
-            return
-        w.timeout = min(self.ceiling, max(self.floor, self.factor * max(w.intervals)))
-        w.timeout_source = "learned"
+    def _learn(self, w: Watched, intervals: tuple[float, ...], observed: int) -> dict[str, Any]:
+        """The timeout learned from these intervals, where there is one to learn yet."""
+        if not self._learning(w.timeout_source) or observed < self.min_beats or len(intervals) < 3:
+            return {}
+        return {"timeout": min(self.ceiling, max(self.floor, self.factor * max(intervals))), "timeout_source": "learned"}

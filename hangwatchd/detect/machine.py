@@ -8,29 +8,38 @@ should come (the GPU, a collective, a lock), not idle waiting for work, unless
 the user declared ``--stack-timeout``.
 
 A confirmed hang is handed over as a transaction: every rank of the same job
-here goes with it, the capture is queued (``on_hung``) and only then is the
+here goes with it (``job_mates``), the machine returns a ``Declare`` that the
+loop turns into a queued capture, and only then (``handed_over``) is the
 state HUNG; a capture that fails before its incident is stored (or that could
-not be queued) is tried again after a bounded pause, so no process is left
-HUNG without a capture coming. A captured process is declared again only after
-progress it could not fake while hung (``rearm``). Every change goes through
+not be queued) is tried again after a bounded pause, with the job-mates that
+wait likewise, so no process is left HUNG without a capture coming. A captured
+process is declared again only after progress it could not fake while hung
+(``rearm``).
+
+The machine does no I/O but its looks (the detector reads a beat segment) and
+calls nobody back: each entry point returns what is to be done (``Declare``,
+``Drop``) for the loop to do, and every change of a process goes through
 ``Watchlist.change``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import structlog
 
 from ..config import Config
 from ..host import untrusted
+from ..host.deadline import Deadline
 from ..metrics import Metrics
 from ..model import State, Suspicion
 from ..watch.stack_history import Sample
-from ..watch.watched import Watched, Watchlist
+from ..watch.watched import INTERVALS_KEEP, Watched, Watchlist, job_mates
 from . import rearm
 from .base import Detector
+from .sampler import SampleTaken
 from .stack import classify
 
 log = structlog.get_logger("hangwatchd.daemon")
@@ -40,7 +49,27 @@ RETRY_FIRST = 5.0  # a failed capture of a hang is tried again after this, doubl
 RETRY_MAX = 300.0  # ... up to this
 HUNG_LOOK = 5.0  # a hung or captured process is looked at this often (for progress, for a retry)
 
-OnHung = Callable[[list[Watched], Suspicion, float, "str | None", "str | None"], None]
+@dataclass(frozen=True)
+class Declare:
+    """Capture ``group`` (a hung process and its job-mates) by ``deadline``; then ``handed_over``."""
+
+    group: tuple[Watched, ...]
+    suspicion: Suspicion
+    deadline: Deadline  # the capture's one deadline, from the declaration to its last step
+    job_incident: str | None = None  # another node's job incident this capture joins
+    requested: str | None = None  # the action another node's capture request carried
+    retry: bool = False  # a failed capture of a hang declared before, tried again
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Its files were swapped after it was admitted: the registration is dropped (``Registrations.tampered``)."""
+
+    watched: Watched
+    refused: untrusted.Refused
+
+
+Decision = Declare | Drop
 
 
 def retry_pause(attempts: int) -> float:
@@ -49,8 +78,7 @@ def retry_pause(attempts: int) -> float:
 
 class StateMachine:
     def __init__(self, cfg: Config, detector: Detector, watched: Watchlist, metrics: Metrics,
-                 blocking: Sequence[str], idle: str, on_hung: OnHung,
-                 on_tampered: Callable[[Watched, untrusted.Refused], None], capture_budget: float | None = None) -> None:
+                 blocking: Sequence[str], idle: str, capture_budget: float | None = None) -> None:
         self.cfg = cfg
         # Seconds from a declaration to its capture's deadline (capture.capture_budget: the GPU dump's time included).
         self.capture_budget = capture_budget if capture_budget is not None else cfg.capture_timeout
@@ -59,25 +87,36 @@ class StateMachine:
         self.metrics = metrics
         self.blocking = blocking
         self.idle = idle
-        # Queue the capture of a hung group: (group, suspicion, absolute deadline, job incident id or None,
-        # the action another node's request carried or None).
-        # It must not block; it raises when the capture cannot be queued.
-        self.on_hung = on_hung
-        self.on_tampered = on_tampered  # its files were swapped: the registration is dropped
+        self._out: list[Decision] = []  # what the entry point being run decided, for the loop to do
+        self._looked = metrics.passes.labels(**metrics.labels(what="look"))
+
+    def _decided(self) -> list[Decision]:
+        out, self._out = self._out, []
+        return out
 
     # -- looks ---------------------------------------------------------------
 
-    def observe(self, w: Watched, now: float) -> None:
+    def observe(self, w: Watched, now: float) -> list[Decision]:
         """Its detector's look, due now: move its state on, or note when to look again."""
-        timeout = w.timeout
+        try:
+            self._observe(w, now)
+        except BaseException:
+            self._out = []
+            raise
+        return self._decided()
+
+    def _observe(self, w: Watched, now: float) -> None:
+        self._looked.inc()
         try:
             w.check_files()
             obs = self.detector.observe(w, now)
         except untrusted.Refused as exc:
-            self.on_tampered(w, exc)
+            self._out.append(Drop(w, exc))
             return
-        if w.timeout != timeout:
-            self.watched.on_change()  # a learned timeout: status.json shows it (debounced)
+        if obs.learned:
+            self.watched.change(w, **obs.learned)
+            if "timeout" in obs.learned:
+                self.watched.on_change()  # a learned timeout: status.json shows it (debounced)
         r = w.registration
         self._export(w)
         sample_at = now if w.watched_by_stack and w.next_sample == float("inf") else None  # e.g. it never beat
@@ -119,8 +158,8 @@ class StateMachine:
         count = w.beat.count if w.beat is not None else 0
         if w.timeout != timeout_set or (count and count != beat_set):
             timeout_g.set(w.timeout)
-            if count and count != beat_set:
-                beat_g.set(w.beat.wall_time() or 0)  # type: ignore[union-attr]
+            if w.beat is not None and count and count != beat_set:
+                beat_g.set(w.beat.wall_time() or 0)
             w.series = (timeout_g, beat_g, w.timeout, count or beat_set)
 
     def _suspect(self, w: Watched, suspicion: Suspicion | None, now: float) -> None:
@@ -152,9 +191,8 @@ class StateMachine:
         if why_not:
             # The beats paused but the process works: a new phase, not a hang. Learn the longer gap.
             log.info("suspicion_dropped", pid=w.process.pid, why=why_not, paused=round(now - (w.last_progress or now), 1))
-            w.intervals.append(now - (w.last_progress or now))
-            w.last_progress = now
-            self.watched.change(w, State.HEALTHY, why=why_not, suspicion=None,
+            self.watched.change(w, State.HEALTHY, why=why_not, suspicion=None, last_progress=now,
+                                intervals=(*w.intervals[-(INTERVALS_KEEP - 1):], now - (w.last_progress or now)),
                                 sample_at=float("inf") if not w.watched_by_stack else now + self.cfg.stack_interval)
             return
         if w.beat is not None and w.last_progress is not None and suspicion.reason == "stack":
@@ -162,6 +200,25 @@ class StateMachine:
                 signals.add("heartbeat")
         evidence = f"; {w.history.evidence()}" if w.history.samples and "stack" in signals else ""
         self._hung(w, Suspicion(suspicion.reason, suspicion.detail + evidence, suspicion.since, tuple(sorted(signals))), now)
+
+    def sample_taken(self, w: Watched, taken: SampleTaken, now: float) -> list[Decision]:
+        """A stack sample of ``w`` came back (or why none came): it may be sampled again; then what
+        it says (``judge_stack``)."""
+        sample, native = taken.sample, taken.native
+        self._looked.inc()
+        self.watched.change(w, sampling=False)
+        if sample.refused:
+            self.watched.change(w, check_at=0.0)  # looked at now: its files and owner are checked, and it is dropped
+        self.metrics.stack_samples.labels(**self.metrics.labels(kind="native" if native else "plain",
+                                                                outcome="failed" if sample.error else "ok")).inc()
+        if sample.error:
+            log.warning("stack_sample_failed", pid=w.process.pid, error=sample.error)
+        try:
+            self.judge_stack(w, sample, native, now)
+        except BaseException:
+            self._out = []
+            raise
+        return self._decided()
 
     def judge_stack(self, w: Watched, sample: Sample, native: bool, now: float) -> None:
         """A stack sample came back: confirm or drop a suspicion, or start one, and say when to sample next.
@@ -174,7 +231,7 @@ class StateMachine:
             return
         suspect = w.state is State.SUSPECT and w.suspicion is not None
         if native:
-            if suspect and w.suspicion.reason == "stack":  # type: ignore[union-attr]
+            if w.suspicion is not None and suspect and w.suspicion.reason == "stack":
                 self._judge_native(w, sample, now)
             else:  # the state moved on while it was taken: it says nothing now
                 self.watched.change(w, sample_at=every if w.watched_by_stack else float("inf"))
@@ -186,9 +243,9 @@ class StateMachine:
             if w.state is State.CAPTURED:
                 self._rearm_if_progressed(w, now)
             return
-        w.history.add(sample)
-        if suspect and w.suspicion.reason == "heartbeat":  # type: ignore[union-attr]
-            if len(w.history.samples) <= 1 and now < w.confirm_by:
+        self.watched.change(w, history=w.history.added(sample))
+        if w.suspicion is not None and suspect and w.suspicion.reason == "heartbeat":
+            if w.history.count <= 1 and now < w.confirm_by:
                 self.watched.change(w, sample_at=now + 1.0)  # confirming: sample fast
             elif w.history.frozen_for() >= 2.0 or now >= w.confirm_by:
                 self._confirm(w, now)
@@ -201,8 +258,8 @@ class StateMachine:
             self.watched.change(w, sample_at=float("inf"))
             return
         window = w.stack_timeout or self.cfg.stack_window
-        if len(w.history.samples) == 1:
-            w.idle_noted = False
+        if w.history.count == 1 and w.idle_noted:
+            self.watched.change(w, idle_noted=False)
         if w.history.frozen_for() >= window and not w.idle_noted:
             held = w.history.frozen_for()
             log.info("process_suspect", pid=w.process.pid, reason="stack", detail=w.history.evidence())
@@ -225,8 +282,7 @@ class StateMachine:
             return
         if not w.idle_noted:
             log.info("stack_frozen_idle", pid=w.process.pid, why="idle pattern" if idle else "no blocking call")
-            w.idle_noted = True
-        self.watched.change(w, State.HEALTHY, why="idle", suspicion=None, sample_at=now + self.cfg.stack_interval)
+        self.watched.change(w, State.HEALTHY, why="idle", suspicion=None, idle_noted=True, sample_at=now + self.cfg.stack_interval)
 
     # -- hangs ---------------------------------------------------------------
 
@@ -236,29 +292,30 @@ class StateMachine:
         log.warning("process_hung", pid=w.process.pid, job=w.registration.job, rank=w.registration.rank,
                     reason=suspicion.reason, detail=suspicion.detail, signals=list(suspicion.signals))
         # Every rank of the same job on this node goes into the same incident: the rank
-        # that differs is the answer, and it may be one that looks healthy. A job is
-        # (owner uid, name): another user's process under the same name is not a rank of it.
-        mates = [x for x in self.watched.values() if x is not w and w.registration.job
-                 and x.registration.job == w.registration.job and x.registration.uid == w.registration.uid
-                 and x.role != "launcher"
-                 and x.state in (State.STARTING, State.HEALTHY, State.SUSPECT)]
-        self.declare([w] + mates, suspicion, now)
+        # that differs is the answer, and it may be one that looks healthy.
+        self._out.append(Declare((w, *job_mates(w, self.watched.values())), suspicion, Deadline.after(self.capture_budget, now)))
 
     def declare(self, group: list[Watched], suspicion: Suspicion, now: float, job_incident: str | None = None,
-                requested: str | None = None) -> None:
-        """The hand-over, as a transaction: the capture is queued, then the group is HUNG. When it
-        cannot be queued, the group is HUNG with a retry due, never HUNG with nothing coming."""
-        deadline = now + self.capture_budget
-        marks = {x.process: rearm.mark(x) for x in group}
-        try:
-            self.on_hung(group, suspicion, deadline, job_incident, requested)
-            retry_at = None
-        except Exception as exc:  # noqa: BLE001 - whatever failed, the hang is captured again
-            retry_at = now + retry_pause(1)
-            log.exception("capture_not_queued", pids=[x.process.pid for x in group], retry_in=retry_pause(1),
-                          error=f"{type(exc).__name__}: {exc}")
-        for x in group:
-            self.watched.change(x, State.HUNG, why=suspicion.reason, suspicion=suspicion, mark=marks[x.process],
+                requested: str | None = None) -> list[Decision]:
+        """Another node's request for this node's ranks of a job: capture ``group`` now, whatever they look like here."""
+        return [Declare(tuple(group), suspicion, Deadline.after(self.capture_budget, now), job_incident, requested)]
+
+    def handed_over(self, d: Declare, refused: str | None, now: float) -> None:
+        """The loop queued ``d``'s capture (``refused`` None), or could not (why). A first declaration
+        makes the group HUNG either way, with a retry due when nothing was queued: never HUNG with
+        nothing coming. A retry that could not be queued waits longer."""
+        if refused is not None:
+            log.warning("capture_not_queued", pids=[x.process.pid for x in d.group], retry=d.retry, error=refused)
+        if d.retry:
+            for x in d.group:
+                if refused is not None:
+                    self.capture_failed(x, now)
+                else:
+                    self.watched.change(x, retry_at=None, check_at=now + min(x.timeout, HUNG_LOOK))
+            return
+        retry_at = now + retry_pause(1) if refused is not None else None
+        for x in d.group:
+            self.watched.change(x, State.HUNG, why=d.suspicion.reason, suspicion=d.suspicion, mark=rearm.mark(x),
                                 retry_at=retry_at, attempts=1 if retry_at else 0,
                                 check_at=retry_at if retry_at is not None else now + min(x.timeout, HUNG_LOOK))
 
@@ -279,21 +336,12 @@ class StateMachine:
         self.watched.change(w, attempts=attempts, retry_at=now + pause, check_at=now + pause)
 
     def _retry(self, w: Watched, now: float) -> None:
-        """Its capture failed earlier: capture it (and its job-mates waiting likewise) again."""
+        """Its capture failed earlier: capture it again, with its job-mates whose capture failed likewise
+        (the same owner and job: another user's job of the same name is never one of them)."""
         assert w.suspicion is not None
-        group = [w] + [x for x in self.watched.values() if x is not w and w.registration.job
-                       and x.registration.job == w.registration.job and x.state is State.HUNG and x.retry_at is not None]
+        group = (w, *[x for x in job_mates(w, self.watched.values(), (State.HUNG,)) if x.retry_at is not None])
         log.warning("capture_retry", pids=[x.process.pid for x in group], attempt=w.attempts + 1)
-        deadline = now + self.capture_budget
-        try:
-            self.on_hung(group, w.suspicion, deadline, None, None)
-        except Exception as exc:  # noqa: BLE001
-            log.exception("capture_not_queued", pids=[x.process.pid for x in group], error=f"{type(exc).__name__}: {exc}")
-            for x in group:
-                self.capture_failed(x, now)
-            return
-        for x in group:
-            self.watched.change(x, retry_at=None, check_at=now + min(x.timeout, HUNG_LOOK))
+        self._out.append(Declare(group, w.suspicion, Deadline.after(self.capture_budget, now), retry=True))
 
     def _rearm_if_progressed(self, w: Watched, now: float) -> bool:
         """A hung or captured process is watched for a new hang only once it shows progress again."""

@@ -1,85 +1,77 @@
-"""Stack samples taken on worker threads, handed back to the loop: the frozen-stack detector's eyes.
+"""Stack samples taken on worker threads, handed back to the loop as values: the frozen-stack detector's eyes.
 
 A py-spy run takes up to ``pyspy_timeout``; the loop never waits for one. Each
 user's processes share a sampling budget (``pyspy_samples_per_uid``), so one
 user's thousand processes cannot keep py-spy busy for everyone.
+
+Every sample started comes back as one ``SampleTaken`` on the loop's queue,
+whatever happened: a py-spy that failed, or a worker that raised (``Popen``
+out of descriptors, a bug), comes back as a sample with its ``error``. The
+loop alone marks a process as being sampled and clears the mark when its
+``SampleTaken`` arrives, so no process stops being sampled for good.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import queue
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
 
-from ..host import procfs
 from ..host.user_limits import UserLimits
-from ..metrics import Metrics
-from ..model import ProcessId, State
+from ..model import ProcessId, Registration
 from ..watch.stack_history import Sample
-from ..watch.watched import Watched, Watchlist
 from .stack import take_sample
 
 log = structlog.get_logger("hangwatchd.daemon")
 
+TakeSample = Callable[[int, float, bool, "int | None"], Sample]
+
+
+@dataclass(frozen=True)
+class SampleTaken:
+    """One stack sample of ``process``, or why there is none (``sample.error``)."""
+
+    process: ProcessId
+    native: bool  # the one native look at a frozen stack (not a plain sample)
+    sample: Sample
+
 
 class Sampler:
-    def __init__(self, pyspy_timeout: float, samples_per_uid: float, limits: UserLimits, wake: Callable[[], None],
-                 metrics: Metrics) -> None:
-        self.metrics = metrics
+    def __init__(self, pyspy_timeout: float, samples_per_uid: float, limits: UserLimits,
+                 post: Callable[[object], None], take: TakeSample = take_sample) -> None:
         self.pyspy_timeout = pyspy_timeout
         self.samples_per_uid = samples_per_uid
         self.limits = limits
-        self.wake = wake  # a sample is ready: wake the loop
-        # At most one sample per process is in flight (Watched.sampling), so the pool's queue is
-        # bounded by the watchlist's size.
+        self.post = post  # the loop's queue
+        self.take = take
+        # At most one sample per process is in flight (the loop's Watched.sampling), so the pool's
+        # queue is bounded by the watchlist's size.
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="sample")
-        self.done: queue.SimpleQueue[tuple[ProcessId, Sample, bool]] = queue.SimpleQueue()
 
-    def sample(self, w: Watched, now: float) -> float | None:
-        """Start one sample of ``w`` (native when it is the one look at a frozen stack); or, when its
-        user's budget is spent, say when to try again (the caller schedules it)."""
-        wait = self.limits.sample_wait(w.registration.uid, now)
+    def start(self, reg: Registration, native: bool, now: float) -> float | None:
+        """Start one sample of ``reg``'s process (native: the one look at a frozen stack); None when
+        started (a ``SampleTaken`` follows, always), or, when its user's budget is spent, when to try again."""
+        wait = self.limits.sample_wait(reg.uid, now)
         if wait:
-            if self.limits.first("pyspy_rate", w.registration.uid):
-                log.warning("stack_sampling_limited", uid=w.registration.uid,
-                            limit=f"pyspy_samples_per_uid = {self.samples_per_uid:g}")
+            if self.limits.first("pyspy_rate", reg.uid):
+                log.warning("stack_sampling_limited", uid=reg.uid, limit=f"pyspy_samples_per_uid = {self.samples_per_uid:g}")
             return now + wait
-        w.sampling = True
-        pid = w.process
-        native = w.state is State.SUSPECT and w.suspicion is not None and w.suspicion.reason == "stack"
-        future = self.pool.submit(take_sample, pid.pid, self.pyspy_timeout, native, w.registration.uid)
-
-        def done(f: concurrent.futures.Future[Sample]) -> None:
-            if not f.cancelled() and f.exception() is None:
-                self.done.put((pid, f.result(), native))
-            self.wake()
-
-        future.add_done_callback(done)
+        self.pool.submit(self._take, reg.process, reg.uid, native)
         return None
 
-    def ready(self, watched: Watchlist) -> Iterator[tuple[Watched, Sample, bool]]:
-        """The samples taken since last asked, of processes still watched and alive: (process,
-        sample, whether it was the native look). What they mean is the state machine's to say."""
-        while True:
-            try:
-                pid, sample, native = self.done.get_nowait()
-            except queue.Empty:
-                return
-            w = watched.get(pid)
-            if w is None:
-                continue
-            w.sampling = False
-            if not procfs.alive(pid):
-                continue
-            if sample.refused:
-                watched.change(w, check_at=0.0)  # looked at now: its files and owner are checked, and it is dropped
-            self.metrics.stack_samples.labels(**self.metrics.labels(kind="native" if native else "plain",
-                                                                    outcome="failed" if sample.error else "ok")).inc()
-            if sample.error:
-                log.warning("stack_sample_failed", pid=pid.pid, error=sample.error)
-            yield w, sample, native
+    def _take(self, process: ProcessId, uid: int, native: bool) -> None:
+        """On a worker: the sample, or the exception that stopped it, as a value on the loop's queue."""
+        sample = Sample(time.monotonic(), (), (), None, None, "the sampler stopped before it finished")
+        try:
+            sample = self.take(process.pid, self.pyspy_timeout, native, uid)
+        except Exception as exc:  # whatever it was, the loop hears of it as this sample's error
+            log.exception("stack_sample_raised", pid=process.pid, error=f"{type(exc).__name__}: {exc}")
+            sample = Sample(time.monotonic(), (), (), None, None, f"the sampler raised {type(exc).__name__}: {exc}")
+        finally:
+            self.post(SampleTaken(process, native, sample))
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

@@ -11,6 +11,9 @@ A job is (owner, name) here too: two users' jobs of one name have their own
 requests, ids and polls, so one user's request can neither stand in for nor
 hide another's. ``requests/JOB/latest.json`` is still written, for daemons
 older than that, and never read.
+
+Each new request the poller reads goes to the daemon loop's queue as the
+``CaptureRequest`` value it is; the loop decides what to capture.
 """
 
 from __future__ import annotations
@@ -62,13 +65,13 @@ def new_job_incident(now: float) -> str:
 
 class Agent:
     def __init__(self, url: str, node: str, state_dir: Path, poll_interval: float, window: float,
-                 spool_max: int, wake: Callable[[], None] = lambda: None,
+                 spool_max: int, post: Callable[[object], None] = lambda _m: None,
                  counted: Callable[[str, int], None] = lambda outcome, spooled: None) -> None:
         self.url: StoreURL = parse(url)
         self.node = node
         self.poll_interval = poll_interval
         self.window = window  # requests older than this are a past hang, not this one
-        self.wake = wake
+        self.post = post  # the loop's queue: each new capture request goes there
         self.spool = Outbox(state_dir / "store-spool", spool_max)
         self._s3: Any = None
         self._lock = threading.Lock()
@@ -76,9 +79,6 @@ class Agent:
         self.current: dict[JobKey, tuple[str, float]] = {}  # (uid, job) -> (job incident, monotonic time) in hand here
         self.alias: dict[str, str] = {}  # our job incident id -> the one another node asked first
         self.etags: dict[str, str] = {}  # the key polled -> its last ETag
-        # Other nodes' capture requests not yet taken by the loop: the latest one per job, so bounded by
-        # the jobs watched here however long the loop takes (an older one is a past hang of that job).
-        self.requests: dict[JobKey, CaptureRequest] = {}
         self.polls = 0
         self._stop = threading.Event()
         self.uploader = Uploader(self.url, node, self.spool, self.client, self._resolve, self._post, counted)
@@ -140,11 +140,6 @@ class Agent:
         self.spool.put(self._resolve(Task("incident", job, job_incident or incident, incident=incident, dir=str(directory))))
         self.uploader.kick()
 
-    def pending(self) -> list[CaptureRequest]:
-        with self._lock:
-            out, self.requests = list(self.requests.values()), {}
-        return out
-
     # -- on the uploader's thread ------------------------------------------
 
     def _resolve(self, task: Task) -> Task:
@@ -189,10 +184,10 @@ class Agent:
                 except Exception as exc:  # noqa: BLE001 - the store is down: try again next round
                     log.debug("store_poll_failed", job=job, uid=uid, error=f"{type(exc).__name__}: {exc}")
                     continue
+                # A request is read once (its ETag): the loop's queue holds at most one per write to the
+                # store, and waits for the loop when full rather than drop one.
                 if req and req.node != self.node and time.time() - req.time < self.window:
-                    with self._lock:
-                        self.requests[(uid, job)] = req
-                    self.wake()
+                    self.post(req)
 
     def _forget_past(self, jobs: frozenset[JobKey]) -> None:
         """Only jobs watched here keep an ETag, and only hangs within the window stay in hand: the
@@ -212,7 +207,7 @@ class Agent:
         self.polls += 1
         try:
             resp = self.client().get_object(**args)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if s3.not_modified(exc) or s3.is_missing(exc):
                 return None
             raise

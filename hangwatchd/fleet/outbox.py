@@ -17,6 +17,8 @@ from typing import Any
 
 import structlog
 
+from ..host.atomic import write_atomic
+
 log = structlog.get_logger("hangwatchd.fleet")
 
 
@@ -48,9 +50,7 @@ class Outbox:
     def put(self, task: Task) -> Task:
         if not task.queued:
             task = Task(**{**asdict(task), "queued": time.time()})
-        tmp = self.path / f".{task.name}.tmp"
-        tmp.write_text(json.dumps(asdict(task)))
-        os.replace(tmp, self.path / task.name)
+        write_atomic(self.path / task.name, json.dumps(asdict(task)).encode())
         for old in self.names()[: -self.limit]:
             log.warning("store_spool_full", dropped=old, limit=self.limit)
             (self.path / old).unlink(missing_ok=True)

@@ -21,9 +21,9 @@ from typing import Any
 import structlog
 
 from ..analyze.jsonfile import read_json_or_none
+from ..host.atomic import write_atomic
 from . import layout, s3
 from .url import StoreURL
-
 
 MAX_JSON = 16 << 20  # bytes of a manifest or an incident.json (real ones are a few KB)
 MAX_FILE = 2 << 30  # bytes of one captured file (a compressed GPU dump is at most a few hundred MB)
@@ -47,7 +47,7 @@ def read_capped(body: Any, cap: int, what: str) -> bytes:
     if len(data) > cap:
         body.close()
         raise TooBig(f"{what} is larger than {cap >> 20} MB")
-    return data  # type: ignore[no-any-return]
+    return data
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ def job_incidents(url: StoreURL, job: str | None = None, client: Any = None) -> 
             old = nodes.get(m["node"])
             if old is None or (m.get("time") or 0) > (old.get("time") or 0):
                 nodes[m["node"]] = m
-    except Exception as exc:  # noqa: BLE001 - botocore's errors share no useful base; say what failed
+    except Exception as exc:  # botocore's errors share no useful base; say what failed
         if isinstance(exc, ReadError):
             raise
         raise ReadError(f"store {url}: {type(exc).__name__}: {exc}") from None
@@ -173,7 +173,7 @@ def fetch(url: StoreURL, inc: JobIncident, into: Path, client: Any = None) -> Pa
                 processes += _fetch_part(c, url, m, into, root)
             except (layout.BadKey, TooBig) as exc:
                 log.warning("store_part_refused", node=str(m.get("node"))[:80], error=str(exc))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - whatever the store or its client raised is one ReadError line for the CLI
         raise ReadError(f"store {url}: {type(exc).__name__}: {exc}") from None
     finally:
         os.close(root)
@@ -188,7 +188,8 @@ def _fetch_part(c: Any, url: StoreURL, m: dict[str, Any], into: Path, root: int)
     node = str(m["node"])
     parts = str(m.get("parts") or "")
     layout.check_relpath(parts.rstrip("/"), "parts prefix")
-    files = m.get("files") if isinstance(m.get("files"), list) else []
+    raw_files = m.get("files")
+    files = raw_files if isinstance(raw_files, list) else []
     wanted: list[tuple[str, tuple[str, ...]]] = []
     for f in files:
         rel = str(f.get("path") if isinstance(f, dict) else f)
@@ -228,6 +229,4 @@ def _stamp_node(path: Path, node: str) -> None:
     data = read_json_or_none(path)
     if isinstance(data, dict) and not data.get("node"):
         data["node"] = node
-        tmp = path.with_name(".proc.json.tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(data).encode())

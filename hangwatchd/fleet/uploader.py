@@ -134,7 +134,7 @@ class Uploader:
                 return False
             try:
                 self._send(task)
-            except Exception as exc:  # noqa: BLE001 - any failure: keep it spooled (or drop it), go on or back off
+            except Exception as exc:  # any failure: keep it spooled (or drop it), go on or back off
                 self.failures += 1
                 in_a_row += 1
                 ok = False

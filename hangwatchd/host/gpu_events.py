@@ -19,6 +19,7 @@ records without a GPU.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import re
 import threading
@@ -105,10 +106,6 @@ class Recorder:
         with self._lock:
             return list(self._events)
 
-    def on_gpus(self, gpus: Iterable[int], since: float) -> list[GpuEvent]:
-        wanted = set(gpus)
-        return [e for e in self.events() if e.gpu in wanted and e.time >= since]
-
     def index_of_minor(self, minor: int) -> int | None:
         return next((i for i, m in self.gpus.items() if m == minor), None)
 
@@ -116,15 +113,22 @@ class Recorder:
 RECORDER = Recorder()  # the node's one record: its GPUs are the daemon's whole life, not one capture's
 
 
-class Listener(threading.Thread):
-    """NVML's XID events into ``recorder``, and to ``on_event`` (counted, the health file); never on the loop."""
+@dataclass(frozen=True)
+class GpusFound:
+    """The GPUs the listener listens to, by NVML's index (none: ``Recorder.unavailable`` says why)."""
 
-    def __init__(self, recorder: Recorder, on_event: Callable[[GpuEvent], None],
-                 on_ready: Callable[[list[int]], None] = lambda gpus: None, nvml: Any = None, wait_ms: int = WAIT_MS) -> None:
+    gpus: tuple[int, ...]
+
+
+class Listener(threading.Thread):
+    """NVML's XID events into ``recorder``, and each as a value to ``post`` (the daemon loop's queue:
+    counted there, and the health file told); never on the loop. ``post`` gets a ``GpusFound`` once
+    listening, then each ``GpuEvent``."""
+
+    def __init__(self, recorder: Recorder, post: Callable[[object], None], nvml: Any = None, wait_ms: int = WAIT_MS) -> None:
         super().__init__(name="gpu-events", daemon=True)
         self.recorder = recorder
-        self.on_event = on_event
-        self.on_ready = on_ready
+        self.post = post
         self.nvml = nvml
         self.wait_ms = wait_ms
         self.stopping = threading.Event()
@@ -143,10 +147,12 @@ class Listener(threading.Thread):
             self.ready.set()
 
     def _listen(self) -> None:
-        nv = self.nvml
+        nv: Any = self.nvml
         if nv is None:
             try:
-                import pynvml as nv
+                import pynvml
+
+                nv = pynvml
             except ImportError:
                 self._give_up("nvidia-ml-py is not installed")
                 return
@@ -157,9 +163,9 @@ class Listener(threading.Thread):
             return
         try:
             handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
-            uuids = [_text(_try(lambda h=h: nv.nvmlDeviceGetUUID(h))) for h in handles]
+            uuids = [_text(_try(functools.partial(nv.nvmlDeviceGetUUID, h))) for h in handles]
             for i, h in enumerate(handles):
-                self.recorder.gpus[i] = _try(lambda h=h: int(nv.nvmlDeviceGetMinorNumber(h)))
+                self.recorder.gpus[i] = _int(_try(functools.partial(nv.nvmlDeviceGetMinorNumber, h)))
             event_set = nv.nvmlEventSetCreate()
             for i, h in enumerate(handles):
                 try:
@@ -167,7 +173,7 @@ class Listener(threading.Thread):
                 except nv.NVMLError as exc:
                     log.warning("gpu_events_not_supported", gpu=i, error=str(exc))
             log.info("gpu_events_listening", gpus=len(handles))
-            self.on_ready(list(range(len(handles))))
+            self.post(GpusFound(tuple(range(len(handles)))))
             self.ready.set()
             lost: set[int] = set()
             while not self.stopping.is_set():
@@ -187,7 +193,7 @@ class Listener(threading.Thread):
                     continue
                 if not data.eventType & nv.nvmlEventTypeXidCriticalError:
                     continue
-                index = _try(lambda: int(nv.nvmlDeviceGetIndex(data.device)))
+                index = _int(_try(functools.partial(nv.nvmlDeviceGetIndex, data.device)))
                 if index is None:
                     continue
                 self._seen(GpuEvent(time.time(), index, int(data.eventData), uuids[index] if index < len(uuids) else None,
@@ -199,7 +205,7 @@ class Listener(threading.Thread):
     def _seen(self, event: GpuEvent) -> None:
         self.recorder.add(event)
         log.warning("gpu_xid", gpu=event.gpu, xid=event.xid, what=event.what, needs_reset=event.node_fault, uuid=event.uuid)
-        self.on_event(event)
+        self.post(event)
 
     def _give_up(self, why: str) -> None:
         self.recorder.unavailable = why
@@ -218,6 +224,14 @@ def _try(fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except Exception:  # noqa: BLE001 - one fact NVML cannot give is left out, the rest is kept
+        return None
+
+
+def _int(v: Any) -> int | None:
+    """An NVML answer as an int (None where it gave none, or nothing like one)."""
+    try:
+        return None if v is None else int(v)
+    except (TypeError, ValueError):
         return None
 
 
@@ -251,7 +265,7 @@ def gpus_of(pid: int, recorder: Recorder, pdir: Path | None = None) -> set[int]:
 
 def attach(incident_dir: Path, pids: Iterable[int], stopped: float | None, recorder: Recorder = RECORDER) -> list[str]:
     """``PID/gpu-events.json`` for each captured process that ran on a GPU with events; the files written."""
-    written = []
+    written: list[str] = []
     events = recorder.events()
     if not events:
         return written

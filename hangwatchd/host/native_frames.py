@@ -64,7 +64,7 @@ class _Binary:
     """One mapped ELF file: its loadable segments and its function symbols, sorted."""
 
     def __init__(self, buf: mmap.mmap, deadline: float) -> None:
-        elf = Elf(buf)
+        elf = Elf(buf)  # type: ignore[arg-type]  # an mmap is a bytes-like buffer, read in place
         header = EHDR.unpack_from(buf, 0)
         phoff, phentsize, phnum = header[5], header[9], header[10]
         if phnum > MAX_PHDRS or phentsize < _PHDR.size or phoff + phnum * phentsize > len(buf):
@@ -72,8 +72,8 @@ class _Binary:
         self.loads = [(off, vaddr, filesz) for typ, _f, off, vaddr, _p, filesz, _mem, _a in
                       (_PHDR.unpack_from(buf, phoff + i * phentsize) for i in range(phnum)) if typ == PT_LOAD]
         tables = sorted(elf.symbol_tables(), key=lambda s: s.type)  # .symtab (2) before .dynsym (11)
-        funcs = tables and [s for s in elf.symbols(tables[0], deadline) if s.type == STT_FUNC and s.size and s.value]
-        self.funcs = sorted(((s.value, s.size, s.name) for s in funcs or []), key=lambda f: f[0])
+        funcs = [s for s in elf.symbols(tables[0], deadline) if s.type == STT_FUNC and s.size and s.value] if tables else []
+        self.funcs = sorted(((s.value, s.size, s.name) for s in funcs), key=lambda f: f[0])
 
     def symbol(self, file_offset: int) -> str | None:
         for off, vaddr, filesz in self.loads:

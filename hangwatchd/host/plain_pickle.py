@@ -142,7 +142,7 @@ def _long(raw: memoryview) -> int:
 def _text_int(m: _Machine) -> int:
     text = m.line().rstrip(b"L")
     if text in (b"00", b"01"):
-        return text == b"01"  # type: ignore[return-value]  # protocol 0's booleans
+        return int(text == b"01")  # protocol 0's booleans (a bool is the int 0 or 1)
     try:
         return int(text)
     except ValueError:

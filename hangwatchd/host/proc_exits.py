@@ -34,8 +34,6 @@ from typing import Any
 
 import structlog
 
-from .procfs import PROC
-
 log = structlog.get_logger("hangwatchd.exits")
 
 NETLINK_CONNECTOR = 11

@@ -86,7 +86,7 @@ def run(
 def _collect(proc: subprocess.Popen[bytes], deadline: float, max_output: int) -> tuple[bytes, bytes, bool, bool]:
     """Both pipes read until they close, the deadline passes or the output passes ``max_output``
     (then the group is killed and what is left collected for ``REAP_WAIT``): (out, err, timed out, truncated)."""
-    bufs: dict[int, list[bytes]] = {proc.stdout.fileno(): [], proc.stderr.fileno(): []}  # type: ignore[union-attr]
+    bufs: dict[int, list[bytes]] = {proc.stdout.fileno(): [], proc.stderr.fileno(): []}  # type: ignore[union-attr]  # started with both PIPEs
     sizes = dict.fromkeys(bufs, 0)
     open_fds = set(bufs)
     timed_out = truncated = False
@@ -115,7 +115,7 @@ def _collect(proc: subprocess.Popen[bytes], deadline: float, max_output: int) ->
                     sizes[key.fd] += min(len(chunk), room)
                 if len(chunk) > room:
                     truncated = True
-    return (b"".join(bufs[proc.stdout.fileno()]), b"".join(bufs[proc.stderr.fileno()]),  # type: ignore[union-attr]
+    return (b"".join(bufs[proc.stdout.fileno()]), b"".join(bufs[proc.stderr.fileno()]),  # type: ignore[union-attr]  # started with both PIPEs
             timed_out, truncated)
 
 

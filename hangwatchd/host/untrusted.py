@@ -159,15 +159,6 @@ def read_bytes(path: str | os.PathLike[str], uid: int | None, max_size: int, dea
         os.close(fd)
 
 
-def owner_of(path: str | os.PathLike[str], max_size: int | None = None) -> int:
-    """The uid owning a regular file (no links followed); Refused for anything else."""
-    fd = open_fd(path, None, max_size=max_size)
-    try:
-        return os.fstat(fd).st_uid
-    finally:
-        os.close(fd)
-
-
 @contextmanager
 def opened(path: str | os.PathLike[str], uid: int | None, max_size: int | None = None,
            allow_root: bool = True) -> Iterator[tuple[int, os.stat_result]]:
@@ -213,18 +204,6 @@ def copy_fd(fd: int, src: str | os.PathLike[str], dst: Path, max_size: int, dead
     finally:
         if out >= 0:
             os.close(out)
-
-
-def write_replacing(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Write ``path`` whole, in a directory anyone may write: through a fresh temporary file
-    that is never a name someone planted (``O_EXCL | O_NOFOLLOW``), then renamed over it, so a
-    reader sees the old file or the new one. Raises OSError (a planted name we may not remove)."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 def open_dir(path: str | os.PathLike[str]) -> int:

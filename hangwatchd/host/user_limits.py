@@ -87,9 +87,8 @@ class _Bucket:
         return min(self.cap, self.tokens + (now - self.at) * self.rate)
 
 
-# What a user's files and processes can make the daemon do, each with its own budget.
-# Rates are per minute, as the config keys say; "capture_seconds" refills over an hour.
-RATES = ("dump", "incident", "log")
+# What a user's files and processes can make the daemon do, each with its own budget: rates are
+# per minute, as the config keys say ("dump", "incident", "log"); "capture_seconds" refills over an hour.
 UNKNOWN = -1  # the budget key of what no known user made
 
 

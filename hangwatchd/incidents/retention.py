@@ -175,7 +175,7 @@ class Retention:
                     due = time.monotonic() + self.every
             except Stopped:
                 return
-            except Exception as exc:  # noqa: BLE001 - retention must outlive any one failure; the next pass tries again
+            except Exception as exc:
                 log.exception("retention_failed", error=f"{type(exc).__name__}: {exc}")
                 due = time.monotonic() + self.every
 

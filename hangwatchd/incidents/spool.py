@@ -24,6 +24,7 @@ from typing import Any
 
 import structlog
 
+from ..host.atomic import write_atomic
 from ..metrics import Metrics
 from ..model import Incident
 from .store import (
@@ -104,9 +105,7 @@ class Spool:
                "complete": bool(data.get("complete", True)), "uids": list(uids or [])}
         final = self.dir / draft.id
         draft.path.replace(final)
-        tmp = self.dir / f".{draft.id}{ROW_SUFFIX}"
-        tmp.write_text(json.dumps(row))
-        tmp.replace(self.dir / f"{draft.id}{ROW_SUFFIX}")  # last: a report is pending once its row is there
+        write_atomic(self.dir / f"{draft.id}{ROW_SUFFIX}", json.dumps(row).encode())  # last: a report is pending once its row is there
         self._prune()
         return final
 

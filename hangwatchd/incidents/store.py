@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..host.atomic import write_atomic
 from . import permissions
 from .index import INCIDENTS, INDEX, REBUILT_AT_START, SCHEMA, Index, Page, StoreError, corrupt, unreadable
 
@@ -59,16 +60,7 @@ def new_id(now: float) -> str:
 
 def write_incident_json(directory: Path, data: dict[str, Any]) -> None:
     """incident.json, written whole or not at all."""
-    tmp = directory / ".incident.json.tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=2, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(directory / "incident.json")
-    except OSError:
-        tmp.unlink(missing_ok=True)  # a half-written temp file holds space a full disk needs back
-        raise
+    write_atomic(directory / "incident.json", json.dumps(data, indent=2, default=str).encode(), fsync=True)
 
 
 def incident_to_json(incident: Incident) -> dict[str, Any]:

@@ -6,6 +6,11 @@ with a pidfd so its exit is an event. Discovery adds GPU processes nobody
 registered. A process leaves the watchlist when it exits, unregisters, or its
 files are tampered with; an exited one is remembered a while, for late dumps
 and its job-mates' incidents.
+
+It runs on the loop, which owns the watchlist; the one thing it hands to a
+worker is discovery's read of other processes' /proc files, whose answer comes
+back on the loop's queue as a ``Discovered`` value (errors included). Each
+process admitted waits in ``arrived`` for the loop's first look.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ import concurrent.futures
 import dataclasses
 import os
 import re
+import selectors
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -36,22 +43,28 @@ log = structlog.get_logger("hangwatchd.daemon")
 RECENT_KEEP = 600.0  # seconds an exited process is remembered, to link a dump that comes late
 
 
+@dataclass(frozen=True)
+class Discovered:
+    """What one discovery scan found (``find_gpu_processes``), or why it found nothing."""
+
+    registrations: tuple[Registration, ...]
+    error: str | None = None
+
+
 class Registrations:
     def __init__(self, config: Config, watched: Watchlist, metrics: Metrics, limits: UserLimits,
-                 attach: Callable[[int, ProcessId], None], detach: Callable[[int], None],
-                 first_look: Callable[[Watched, float], None], guard: Callable[..., bool],
-                 wake: Callable[[], None] = lambda: None) -> None:
-        """``attach``/``detach`` hand a process's pidfd to the loop's selector and take it back;
-        ``first_look`` is the detectors' first observation of a process just watched; ``guard``
-        contains a failure to one registration."""
+                 selector: selectors.BaseSelector, guard: Callable[..., bool],
+                 post: Callable[[object], None] = lambda _m: None) -> None:
+        """Each watched process's pidfd goes into the loop's ``selector`` (its exit is an event);
+        ``guard`` contains a failure to one registration; ``post``: the loop's queue."""
         self.config = config
         self.watched = watched
         self.metrics = metrics
         self.limits = limits
-        self.attach = attach
-        self.detach = detach
-        self.first_look = first_look
+        self.selector = selector
         self.guard = guard
+        self.post = post
+        self.arrived: list[Watched] = []  # admitted since the loop last took them: each gets its first look there
         self.refused: dict[str, float] = {}  # registration name -> mtime already refused (no log spam)
         self.over_limit: set[str] = set()  # registrations waiting for their user to drop under the limit
         self.recent: dict[int, tuple[Registration, float]] = {}  # exited processes, to link late dumps
@@ -59,10 +72,14 @@ class Registrations:
         self.departures = exits.Departures(Path(config.runtime_dir), config.exited_keep)  # for job-mates' incidents
         # Discovery reads other processes' /proc files (fd lists, environ: that read takes the target's
         # mmap lock and can block behind a process stuck in the driver): on its own thread, one scan at a time.
-        self.wake = wake
         self._discovery = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="discover")
-        self._found: concurrent.futures.Future[list[Registration]] | None = None
+        self._scanning = False  # a scan is out; its Discovered comes back on the loop's queue
         self._pids_waiting: set[int] = set()  # found by ``discovery`` while a scan ran: for the next one
+
+    def take_arrived(self) -> list[Watched]:
+        """The processes admitted since last asked (the loop gives each its first look)."""
+        out, self.arrived = self.arrived, []
+        return out
 
     def changed(self, name: str, mask: int) -> None:
         """An inotify event on RUNTIME_DIR/registrations."""
@@ -155,28 +172,29 @@ class Registrations:
         timeout = reg.heartbeat_timeout or self.config.heartbeat_timeout
         source = "registration" if reg.heartbeat_timeout else "config"
         state = State.STARTING if reg.beat_file else State.HEALTHY
-        w = Watched(reg, state, seen_at=now, timeout=timeout, next_check=now, timeout_source=source,
-                    stack_timeout=reg.stack_timeout or self._stack_timeout_for(reg), role=reg.role,
-                    stack_timeout_source="registration" if reg.stack_timeout else "config",
-                    stack_window=self.config.stack_window)
-        launcher = ranks.launcher_of(w, self.watched.values())
+        stack_timeout = reg.stack_timeout or self._stack_timeout_for(reg)
+        role = reg.role
+        probe = Watched(reg, state, seen_at=now, timeout=timeout, role=role)
+        launcher = ranks.launcher_of(probe, self.watched.values())
         if launcher is not None and launcher.role != "launcher":
-            launcher.role = "launcher"
+            self.watched.change(launcher, role="launcher")
             log.info("launcher_found", pid=launcher.process.pid, rank_pid=reg.process.pid, job=reg.job)
-        if ranks.ranks_below(w, self.watched.values()):
-            w.role = "launcher"
-        if w.watched_by_stack:
-            self.watched.change(w, sample_at=now)
+        if ranks.ranks_below(probe, self.watched.values()):
+            role = "launcher"
+        by_stack = role != "launcher" and (reg.beat_file is None or stack_timeout is not None)
+        w = Watched(reg, state, seen_at=now, timeout=timeout, next_check=now, timeout_source=source,
+                    stack_timeout=stack_timeout, role=role, pidfd=pidfd,
+                    stack_timeout_source="registration" if reg.stack_timeout else "config",
+                    stack_window=self.config.stack_window, next_sample=now if by_stack else float("inf"))
         if not self.watched.admit(w):
             os.close(pidfd)
             self._refuse(registration_file.file_name(reg.process), "watch_limit",
                          f"{len(self.watched)} processes watched already (max_watched)", reg.uid)
             return
-        self.attach(pidfd, reg.process)
-        w.pidfd = pidfd
+        self.selector.register(pidfd, selectors.EVENT_READ, reg.process)
         log.info("process_registered", pid=reg.process.pid, job=reg.job, rank=reg.rank, timeout=timeout,
                  stack_timeout=w.stack_timeout, source=reg.source, cmdline=" ".join(reg.cmdline)[:200])
-        self.first_look(w, now)
+        self.arrived.append(w)
 
     def _stack_timeout_for(self, reg: Registration) -> float | None:
         command = " ".join(reg.cmdline)
@@ -192,24 +210,35 @@ class Registrations:
         admits what a scan found."""
         if pids is not None:
             self._pids_waiting.update(pids)
-        if self._found is not None and not self._found.done():
+        if self._scanning:
             return
         if pids is not None or self._pids_waiting:
             pids, self._pids_waiting = sorted(self._pids_waiting), set()
         known = frozenset({p.pid for p in self.watched} | {os.getpid()})
         workers_of = frozenset(k.pid for k, w in self.watched.items() if w.role != "launcher")
-        self._found = self._discovery.submit(find_gpu_processes, known, workers_of, self.config.discover_devices, pids)
-        self._found.add_done_callback(lambda _f: self.wake())
+        self._scanning = True
+        self._discovery.submit(self._scan, known, workers_of, self.config.discover_devices, pids)
 
-    def discovered(self) -> None:
-        """Watch what the last discovery scan found (on the loop, once the scan is done)."""
-        found, self._found = self._found, None
-        if found is None or not found.done():
-            self._found = found
-            return
-        for reg in found.result():
+    def _scan(self, known: frozenset[int], workers_of: frozenset[int], prefix: str, pids: list[int] | None) -> None:
+        """On the discovery worker: the scan's finds, or its exception, as a value on the loop's queue."""
+        found: Discovered = Discovered((), "the scan stopped before it finished")
+        try:
+            found = Discovered(tuple(find_gpu_processes(known, workers_of, prefix, pids)))
+        except Exception as exc:  # whatever it was, the loop hears of it as this scan's error
+            log.exception("discovery_failed", error=f"{type(exc).__name__}: {exc}")
+            found = Discovered((), f"{type(exc).__name__}: {exc}")
+        finally:
+            self.post(found)
+
+    def discovered(self, found: Discovered) -> None:
+        """Watch what a discovery scan found (on the loop, once the scan is done); pids that came
+        meanwhile get their scan now."""
+        self._scanning = False
+        for reg in found.registrations:
             if reg.process not in self.watched and procfs.alive(reg.process):
                 self.watch(reg)
+        if self._pids_waiting:
+            self.discover([])
 
     def stop(self) -> None:
         self._discovery.shutdown(wait=False, cancel_futures=True)
@@ -242,7 +271,7 @@ class Registrations:
         log.info("process_forgotten", pid=w.process.pid, why=why, job=w.registration.job, rank=w.registration.rank)
         pidfd = w.pidfd
         if pidfd is not None:
-            self.detach(pidfd)
+            self.selector.unregister(pidfd)
             os.close(pidfd)
         self.watched.forget(w)  # its life (state, marks, timers, suspicion) goes with the record
         r = w.registration

@@ -11,8 +11,9 @@ of hundreds of processes, so this thread looks, every ``interval``:
 - at NVML's running-process lists, where there is NVML: any process with a
   CUDA context, however old.
 Older processes that open the GPU late, without NVML, are found by the full
-rescan (``rescan_interval``). The loop takes what was found (``take``) and
-admits it there, on its own thread, which owns the watchlist.
+rescan (``rescan_interval``). What a look found goes to the loop's queue as one
+``GpuPidsFound`` value; the loop admits it there, on its own thread, which
+owns the watchlist.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -33,7 +34,13 @@ log = structlog.get_logger("hangwatchd.discovery")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 YOUNG = 60.0  # seconds after its start a process is looked at
 MAX_GAP = 3.0  # seconds at most between two looks at a young process: found within MAX_GAP + interval
-MAX_FOUND = 4096  # found pids waiting for the loop: a bound, far above a node's GPU processes
+
+
+@dataclass(frozen=True)
+class GpuPidsFound:
+    """Processes that opened the GPU since the last look (not yet reported), for the loop to admit."""
+
+    pids: tuple[int, ...]
 
 
 def holds_device(pid: int, prefix: str) -> bool:
@@ -65,17 +72,16 @@ def holders(prefix: str) -> list[int]:
 
 
 class Discovery:
-    def __init__(self, prefix: str = "/dev/nvidia", interval: float = 1.0, wake: Callable[[], None] | None = None,
-                 young: float = YOUNG, use_nvml: bool = True) -> None:
+    def __init__(self, prefix: str = "/dev/nvidia", interval: float = 1.0,
+                 post: Callable[[object], None] | None = None, young: float = YOUNG, use_nvml: bool = True) -> None:
         self.prefix = prefix
         self.interval = interval
         self.young = young
-        self.wake = wake
+        self.post = post  # the loop's queue
         self.use_nvml = use_nvml
         self.born: dict[int, float] = {}  # pid -> when it started (seconds since boot)
         self.next_look: dict[int, float] = {}  # pid -> when to look at its fds again (seconds since boot)
         self.reported: set[int] = set()  # pids handed to the loop already (while they live)
-        self.found: deque[int] = deque(maxlen=MAX_FOUND)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -120,20 +126,13 @@ class Discovery:
             except Exception as exc:  # noqa: BLE001 - a failed scan must not end discovery
                 log.error("discovery_failed", error=f"{type(exc).__name__}: {exc}")
                 continue
-            if new and self.wake is not None:
-                self.wake()
-
-    def take(self) -> list[int]:
-        """The pids found since the last call (the loop admits them)."""
-        with self._lock:
-            out = list(self.found)
-            self.found.clear()
-        return out
+            if self.post is not None:  # every scan, found nothing or not: the loop counts the passes
+                self.post(GpuPidsFound(tuple(new)))
 
     # -- one scan ----------------------------------------------------------
 
     def scan(self, now: float | None = None) -> list[int]:
-        """Look once; return (and queue for ``take``) the GPU processes not reported before.
+        """Look once; return the GPU processes not reported before (the thread posts them to the loop).
 
         A process's age comes from its start time (read once, when its pid is new), so one
         started just before this thread is still young."""
@@ -162,8 +161,6 @@ class Discovery:
         new += [p for p in listed if p in pids and p not in self.reported and p != me and p not in new]
         if new:
             self.reported.update(new)
-            with self._lock:
-                self.found.extend(new)
             log.info("gpu_processes_found", pids=new)
         with self._lock:
             self.seconds += time.thread_time() - started

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+KEEP = 32  # samples of a run kept: its first (when it started) and the latest (how it goes); an idle process holds one stack for days
 
 
 @dataclass(frozen=True)
@@ -26,18 +28,21 @@ def signature_of(threads: Sequence[dict[str, Any]]) -> tuple[tuple[tuple[str, st
     return tuple(sorted(sig))
 
 
-@dataclass
+@dataclass(frozen=True)
 class StackHistory:
-    """The samples of one process since its stack last changed."""
+    """The samples of one process since its stack last changed (a value: ``added`` makes the next)."""
 
-    samples: list[Sample] = field(default_factory=list)
+    samples: tuple[Sample, ...] = ()  # the run's first sample and its latest ones (KEEP at most)
+    count: int = 0  # samples in the run, all of them
 
-    def add(self, s: Sample) -> None:
+    def added(self, s: Sample) -> StackHistory:
+        """The history with ``s`` in it: a sample that failed changes nothing, another stack starts over."""
         if s.error:
-            return
+            return self
         if self.samples and self.samples[-1].signature != s.signature:
-            self.samples = []
-        self.samples.append(s)
+            return StackHistory((s,), 1)
+        kept = self.samples if len(self.samples) < KEEP else (self.samples[0], *self.samples[2:])
+        return StackHistory((*kept, s), self.count + 1)
 
     def frozen_for(self) -> float:
         """Seconds the same stack has held (0 with fewer than two samples)."""
@@ -55,7 +60,7 @@ class StackHistory:
 
     def evidence(self) -> str:
         first, last = self.samples[0], self.samples[-1]
-        parts = [f"{len(self.samples)} samples with the same stack over {self.frozen_for():.0f} s"]
+        parts = [f"{self.count} samples with the same stack over {self.frozen_for():.0f} s"]
         if first.cpu_seconds is not None and last.cpu_seconds is not None:
             parts.append(f"CPU +{last.cpu_seconds - first.cpu_seconds:.2f} s")
         if first.ctx_switches is not None and last.ctx_switches is not None:

@@ -1,13 +1,18 @@
 """The daemon's running record of each watched process, and the one place its life changes.
 
 A ``Registration`` is the frozen claim a workload made; a ``Watched`` is what
-the daemon has learned of it since (its beats, its stack samples). Its life -
-its state and what hangs on the state (the suspicion, the timers, the
-progress mark taken when it was declared hung, the capture's retry, its
-incident) - changes only through ``Watchlist.change``: counted, logged and
-announced there, and refused anywhere else (``Watched.__setattr__``). A
-process that goes is dropped from the ``Watchlist`` with everything it held,
-at once (``Watchlist.forget``). The loop thread is the only caller.
+the daemon has learned of it since (its beats, its stack samples, its
+timeout, its role). Every field of it that decides the process's fate - its
+state and what hangs on the state (the suspicion, the timers, the progress
+mark taken when it was declared hung, the capture's retry, its incident) and
+what the detectors learned (beats, intervals, the learned timeout, the stack
+history, whether it ever beat, whether it is a launcher) - changes only
+through ``Watchlist.change``, on the loop thread: checked against the table of
+legal transitions (``TRANSITIONS``), counted, logged and announced there, and
+refused anywhere else (``Watched.__setattr__``). A process that goes is
+dropped from the ``Watchlist`` with everything it held, at once
+(``Watchlist.forget``). Workers never hold a ``Watched``: they get a
+``Registration`` and hand back a value (daemon/loop.py).
 """
 
 from __future__ import annotations
@@ -16,16 +21,16 @@ import heapq
 import itertools
 import os
 import time
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import traceback
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field, fields
 from typing import Any, Final
 
 import structlog
 
 from ..host import untrusted
 from ..metrics import Metrics
-from ..model import ProcessId, Registration, State, Suspicion
+from ..model import ProcessId, Registration, State, Suspicion, is_job_mate
 from ..workload import beat_segment, exits
 from ..workload.beat_segment import Reading
 from ..workload.registration_file import MAX_FILE, READ_DEADLINE
@@ -34,10 +39,26 @@ from .stack_history import StackHistory
 log = structlog.get_logger("hangwatchd.daemon")
 
 STATUS_MAX = 4096
+INTERVALS_KEEP = 200  # observed beat intervals kept, the newest (what a timeout is learned from)
 
-# A process's life: written by Watchlist.change alone (Watched.__setattr__ refuses anyone else).
-OWNED: Final = frozenset({"state", "suspicion", "confirm_by", "next_check", "next_sample", "mark", "retry_at",
-                          "attempts", "incident", "history"})
+# The legal moves of a process's life (as nvidia-resiliency-ext's rank monitor keeps one table).
+# A declaration takes a whole job's ranks here to HUNG, whatever their own look said (STARTING,
+# HEALTHY or SUSPECT); a hung process shows progress (HEALTHY) or is captured; a captured one is
+# watched again only once it progressed; a process watched by its stack that was suspect while
+# starting goes back to STARTING; EXITED is the end. Anything else is a bug: logged with its
+# traceback, counted, and not applied (Watchlist.change).
+TRANSITIONS: Final[dict[State, frozenset[State]]] = {
+    State.STARTING: frozenset({State.HEALTHY, State.SUSPECT, State.HUNG, State.EXITED}),
+    State.HEALTHY: frozenset({State.STARTING, State.SUSPECT, State.HUNG, State.EXITED}),
+    State.SUSPECT: frozenset({State.STARTING, State.HEALTHY, State.HUNG, State.EXITED}),
+    State.HUNG: frozenset({State.CAPTURED, State.HEALTHY, State.EXITED}),
+    State.CAPTURED: frozenset({State.HEALTHY, State.EXITED}),
+    State.EXITED: frozenset(),
+}
+LIVE: Final = frozenset({State.STARTING, State.HEALTHY, State.SUSPECT})  # not hung, captured or gone
+
+# The one field anyone may write: the cache of its /metrics series (it decides nothing).
+FREE: Final = frozenset({"series"})
 
 
 class NotTheOwner(AttributeError):
@@ -49,21 +70,15 @@ class ProgressMark:
     """Where a process stood when it was declared hung: what it must get past to be watched for a new hang."""
 
     beats: int | None  # its beat count; None when it never beat (its stack is the only sign)
-    signature: tuple | None  # type: ignore[type-arg]  # its last plain stack; None when none was sampled
+    signature: tuple[tuple[tuple[str, str, int], ...], ...] | None  # its last plain stack; None when none was sampled
     moved: int = 0  # plain samples in a row since, each with a stack other than ``signature``
-
-
-class _Keep:
-    def __repr__(self) -> str:
-        return "KEEP"
-
-
-KEEP: Final = _Keep()  # Watchlist.change: leave this one as it is
 
 
 @dataclass
 class Watched:
-    """The daemon's running record of one watched process (mutable, owned by the daemon loop)."""
+    """The daemon's running record of one watched process (owned by the daemon loop).
+
+    Set when made, then written by ``Watchlist.change`` alone (``series`` apart)."""
 
     registration: Registration
     state: State
@@ -75,12 +90,12 @@ class Watched:
     incident: str | None = None
     pidfd: int | None = None
     timeout_source: str = "config"  # "registration", "config" or "learned"
-    intervals: deque[float] = field(default_factory=lambda: deque(maxlen=200))  # observed seconds per beat
+    intervals: tuple[float, ...] = ()  # observed seconds per beat, the newest INTERVALS_KEEP
     beats_observed: int = 0
     stack_timeout: float | None = None  # declared, or from the config's stack_timeouts
     history: StackHistory = field(default_factory=StackHistory)
     next_sample: float = float("inf")
-    sampling: bool = False
+    sampling: bool = False  # a stack sample is being taken (its SampleTaken clears it, whatever happened)
     suspicion: Suspicion | None = None
     confirm_by: float = 0.0  # SUSPECT: by when the suspicion is confirmed or dropped
     idle_noted: bool = False  # a frozen but idle stack was logged once
@@ -94,7 +109,7 @@ class Watched:
     series: tuple[Any, Any, float | None, int | None] | None = None  # its /metrics series and the values they hold
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in OWNED and name in self.__dict__:
+        if name not in FREE and name in self.__dict__:
             raise NotTheOwner(f"Watched.{name} is written by Watchlist.change only")
         object.__setattr__(self, name, value)
 
@@ -113,15 +128,7 @@ class Watched:
         return self.registration.beat_file is None or self.stack_timeout is not None or self.never_beat
 
     def notify_status(self) -> str | None:
-        """The workload's last STATUS= text; None when there is none or its file is not to be trusted."""
-        status_at = self.registration.status_at  # resolved once, at admission: never reopened by path
-        if status_at is None:
-            return None
-        try:
-            raw = status_at.read_bytes(STATUS_MAX, READ_DEADLINE)
-        except untrusted.Refused:
-            return None
-        return raw.decode("utf-8", "replace").strip() or None
+        return notify_status(self.registration)
 
     def check_files(self) -> None:
         """Raise untrusted.Refused when the status file was swapped for a directory, FIFO, link or
@@ -147,18 +154,20 @@ class Watched:
     def process(self) -> ProcessId:
         return self.registration.process
 
-    def summary(self) -> dict[str, Any]:
+    def status_row(self, now: float, wall: float) -> dict[str, Any]:
+        """What status.json says of it: plain data, made on the loop (the writer adds ``notify_status``,
+        read from the workload's own file off the loop, ``notify_status(registration)``)."""
         r = self.registration
-        age = (time.monotonic() - self.last_progress) if self.last_progress is not None else None
+        age = (now - self.last_progress) if self.last_progress is not None else None
         return {
             "pid": r.process.pid, "start_time": r.process.start_time, "job": r.job, "rank": r.rank,
             "local_rank": r.local_rank, "world_size": r.world_size, "state": self.state.value,
             "timeout": self.timeout, "timeout_source": self.timeout_source, "stack_timeout": self.stack_timeout,
             "applied_timeout": list(self.applied_timeout()),
-            "source": r.source, "role": self.role, "launcher": r.launcher, "notify_status": self.notify_status(),
+            "source": r.source, "role": self.role, "launcher": r.launcher,
             "beats": self.beat.count if self.beat else 0,
             "last_beat_age": round(age, 3) if age is not None else None,
-            "last_beat_time": (time.time() - age) if age is not None else None,
+            "last_beat_time": (wall - age) if age is not None else None,
             "beat_file": r.beat_file, "cmdline": list(r.cmdline), "incident": self.incident,
         }
 
@@ -177,6 +186,27 @@ class Watched:
         return exits.Departed(self.registration, noticed_at, last_beat, beat.count if beat else 0, stack)
 
 
+def notify_status(reg: Registration) -> str | None:
+    """The workload's last STATUS= text; None when there is none or its file is not to be trusted."""
+    status_at = reg.status_at  # resolved once, at admission: never reopened by path
+    if status_at is None:
+        return None
+    try:
+        raw = status_at.read_bytes(STATUS_MAX, READ_DEADLINE)
+    except untrusted.Refused:
+        return None
+    return raw.decode("utf-8", "replace").strip() or None
+
+
+def job_mates(w: Watched, among: Iterable[Watched], states: Collection[State] = LIVE) -> list[Watched]:
+    """``w``'s job-mates among ``among`` in one of ``states``: every caller's one list of who goes
+    with a hang (``model.is_job_mate``: the same owner uid and job name, never a launcher)."""
+    return [x for x in among if x is not w and x.state in states and is_job_mate(w.registration, x.registration, x.role)]
+
+
+SETTABLE: Final = frozenset(f.name for f in fields(Watched)) - FREE - {"registration", "seen_at", "pidfd", "state"}
+
+
 class Watchlist(dict[ProcessId, Watched]):
     """Every watched process by identity, and the one writer of each one's life (``change``).
 
@@ -191,6 +221,7 @@ class Watchlist(dict[ProcessId, Watched]):
         self.on_change = on_change
         self.limit = limit  # most processes watched at once (None: only the per-user limits)
         self.counts: dict[State, int] = {s: 0 for s in State}
+        self.illegal = 0  # transitions TRANSITIONS refused (each a bug, logged with its traceback)
         # When each process is next due (a check or a sample): a heap the loop pops, so a loop turn
         # costs what is due, not one look at every process. Entries go stale when a timer moves;
         # ``due`` skips those, and the heap is rebuilt once stale ones outnumber live ones 4 to 1.
@@ -198,6 +229,7 @@ class Watchlist(dict[ProcessId, Watched]):
         self._seq = itertools.count()
         self._gauges = {s: metrics.watched.labels(**metrics.labels(state=s.value)) for s in State if s is not State.EXITED}
         self._entered = {s: metrics.state_changes.labels(**metrics.labels(state=s.value)) for s in State}
+        self._illegal = metrics.loop_errors.labels(**metrics.labels(where="transition"))
         for g in self._gauges.values():
             g.set(0)
 
@@ -251,45 +283,60 @@ class Watchlist(dict[ProcessId, Watched]):
         self._count(State.EXITED, None)
         self.on_change()
 
-    def change(self, w: Watched, state: State | None = None, *, why: str = "", suspicion: Any = KEEP,
-               check_at: float | None = None, sample_at: float | None = None, confirm_by: float | None = None,
-               mark: Any = KEEP, retry_at: Any = KEEP, attempts: int | None = None, incident: Any = KEEP,
-               reset_history: bool = False) -> None:
+    def change(self, w: Watched, state: State | None = None, *, why: str = "", check_at: float | None = None,
+               sample_at: float | None = None, reset_history: bool = False, **values: Any) -> bool:
         """The one transition of a process's life: its state and whatever hangs on it, together.
 
-        Each keyword left out stays as it is. Entering HEALTHY or STARTING drops the hang's
-        mark, retry and suspicion unless given; leaving HUNG ends its retry."""
+        ``values``: fields of ``Watched`` to set (``SETTABLE``); each left out stays as it is.
+        ``check_at``/``sample_at`` set its timers. Entering HEALTHY or STARTING drops the hang's
+        mark, retry and suspicion unless given; leaving HUNG ends its retry. A move that
+        ``TRANSITIONS`` does not allow is a bug: logged with its traceback, counted in
+        ``hangwatchd_loop_errors_total{where="transition"}``, and nothing of it applied but its
+        timers (the process is looked at again); False then."""
+        unknown = values.keys() - SETTABLE
+        if unknown:
+            raise TypeError(f"Watchlist.change: no such field of a process's life: {', '.join(sorted(unknown))}")
         old = w.state
         put = object.__setattr__
+        legal = state is None or state is old or state in TRANSITIONS[old]
+        if not legal:
+            assert state is not None
+            self._refuse(w, old, state, why)
+            values, state, reset_history = {}, None, False
         if state is not None and state is not old:
             if state in (State.HEALTHY, State.STARTING):
-                mark = None if mark is KEEP else mark
-                retry_at = None if retry_at is KEEP else retry_at
-                suspicion = None if suspicion is KEEP else suspicion
-                attempts = 0 if attempts is None else attempts
-            if old is State.HUNG and retry_at is KEEP:
-                retry_at = None
-        # (field, value, what leaves it as it is): KEEP where None is a value to set
-        for field, value, leave in (("suspicion", suspicion, KEEP), ("mark", mark, KEEP), ("retry_at", retry_at, KEEP),
-                                    ("incident", incident, KEEP), ("attempts", attempts, None),
-                                    ("confirm_by", confirm_by, None), ("next_check", check_at, None),
-                                    ("next_sample", sample_at, None)):
-            if value is not leave:
-                put(w, field, value)
-        if (check_at is not None or sample_at is not None) and w.process in self:
-            self._schedule(w)
+                for name, cleared in (("mark", None), ("retry_at", None), ("suspicion", None), ("attempts", 0)):
+                    values.setdefault(name, cleared)
+            if old is State.HUNG:
+                values.setdefault("retry_at", None)
+        if check_at is not None:
+            values["next_check"] = check_at
+        if sample_at is not None:
+            values["next_sample"] = sample_at
         if reset_history:
-            put(w, "history", StackHistory())
-        if state is None:
-            return
+            values["history"] = StackHistory()
+        for name, value in values.items():
+            put(w, name, value)
+        if ("next_check" in values or "next_sample" in values or "sampling" in values) and w.process in self:
+            self._schedule(w)
+        if state is None or state is old:
+            return legal
         put(w, "state", state)
-        if old is not state:
-            self._entered[state].inc()
-            if w.process in self:
-                self._count(old, state)
-            log.info("state_changed", pid=w.process.pid, job=w.registration.job, rank=w.registration.rank,
-                     old=old.value, new=state.value, why=why or None)
-            self.on_change()
+        self._entered[state].inc()
+        if w.process in self:
+            self._count(old, state)
+        log.info("state_changed", pid=w.process.pid, job=w.registration.job, rank=w.registration.rank,
+                 old=old.value, new=state.value, why=why or None)
+        self.on_change()
+        return True
+
+    def _refuse(self, w: Watched, old: State, new: State, why: str) -> None:
+        self.illegal += 1
+        self._illegal.inc()
+        log.error("illegal_transition", pid=w.process.pid, job=w.registration.job, old=old.value, new=new.value,
+                  why=why or None, allowed=sorted(s.value for s in TRANSITIONS[old]),
+                  error=f"{old.value} -> {new.value} is not in TRANSITIONS (a bug)",
+                  traceback="".join(traceback.format_stack(limit=12)[:-2]))
 
     def _count(self, old: State | None, new: State | None) -> None:
         for s, d in ((old, -1), (new, 1)):
@@ -297,8 +344,3 @@ class Watchlist(dict[ProcessId, Watched]):
                 self.counts[s] += d
                 if s in self._gauges:
                     self._gauges[s].set(self.counts[s])
-
-    def count_states(self) -> None:
-        """The watched-processes gauge, from the counts kept."""
-        for s, g in self._gauges.items():
-            g.set(self.counts[s])

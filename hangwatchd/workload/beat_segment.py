@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 from ..host import untrusted
+from ..host.atomic import write_atomic
 
 MAGIC = b"HWB1"
 VERSION = 1
@@ -41,13 +42,7 @@ class SegmentError(Exception):
 
 def create(path: str, pid: int, mode: int = 0o644) -> None:
     """Make an empty segment for ``pid`` (atomically: a reader never sees half a header)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
-    try:
-        os.write(fd, _HEADER.pack(MAGIC, VERSION, pid) + bytes(SIZE - _HEADER.size))
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    write_atomic(path, _HEADER.pack(MAGIC, VERSION, pid) + bytes(SIZE - _HEADER.size), mode)
 
 
 def set_owner(path: str, pid: int) -> None:

@@ -16,17 +16,20 @@ makes one beside the wheel. Build one: ``python -m hangwatchd.workload.bundle OU
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import zipfile
 from pathlib import Path
+
+from ..host.atomic import write_atomic
 
 NAME = "hangwatchd-job.pyz"
 
 # Every module the job side imports, lazily or not, relative to the package (its __init__s too).
 JOB_SIDE = (
     "__init__.py", "__main__.py", "cli.py", "cli_parser.py", "config.py", "model.py",
-    "host/__init__.py", "host/notify.py", "host/pdeathsig.py", "host/procfs.py", "host/untrusted.py",
+    "host/__init__.py", "host/atomic.py", "host/notify.py", "host/pdeathsig.py", "host/procfs.py", "host/untrusted.py",
     "cudacore/__init__.py", "cudacore/cubin.py", "cudacore/demangle.py", "cudacore/driverlog.py", "cudacore/elf.py",
     "fleet/__init__.py", "fleet/url.py",
     "workload/__init__.py", "workload/beat_segment.py", "workload/client.py", "workload/dump_names.py",
@@ -52,16 +55,15 @@ def package_dir() -> Path:
 def build(out: Path) -> Path:
     """Write the bundle to ``out`` (a file, or a directory to put NAME in); return its path."""
     out = out / NAME if out.is_dir() else out
-    tmp = out.with_name(f".{out.name}.tmp")
     root = package_dir()
-    with open(tmp, "wb") as f:
-        f.write(b"#!/usr/bin/env python3\n")
-        with zipfile.ZipFile(f, "w", zipfile.ZIP_DEFLATED) as z:
-            for rel in JOB_SIDE:
-                _add(z, f"hangwatchd/{rel}", (root / rel).read_bytes())
-            _add(z, "__main__.py", MAIN)
-    os.chmod(tmp, 0o755)
-    tmp.replace(out)
+    buf = io.BytesIO()
+    buf.write(b"#!/usr/bin/env python3\n")
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for rel in JOB_SIDE:
+            _add(z, f"hangwatchd/{rel}", (root / rel).read_bytes())
+        _add(z, "__main__.py", MAIN)
+    write_atomic(out, buf.getvalue(), mode=0o755)
+    os.chmod(out, 0o755)  # whatever the umask took off
     return out
 
 

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from ..config import client_runtime_dir
 from ..host import procfs
@@ -29,8 +30,8 @@ ON_HANG_ENV = "HANGWATCHD_ON_HANG"  # hangwatchd run --on-hang, carried into the
 
 
 # The segment's mapping: None until the first beat looks for it, False when there is none.
-_mm: object = None
-_counter = None
+_mm: Any = None  # an mmap once found
+_counter: Any = None  # an itertools.count once found
 _pack = beat_segment.BEAT.pack_into
 _offset = beat_segment.BEAT_OFFSET
 _now = time.monotonic_ns
@@ -40,7 +41,7 @@ def beat() -> None:
     """Tell the watchdog this process made progress. Call it once per step or request."""
     mm = _mm
     if mm:
-        _pack(mm, _offset, next(_counter), _now())  # type: ignore[call-overload]
+        _pack(mm, _offset, next(_counter), _now())
     elif mm is None:
         _find_segment()
 

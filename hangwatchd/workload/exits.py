@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from ..host import untrusted
-from ..model import ProcessId, Registration
+from ..host.atomic import write_atomic
+from ..model import ProcessId, Registration, is_job_mate
 from . import beat_segment
 
 MAX_FILE = 4096
@@ -81,7 +82,7 @@ def write(runtime_dir: Path, process: ProcessId, returncode: int | None, when: f
         except beat_segment.SegmentError:
             pass
     try:
-        untrusted.write_replacing(runtime_dir / DIR / file_name(process), json.dumps(record).encode())
+        write_atomic(runtime_dir / DIR / file_name(process), json.dumps(record).encode())
     except OSError:
         pass  # an older daemon's runtime dir without exits/: the daemon still sees the exit, without its status
 
@@ -175,9 +176,7 @@ def write_into(incident_dir: Path, departed: list[Departed], hung: Registration 
         pdir = incident_dir / str(d.registration.process.pid)
         try:
             pdir.mkdir(exist_ok=True)
-            tmp = pdir / ".exit.json.tmp"
-            tmp.write_text(json.dumps(d.to_json() | context, indent=1))
-            tmp.replace(pdir / "exit.json")
+            write_atomic(pdir / "exit.json", json.dumps({**d.to_json(), **context}, indent=1).encode())
             written.append(pdir.name)
         except OSError:
             continue
@@ -203,18 +202,17 @@ class Departures:
                 del self._gone[key]
                 remove(self.runtime_dir, key)
 
-    def of_job(self, job: str | None, uid: int, after: float = 0.0) -> list[Departed]:
-        """The ranks of job ``job`` of user ``uid`` that exited after ``after`` (Unix time; an earlier
+    def of_job(self, of: Registration) -> list[Departed]:
+        """``of``'s job-mates (``model.is_job_mate``) that exited after ``of`` registered (an earlier
         run of a job of the same name is not this one), each with how it ended (read now: the
-        launcher writes it just after the exit). A job is (owner uid, name): another user's
-        processes that took the same name, and their exit records, are never its ranks."""
-        if not job:
+        launcher writes it just after the exit). Another user's processes that took the same job
+        name, and their exit records, are never its ranks."""
+        if not of.job:
             return []
         self.expire()
         out = []
         for key, d in self._gone.items():
-            if (d.registration.job != job or d.registration.uid != uid or d.registration.role == "launcher"
-                    or d.noticed_at < after):
+            if not is_job_mate(of, d.registration) or d.noticed_at < of.registered_at:
                 continue
             if d.exit is None:
                 record = read(self.runtime_dir, key, d.registration.uid)

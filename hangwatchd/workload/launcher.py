@@ -22,14 +22,17 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from ..config import RUNTIME_DIR_ENV, Config
 from ..cudacore import driverlog
-from ..host import pdeathsig, procfs, untrusted
+from ..host import pdeathsig, procfs
+from ..host.atomic import write_atomic
 from ..model import ProcessId, Registration
 from . import beat_segment, dump_names, ended, exits, registration_file, runtime_files
 from .client import BEAT_FILE_ENV, JOB_ENV, ON_HANG_ENV, STACK_TIMEOUT_ENV, TIMEOUT_ENV
-from .introspect import DIR_ENV as INTROSPECT_DIR_ENV, ENABLE_ENV as INTROSPECT_ENV
+from .introspect import DIR_ENV as INTROSPECT_DIR_ENV
+from .introspect import ENABLE_ENV as INTROSPECT_ENV
 
 COREDUMP_FLAGS = ("skip_nonrelocated_elf_images,skip_global_memory,skip_shared_memory,"
                   "skip_local_memory,skip_constbank_memory")
@@ -174,12 +177,13 @@ def run(launch: Launch) -> int:
     ranks_env(env, job, launch)
     reports = introspect_dir(launch.runtime_dir, tag) if launch.introspect and env.get(INTROSPECT_ENV, "1") != "0" else None
     introspect_env(env, reports)
-    beat_file: Path | None = launch.runtime_dir / "beats" / f"run-{tag}.beat"
+    segment = launch.runtime_dir / "beats" / f"run-{tag}.beat"
+    beat_file: Path | None = segment
     notify: NotifyProxy | None = None
     try:
-        beat_segment.create(str(beat_file), 0)
-        env[BEAT_FILE_ENV] = str(beat_file)
-        notify = NotifyProxy(launch.runtime_dir / "beats" / f"run-{tag}", beat_file, env.get("NOTIFY_SOCKET"))
+        beat_segment.create(str(segment), 0)
+        env[BEAT_FILE_ENV] = str(segment)
+        notify = NotifyProxy(launch.runtime_dir / "beats" / f"run-{tag}", segment, env.get("NOTIFY_SOCKET"))
         env["NOTIFY_SOCKET"] = str(notify.address)
         if launch.heartbeat_timeout and "WATCHDOG_USEC" not in env:
             env["WATCHDOG_USEC"] = str(int(launch.heartbeat_timeout * 1e6))
@@ -319,7 +323,7 @@ class NotifyProxy(threading.Thread):
             elif line.startswith("STATUS="):
                 try:
                     # In the world-writable beats dir: never write through a name someone planted.
-                    untrusted.write_replacing(self.status_file, line[7:][:1024].encode())
+                    write_atomic(self.status_file, line[7:][:1024].encode())
                 except OSError:
                     pass
         if self.upstream:
@@ -381,7 +385,7 @@ class StderrTee(threading.Thread):
             log.close()
 
 
-def _open_log(path: Path):  # type: ignore[no-untyped-def]
+def _open_log(path: Path) -> IO[str] | None:
     """Our own new file in the world-writable driver-logs dir: whatever another user planted
     under the name (a file, a FIFO that would block us, a link) is removed first, never written."""
     try:
@@ -399,9 +403,7 @@ def _report_lost_dump(lines: list[str], dump_dir: Path, pid: int) -> None:
         return
     name = f"nodump_{socket.gethostname()}.{pid}.{int(time.time())}{dump_names.DRIVER_LOG_SUFFIX}"
     try:
-        tmp = dump_dir / f".{name}.tmp"
-        tmp.write_text("\n".join(lines) + "\n")
-        tmp.replace(dump_dir / name)
+        write_atomic(dump_dir / name, ("\n".join(lines) + "\n").encode())
     except OSError:
         pass
 

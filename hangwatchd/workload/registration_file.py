@@ -21,9 +21,10 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from ..host import procfs, untrusted
+from ..host.atomic import write_atomic
 from ..model import ProcessId, Registration
 
 MAX_FILE = 64 * 1024
@@ -78,7 +79,7 @@ def write(directory: Path, reg: Registration) -> Path:
         del data[key]
     data["version"] = 1
     path = directory / file_name(reg.process)
-    untrusted.write_replacing(path, json.dumps(data).encode())
+    write_atomic(path, json.dumps(data).encode())
     return path
 
 
@@ -96,7 +97,13 @@ def env_int(env: Mapping[str, str], key: str) -> int | None:
         return None
 
 
-def ranks_from_env(env: Mapping[str, str], rank: int | None = None) -> dict[str, int | None]:
+class Ranks(TypedDict):
+    rank: int | None
+    local_rank: int | None
+    world_size: int | None
+
+
+def ranks_from_env(env: Mapping[str, str], rank: int | None = None) -> Ranks:
     """rank (unless given), local_rank and world_size as torchrun and friends set them."""
     return {"rank": rank if rank is not None else env_int(env, "RANK"),
             "local_rank": env_int(env, "LOCAL_RANK"), "world_size": env_int(env, "WORLD_SIZE")}
@@ -216,7 +223,8 @@ def _checked(path: Path, st: os.stat_result, raw: bytes, beats: BeatsDir) -> Reg
     return Registration(
         process=process, uid=owner, job=job, rank=rank,
         local_rank=local_rank, world_size=world, heartbeat_timeout=float(timeout) if timeout else None,
-        stack_timeout=float(stack_timeout) if stack_timeout else None, beat_file=beat_file, status_file=status_file, cmdline=tuple(str(c)[:4096] for c in cmd[:64]), source=source,
+        stack_timeout=float(stack_timeout) if stack_timeout else None, beat_file=beat_file, status_file=status_file,
+        cmdline=tuple(str(c)[:4096] for c in cmd[:64]), source=source,
         registered_at=float(registered_at), ras_addr=_ras_addr(data), role=role, launcher=launcher, on_hang=on_hang,
         beat_at=beat_at, status_at=status_at,
     )

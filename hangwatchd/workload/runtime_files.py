@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..host import procfs
+from ..host.atomic import write_atomic
 
 DAEMON_FILE = "daemon.json"  # who the daemon is and where it keeps things
 STATUS_FILE = "status.json"  # every watched process, rewritten on each change
@@ -14,9 +15,7 @@ STATUS_FILE = "status.json"  # every watched process, rewritten on each change
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
     """Atomically: a reader sees the old file or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(data, indent=1, default=str).encode())
 
 
 def _read(path: Path) -> dict[str, Any] | None:

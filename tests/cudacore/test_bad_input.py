@@ -23,11 +23,11 @@ SHOFF = struct.unpack_from("<Q", CPP_IMA, 0x28)[0]
 SHNUM = struct.unpack_from("<H", CPP_IMA, 0x3C)[0]
 
 
-def section_header(data: bytes, i: int) -> int:
+def section_header(data: bytes | bytearray, i: int) -> int:
     return SHOFF + i * 64
 
 
-def find_section(data: bytes, type_: int) -> int:
+def find_section(data: bytes | bytearray, type_: int) -> int:
     for i in range(SHNUM):
         if struct.unpack_from("<I", data, section_header(data, i) + 4)[0] == type_:
             return i

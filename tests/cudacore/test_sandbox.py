@@ -34,7 +34,7 @@ def timed(path: Path, limits: Limits, **kw: object) -> tuple[object, float]:
     """(the Symbolized, or the exception it raised; seconds it took)."""
     start = time.monotonic()
     try:
-        out: object = sandbox.symbolize(path, limits, **kw)  # type: ignore[arg-type]
+        out: object = sandbox.symbolize(path, limits, **kw)  # type: ignore[arg-type]  # the keywords a test passes through, as the caller gives them
     except CoreDumpError as exc:
         out = exc
     return out, time.monotonic() - start
@@ -57,8 +57,8 @@ def test_a_1mb_line_table_of_one_endless_leb128_is_one_note_in_well_under_its_li
     # Before: 320 KB of such a number took 4.4 s, 1 MB about 45 s, in a capture worker.
     assert seconds < limits.cpu_seconds + SLACK_S
     assert not isinstance(out, Exception), out
-    assert any("line table cannot be read" in n and "LEB128" in n for n in out.notes), out.notes  # type: ignore[attr-defined]
-    (e,) = out.exceptions  # type: ignore[attr-defined]
+    assert any("line table cannot be read" in n and "LEB128" in n for n in out.notes), out.notes  # type: ignore[attr-defined]  # a Symbolized: the sandbox returned one
+    (e,) = out.exceptions  # type: ignore[attr-defined]  # a Symbolized: the sandbox returned one
     assert e.type == "WARP_ILLEGAL_ADDRESS" and e.frames_from != "line-table"
     still_symbolises(raw_dumps)
 
@@ -72,7 +72,7 @@ def test_a_1mb_line_table_of_a_million_rows_is_read_within_the_cpu_limit(
     assert not isinstance(out, Exception), out
     assert seconds < limits.cpu_seconds + SLACK_S
     # Its rows hold none of the warps' PCs: said, not silently answered by something else.
-    assert any("no row of its line table holds it" in n for n in out.notes), out.notes  # type: ignore[attr-defined]
+    assert any("no row of its line table holds it" in n for n in out.notes), out.notes  # type: ignore[attr-defined]  # a Symbolized: the sandbox returned one
 
 
 def test_a_dump_that_needs_more_cpu_than_allowed_costs_one_killed_child_and_one_line(

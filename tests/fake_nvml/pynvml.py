@@ -38,7 +38,7 @@ def _dir() -> Path:
 
 
 def _index(handle: object) -> int:
-    return int(ctypes.cast(handle, ctypes.c_void_p).value or 0) - BASE
+    return int(ctypes.cast(handle, ctypes.c_void_p).value or 0) - BASE  # type: ignore[arg-type]  # a handle is a c_void_p
 
 
 def nvmlInit() -> None:

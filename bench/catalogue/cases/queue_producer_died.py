@@ -38,7 +38,7 @@ def read_records() -> None:
 
 def main() -> None:
     threading.Thread(target=read_records, name="reader").start()
-    while (item := records.get()) is not None:
+    while records.get() is not None:
         hangwatchd.beat()
 
 

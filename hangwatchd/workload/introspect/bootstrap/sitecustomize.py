@@ -60,7 +60,7 @@ def _install(here):
         module = _load(os.path.dirname(here))
         if module is not None:
             module.install()
-    except Exception:
+    except Exception:  # noqa: BLE001 - a reporter that cannot be installed must never stop the program from starting
         pass
 
 

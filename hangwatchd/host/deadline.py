@@ -1,0 +1,36 @@
+"""One absolute deadline, made once and handed down unchanged (trio's ``CancelScope.deadline``).
+
+A capture's deadline is set when its hang is declared; every step, subprocess,
+probe and compression under it is cut at it (``cut``: its own timeout or the
+deadline, whichever comes first), never given a fresh budget of seconds that
+would start counting again further down.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, order=True)
+class Deadline:
+    at: float  # time.monotonic()
+
+    @classmethod
+    def after(cls, seconds: float, now: float | None = None) -> Deadline:
+        return cls((time.monotonic() if now is None else now) + seconds)
+
+    def left(self, now: float | None = None) -> float:
+        """Seconds until it passes (0 once it has)."""
+        return max(0.0, self.at - (time.monotonic() if now is None else now))
+
+    def passed(self, now: float | None = None) -> bool:
+        return (time.monotonic() if now is None else now) >= self.at
+
+    def cut(self, seconds: float, now: float | None = None) -> Deadline:
+        """``seconds`` from now, or this deadline where that comes first: a step's own timeout under it."""
+        return Deadline(min(self.at, (time.monotonic() if now is None else now) + seconds))
+
+    def sooner(self, seconds: float) -> Deadline:
+        """This deadline, ``seconds`` earlier: what the gentle steps get when the GPU dump's time is held back."""
+        return Deadline(self.at - seconds)
