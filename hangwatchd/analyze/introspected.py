@@ -25,6 +25,12 @@ _LOCKS = ("lock", "rlock", "semaphore", "mp-lock")
 _SETTERS = ("event", "condition", "queue", "barrier")
 
 
+def _obj(d: dict[str, Any] | None, key: str) -> dict[str, Any]:
+    """``d[key]`` where it is an object, else an empty one (the report is read, never trusted for its shape)."""
+    v = d.get(key) if isinstance(d, dict) else None
+    return v if isinstance(v, dict) else {}
+
+
 def _s(v: Any, limit: int = 200) -> str | None:
     return v[:limit] if isinstance(v, str) and v else None
 
@@ -58,7 +64,7 @@ class Reader:
         self.g, self.pid, self.base, self.r, self.keys, self.child_key = g, pid, base, report, keys, child_key
         self.threads = [t for t in dicts(report.get("threads"))]
         self.by_ident = {as_int(t.get("ident")): t for t in self.threads if as_int(t.get("ident")) is not None}
-        self.locks = report.get("locks") if isinstance(report.get("locks"), dict) else {}
+        self.locks = _obj(report, "locks")
         self.exited = [t for t in dicts(report.get("exited_threads"))]
         self.forked = isinstance(report.get("fork"), dict)
 
@@ -70,11 +76,11 @@ class Reader:
         """The edges of the live thread ``native_id`` (party ``k``) from the report; False where the
         report says nothing of it (the stacks decide)."""
         t = next((t for t in self.threads if as_int(t.get("native_id")) == native_id), None)
-        w = t.get("waits") if t else None
-        if not isinstance(w, dict) or not isinstance(w.get("kind"), str):
+        w = _obj(t, "waits")
+        if t is None or not isinstance(w.get("kind"), str):
             return False
         kind, expr = w["kind"], _s(w.get("expr"), 100)
-        detail = w.get("detail") if isinstance(w.get("detail"), dict) else {}
+        detail = _obj(w, "detail")
         name = f"{kind.replace('mp-', 'multiprocessing ')} {expr}" if expr else f"a {kind.replace('mp-', 'multiprocessing ')}"
         if kind in _LOCKS:
             return self._lock(k, t, w, name)
@@ -103,10 +109,9 @@ class Reader:
 
     def _lock(self, k: str, t: dict[str, Any], w: dict[str, Any], name: str) -> bool:
         lid = _s(w.get("id"), 40)
-        lock = self.locks.get(lid) if lid else None
-        lock = lock if isinstance(lock, dict) else {}
+        lock = _obj(self.locks, lid) if lid else {}
         holders = [h for h in (lock.get("holders") or []) if as_int(h) is not None]
-        owner = as_int((w.get("detail") or {}).get("owner")) if isinstance(w.get("detail"), dict) else None
+        owner = as_int(_obj(w, "detail").get("owner"))
         if owner:
             holders.append(owner)
         mine = as_int(t.get("ident"))
@@ -139,9 +144,9 @@ class Reader:
         names = _short_names(_s(expr, 100))
         out = []
         for x in self.exited:
-            target = x.get("target") if isinstance(x.get("target"), dict) else {}
+            target = _obj(x, "target")
             took = any(a.get("id") == oid for a in dicts(target.get("acquires"))) if oid else False
-            exc = x.get("exception") if isinstance(x.get("exception"), dict) else None
+            exc = (_obj(x, "exception") or None)
             holding = exc is not None and any(h.get("id") == oid for h in dicts(exc.get("holds"))) if oid else False
             named = bool(names & {n for n in target.get("names") or [] if isinstance(n, str)})
             if not (took or holding or (not acquires and named)):
@@ -183,7 +188,7 @@ class Reader:
         mine = as_int(t.get("ident"))
         setters = [self.keys.get(as_int(o.get("native_id")) or -1) for o in self.threads
                    if as_int(o.get("ident")) != mine and names
-                   and names & set(((o.get("target") or {}).get("names") or []) if isinstance(o.get("target"), dict) else [])
+                   and names & set(_obj(o, "target").get("names") or [])
                    and not (isinstance(o.get("waits"), dict) and o["waits"].get("id") == w.get("id"))]
         setters = [s for s in setters if s]
         verb = {"event": "set", "condition": "notify", "queue": "put into", "barrier": "reach"}[kind]
@@ -228,7 +233,7 @@ class Reader:
     def _process(self, k: str, w: dict[str, Any], detail: dict[str, Any]) -> bool:
         pools = [p for p in dicts(self.r.get("pools")) if p.get("id") == w.get("id")]
         ended = [x for p in pools for x in dicts(p.get("exited_workers"))]
-        func = detail.get("func") if isinstance(detail.get("func"), dict) else {}
+        func = _obj(detail, "func")
         task = _s(func.get("qualname"), 100)
         made = False
         for x in ended[:8]:
@@ -258,7 +263,7 @@ class Reader:
         if not loops:
             return False
         loop = loops[0]
-        blocker = loop.get("blocked_by_callback") if isinstance(loop.get("blocked_by_callback"), dict) else None
+        blocker = (_obj(loop, "blocked_by_callback") or None)
         if blocker is not None:
             return False  # a callback that blocks the loop: the stacks say in what (a sleep, a read)
         tasks = [x for x in dicts(loop.get("tasks")) if not x.get("done")]
@@ -275,15 +280,15 @@ class Reader:
         if tid is None:
             return None
         k = f"{self.base}/a{tid}"
-        coro = task.get("coro") if isinstance(task.get("coro"), dict) else {}
+        coro = _obj(task, "coro")
         frames = dicts(task.get("frames"))
         where, full = _where(frames[0] if frames else {"function": coro.get("qualname"), "file": coro.get("file"),
                                                          "line": coro.get("line")})
         culprit = (_s(coro.get("qualname")) or "").rsplit(".", 1)[-1] or None
         self.g.add(Party(k, f"task {_s(task.get('name'), 80)} ({culprit or '?'})", WAITS, where, None, culprit, full, self.pid))
-        a = task.get("awaits") if isinstance(task.get("awaits"), dict) else {}
+        a = _obj(task, "awaits")
         kind, expr = _s(a.get("kind"), 20), _s(a.get("expr"), 100)
-        detail = a.get("detail") if isinstance(a.get("detail"), dict) else {}
+        detail = _obj(a, "detail")
         what = f"{kind} {expr}" if expr else f"a {kind}"
         if kind == "sleep":
             self.g.parties[k] = Party(k, self.g.parties[k].label, LIVE, where, "sleeping", culprit, full, self.pid)
@@ -292,8 +297,8 @@ class Reader:
             if other:
                 self.g.wait(Edge(k, what, f"{self.base}/a{other}", how=HOW))
         elif kind == "lock":
-            lock = self.locks.get(_s(a.get("id"), 40) or "") if isinstance(self.locks, dict) else None
-            holders = [f"{self.base}/a{h}" for h in ((lock or {}).get("holder_tasks") or []) if isinstance(h, str)]
+            lock = _obj(self.locks, _s(a.get("id"), 40) or "")
+            holders = [f"{self.base}/a{h}" for h in (lock.get("holder_tasks") or []) if isinstance(h, str)]
             for h in holders:
                 self.g.wait(Edge(k, what, h, how=HOW))
             if not holders:
@@ -325,11 +330,11 @@ class Reader:
         names = _short_names(expr)
         out = []
         for i, x in enumerate(dicts(self.r.get("ended_tasks"))):
-            coro = x.get("coro") if isinstance(x.get("coro"), dict) else {}
+            coro = _obj(x, "coro")
             if not names or not names & {n for n in coro.get("names") or [] if isinstance(n, str)}:
                 continue
             where, full = _where({"function": coro.get("qualname"), "file": coro.get("file"), "line": coro.get("line")})
-            exc = x.get("exception") if isinstance(x.get("exception"), dict) else None
+            exc = (_obj(x, "exception") or None)
             how = _s(x.get("how"), 20) or "ended"
             if exc is not None:
                 msg = _s(exc.get("message"), 200)

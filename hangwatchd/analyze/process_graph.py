@@ -255,9 +255,9 @@ def _thread_edges(g: Graph, k: str, w: tw.Wait, waits: dict[str, tuple[Thread, t
                         k, how="a __del__ frame in the waiting thread's stack, and no other thread that could hold the lock",
                         sure=False))
             return
-        outer = _same_object_further_up(waits[k][0], w)
-        if outer is not None:
-            g.wait(Edge(k, f"a lock of the object that its own frame {tw.where(outer)}, further up its stack, works on and holds",
+        up = _same_object_further_up(waits[k][0], w)
+        if up is not None:
+            g.wait(Edge(k, f"a lock of the object that its own frame {tw.where(up)}, further up its stack, works on and holds",
                         k, how="py-spy's locals: the same self in an outer frame of the same thread", sure=False))
             return
     if w.kind == tw.JOIN and w.obj is not None:
@@ -425,8 +425,13 @@ def _to_the_dead(g: Graph, p: Proc, k: str, obj: str, reading: bool) -> bool:
     return bool(dead)
 
 
+def _obj(d: dict[str, Any], key: str) -> dict[str, Any]:
+    v = d.get(key)
+    return v if isinstance(v, dict) else {}
+
+
 def _never(b: dict[str, Any], reading: bool) -> str:
-    sock = b.get("socket") if isinstance(b.get("socket"), dict) else {}
+    sock = _obj(b, "socket")
     if reading and sock.get("rx_queue") == 0 and sock.get("state") == "ESTABLISHED":
         return ", with no unread bytes: its peer never sends"
     return ""
@@ -445,7 +450,7 @@ def _object_text(b: dict[str, Any]) -> str:
     if kind == "pipe":
         return "a pipe"
     if kind == "socket":
-        sock = b.get("socket") if isinstance(b.get("socket"), dict) else {}
+        sock = _obj(b, "socket")
         where = b.get("socket_path") or sock.get("remote") or sock.get("local")
         return f"a {sock.get('family') or ''} socket{' ' + str(where) if where else ''}".replace("a  ", "a ")
     if kind in ("file", "device"):
