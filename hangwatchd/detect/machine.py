@@ -35,9 +35,9 @@ from ..host import untrusted
 from ..host.deadline import Deadline
 from ..metrics import Metrics
 from ..model import State, Suspicion
-from ..watch.stack_history import Sample
+from ..watch.stack_history import Sample, StackHistory
 from ..watch.watched import INTERVALS_KEEP, Watched, Watchlist, job_mates
-from . import rearm
+from . import rearm, working
 from .base import Detector
 from .sampler import SampleTaken
 from .stack import classify
@@ -182,12 +182,12 @@ class StateMachine:
             signals.add("stack")
         why_not = None
         if suspicion.reason == "heartbeat" and w.timeout_source == "learned":
-            busy = w.history.cpu_share() if w.history.samples else None
-            blocked, _ = classify(w.history.samples[-1].frames if w.history.samples else (), self.blocking, self.idle)
+            # Beats that pause under a learned timeout may be a new phase: the process is judged by
+            # what it did meanwhile (the CPU it had and waited for, bytes, children), not a fixed share.
             if "stack" not in signals:
                 why_not = "the stack moved"
-            elif busy is not None and busy >= 0.5 and not blocked:
-                why_not = "busy on the CPU, blocked on nothing"
+            else:
+                why_not = self._working(w, None, False)
         if why_not:
             # The beats paused but the process works: a new phase, not a hang. Learn the longer gap.
             log.info("suspicion_dropped", pid=w.process.pid, why=why_not, paused=round(now - (w.last_progress or now), 1))
@@ -270,19 +270,46 @@ class StateMachine:
             self.watched.change(w, sample_at=every)
 
     def _judge_native(self, w: Watched, sample: Sample, now: float) -> None:
-        """The one native look at a frozen stack: is it blocked on something (or declared), or idle?"""
+        """The one native look at a frozen stack: does it work or wait for work (then it is healthy,
+        declared stack timeout or not), is it blocked on something (or declared), or idle?"""
         assert w.suspicion is not None
         blocked, idle = classify(sample.frames, self.blocking, self.idle)
+        fine = self._working(w, sample, idle)
+        if fine is not None:
+            # A still stack that works, or waits for work it does not have: judged again after another window.
+            log.info("stack_frozen_working", pid=w.process.pid, why=fine)
+            self.watched.change(w, State.HEALTHY, why=fine, suspicion=None, history=StackHistory(), idle_noted=False,
+                                sample_at=now + self.cfg.stack_interval)
+            return
         declared = w.stack_timeout is not None
         if declared or (blocked and not idle):
             why = "declared --stack-timeout" if declared and not blocked else f"blocked in {blocked}"
-            suspicion = Suspicion("stack", f"the same stack for {w.history.frozen_for():.0f} s ({why})", w.suspicion.since, ("stack",))
+            waiting = working.work_waiting(sample.io)
+            suspicion = Suspicion("stack", f"the same stack for {w.history.frozen_for():.0f} s ({why})"
+                                  + (f"; {waiting}" if waiting else ""), w.suspicion.since, ("stack",))
             self.watched.change(w, suspicion=suspicion)
             self._confirm(w, now)
             return
         if not w.idle_noted:
             log.info("stack_frozen_idle", pid=w.process.pid, why="idle pattern" if idle else "no blocking call")
         self.watched.change(w, State.HEALTHY, why="idle", suspicion=None, idle_noted=True, sample_at=now + self.cfg.stack_interval)
+
+    @staticmethod
+    def _working(w: Watched, native: Sample | None, idle: bool) -> str | None:
+        """Why a process whose stack held still over its window is not hung: it worked (bytes moved,
+        its children or its non-Python threads computed, its local variables changed), or it is a
+        server waiting for work that has none. None: its stillness stands."""
+        samples = w.history.samples
+        first = samples[0].activity if samples else None
+        last = (native.activity if native is not None and native.activity is not None
+                else samples[-1].activity if samples else None)
+        why = working.progress(first, last, any(s.python_running for s in samples))
+        if why:
+            return f"working: {why}"
+        if w.history.locals_moved():
+            return "working: its local variables changed while its stack held still"
+        quiet = working.idle_server(native.io if native is not None else None, idle)
+        return f"idle: {quiet}" if quiet else None
 
     # -- hangs ---------------------------------------------------------------
 

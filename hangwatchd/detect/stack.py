@@ -21,12 +21,14 @@ import json
 import re
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import psutil
 
-from ..host import subproc, untrusted
+from ..host import activity, procfs, subproc, untrusted
+from ..host.peers import Looker
 from ..host.pyspy_binary import find_pyspy
-from ..watch.stack_history import Sample, signature_of
+from ..watch.stack_history import Sample, locals_digest, signature_of
 from . import patterns
 
 # Frames (Python or native) whose presence means the thread is blocked on something
@@ -49,9 +51,12 @@ def _cpu_and_ctx(pid: int) -> tuple[float | None, int | None]:
 
 def take_sample(pid: int, timeout: float, native: bool = False, uid: int | None = None) -> Sample:
     """One py-spy dump of ``pid``; never raises (an error is in the sample). With ``uid``, only
-    while the process still runs as that user alone (checked right before py-spy attaches)."""
+    while the process still runs as that user alone (checked right before py-spy attaches).
+    Beside the stack: its counters (``host.activity``), whether a Python thread ran, a hash of its
+    local variables; and, for the native look at a frozen stack, what its sockets hold."""
     now = time.monotonic()
     cpu, ctx = _cpu_and_ctx(pid)
+    act = activity.read(pid)
     tool = find_pyspy()
     if tool is None:
         return Sample(now, (), (), cpu, ctx, "py-spy is not installed; pip install py-spy")
@@ -62,7 +67,7 @@ def take_sample(pid: int, timeout: float, native: bool = False, uid: int | None 
             return Sample(now, (), (), cpu, ctx, f"not sampled: {exc}", refused=True)
     # --nonblocking: read without pausing the target. A frozen process reads the same either
     # way; a moving one may read torn, which only ever looks like movement.
-    flags = ["--native"] if native else ["--nonblocking"]
+    flags = ["--native"] if native else ["--nonblocking", "--locals"]
     res = subproc.run([tool, "dump", "--json", "--pid", str(pid), *flags], timeout=timeout)
     if uid is not None:
         try:  # and right after: an exec of a setuid program can land between the check and the attach
@@ -76,8 +81,28 @@ def take_sample(pid: int, timeout: float, native: bool = False, uid: int | None 
         threads = json.loads(res.stdout)
     except json.JSONDecodeError:
         return Sample(now, (), (), cpu, ctx, "py-spy printed no JSON")
+    if not isinstance(threads, list):
+        return Sample(now, (), (), cpu, ctx, "py-spy printed no list of threads")
+    threads = [t for t in threads if isinstance(t, dict)]
     names = tuple(str(f.get("name")) for t in threads for f in t.get("frames") or [])
-    return Sample(now, signature_of(threads), names, cpu, ctx)
+    running = any(t.get("active") is True for t in threads)
+    io = sockets(pid, min(1.0, timeout)) if native else None
+    return Sample(now, signature_of(threads), names, cpu, ctx, activity=act, python_running=running,
+                  locals_digest=locals_digest(threads, _helper), io=io)
+
+
+def _helper(t: dict[str, Any]) -> bool:
+    name = str(t.get("thread_name") or "")
+    return name != "MainThread" and bool(name) and patterns.HELPER_THREAD.search(name)
+
+
+def sockets(pid: int, seconds: float) -> dict[str, Any] | None:
+    """What the process's sockets hold (its listening sockets' backlogs, unread bytes): does a server have work?"""
+    try:
+        with Looker(time.monotonic() + seconds) as looker:
+            return looker.io(pid, procfs.fd_targets(pid))
+    except OSError:
+        return None
 
 
 def classify(frames: Sequence[str], blocking: Sequence[str] = BLOCKING, idle: str = IDLE) -> tuple[str | None, bool]:

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..host.activity import Activity
+
 KEEP = 32  # samples of a run kept: its first (when it started) and the latest (how it goes); an idle process holds one stack for days
 
 
@@ -18,6 +20,30 @@ class Sample:
     ctx_switches: int | None
     error: str | None = None
     refused: bool = False  # not taken: the process is no longer its registered user's alone
+    activity: Activity | None = None  # its counters at the sample (CPU had and waited for, bytes moved, children's CPU)
+    python_running: bool = False  # py-spy saw one of its Python threads on a CPU
+    locals_digest: int | None = None  # the program's threads' local variables, hashed: they change while it computes
+    io: dict[str, Any] | None = None  # the native look's: its listening sockets and unread bytes (a server with work?)
+
+
+def locals_digest(threads: Sequence[dict[str, Any]], helper: Any = None) -> int | None:
+    """A hash of the local variables (``py-spy --locals``) of every frame of the program's threads
+    (``helper(thread)`` says which are the machinery's): a loop that computes changes some; a
+    thread that waits changes none. None when the dump has no locals."""
+    seen = False
+    parts = []
+    for t in threads:
+        if helper is not None and helper(t):
+            continue
+        for f in t.get("frames") or []:
+            values = f.get("locals") if isinstance(f, dict) else None
+            if isinstance(values, list):
+                seen = seen or bool(values)
+                # The object's address too: py-spy prints a big int as "+bigint" and a torn read may
+                # repeat an old repr, but a variable rebound to a new object has a new address.
+                parts.append(tuple((str(v.get("name")), str(v.get("addr")), str(v.get("repr"))[:120])
+                                   for v in values if isinstance(v, dict)))
+    return hash(tuple(parts)) if seen else None
 
 
 def signature_of(threads: Sequence[dict[str, Any]]) -> tuple[tuple[tuple[str, str, int], ...], ...]:
@@ -50,13 +76,10 @@ class StackHistory:
             return 0.0
         return self.samples[-1].time - self.samples[0].time
 
-    def cpu_share(self) -> float | None:
-        """CPU seconds per second over the run (1.0: one core busy all along)."""
-        first, last = self.samples[0], self.samples[-1]
-        span = last.time - first.time
-        if first.cpu_seconds is None or last.cpu_seconds is None or span <= 0:
-            return None
-        return (last.cpu_seconds - first.cpu_seconds) / span
+    def locals_moved(self) -> bool:
+        """The program's local variables changed over the run although its stack did not: it computes."""
+        digests = {s.locals_digest for s in self.samples if s.locals_digest is not None}
+        return len(digests) > 1
 
     def evidence(self) -> str:
         first, last = self.samples[0], self.samples[-1]
