@@ -10,6 +10,7 @@ import structlog
 from hangwatchd.detect.base import Observation
 from hangwatchd.detect.machine import HUNG_LOOK, retry_pause
 from hangwatchd.detect.sampler import SampleTaken
+from hangwatchd.host.activity import Activity
 from hangwatchd.model import State, Suspicion
 from hangwatchd.watch.stack_history import Sample
 from hangwatchd.watch.watched import FREE, TRANSITIONS, NotTheOwner, Watched
@@ -158,3 +159,82 @@ def test_a_captured_process_is_declared_again_only_after_progress(node: Node) ->
     assert w.state is State.CAPTURED  # the first one became the mark, the second differs: one in a row
     node.machine.sample_taken(w, SampleTaken(w.process, False, Sample(70.0, ((("c", "x.py", 1),),), ("c",), 1.0, 1)), 70.0)
     assert w.state is State.HEALTHY and w.mark is None and w.incident == "inc-1"
+
+
+def _still_window(node: Node, w: Watched, frames: tuple[str, ...], native_extra: dict[str, object],
+                  plain: list[dict[str, object]]) -> list:
+    """Plain samples of one stack over the window (each with ``plain[i]``'s fields), then the native look."""
+    cfg = node.machine.cfg
+    t, i = 0.0, 0
+    while w.state is not State.SUSPECT:
+        extra = plain[min(i, len(plain) - 1)]
+        s = Sample(t, ((("f", "x.py", 1),),), frames, 1.0, 1, **extra)  # type: ignore[arg-type]
+        node.machine.sample_taken(w, SampleTaken(w.process, False, s), t)
+        t, i = t + cfg.stack_interval, i + 1
+    native = Sample(t, ((("g", "x.so", 0),),), frames, 1.0, 1, **native_extra)  # type: ignore[arg-type]
+    return node.machine.sample_taken(w, SampleTaken(w.process, True, native), t)
+
+
+def _act(t: float, cpu: float = 0.0, wait: float = 0.0, io: int = 0, kids: float = 0.0, n_kids: int = 0) -> Activity:
+    return Activity(t, int(cpu * 1e9), int(wait * 1e9), io, int(kids * 1e9), n_kids)
+
+
+@pytest.mark.parametrize(("what", "start", "end", "running", "why"), [
+    ("a checkpoint written in one C call", _act(0), _act(10, io=50_000_000), False, "read or wrote"),
+    ("a child that compiles", _act(0, n_kids=1), _act(10, kids=9.0, n_kids=1), False, "child processes used"),
+    ("gloo's threads reduce on a loaded node", _act(0), _act(10, cpu=3.0, wait=4.0), False, "non-Python threads wanted"),
+])
+def test_a_still_stack_whose_process_works_is_not_declared(node: Node, what: str, start: Activity, end: Activity,
+                                                           running: bool, why: str) -> None:
+    w = node.add(job=None)
+    with structlog.testing.capture_logs() as logs:
+        decided = _still_window(node, w, ("synchronize", "step"), {"activity": end, "python_running": running},
+                                [{"activity": start, "python_running": running}])
+    assert declares(decided) == [] and w.state is State.HEALTHY, what
+    assert why in _excused(logs), what
+
+
+def _excused(logs: list[dict[str, object]]) -> str:
+    """Why the machine let a still stack be, as its log says."""
+    (line,) = [e for e in logs if e["event"] == "stack_frozen_working"]
+    return str(line["why"])
+
+
+def test_a_python_thread_spinning_with_the_same_locals_is_declared_however_busy(node: Node) -> None:
+    """CPU alone never excuses a Python thread that runs at one line with its variables unchanged."""
+    w = node.add(job=None)
+    with structlog.testing.capture_logs() as logs:
+        declared = _still_window(node, w, ("wait_for_device", "run"), {"activity": _act(10, cpu=10.0), "python_running": True},
+                                 [{"activity": _act(0), "python_running": True, "locals_digest": 7}])
+    # A spin is blocked on nothing a pattern names: undeclared, it is let be as idle, never as working.
+    assert declared == [] and w.state is State.HEALTHY and not any(e["event"] == "stack_frozen_working" for e in logs)
+    w2 = node.add(job=None)
+    node.watched.change(w2, stack_timeout=5.0)
+    (d,) = declares(_still_window(node, w2, ("wait_for_device", "run"), {"activity": _act(10, cpu=10.0), "python_running": True},
+                                  [{"activity": _act(0), "python_running": True, "locals_digest": 7}]))
+    assert "declared --stack-timeout" in d.suspicion.detail
+
+
+def test_a_still_stack_whose_locals_are_rebound_computes(node: Node) -> None:
+    w = node.add(job=None)
+    node.watched.change(w, stack_timeout=5.0)
+    with structlog.testing.capture_logs() as logs:
+        decided = _still_window(node, w, ("tokenize_corpus",), {"activity": _act(10, cpu=5.0), "python_running": True},
+                                [{"activity": _act(0), "python_running": True, "locals_digest": n} for n in range(20)])
+    assert declares(decided) == [] and w.state is State.HEALTHY and "local variables changed" in _excused(logs)
+
+
+LISTENING = {"listening": [{"port": 8000, "backlog": 0}], "unread": [], "complete": True}
+
+
+def test_a_server_waiting_for_work_it_does_not_have_is_idle_and_one_with_work_waiting_is_hung(node: Node) -> None:
+    quiet, busy = node.add(job=None), node.add(job=None)
+    frames = ("idle_wait", "serve")  # the node's idle pattern: where servers wait for work
+    for w in (quiet, busy):
+        node.watched.change(w, stack_timeout=5.0)
+    with structlog.testing.capture_logs() as logs:
+        assert _still_window(node, quiet, frames, {"activity": _act(10), "io": LISTENING}, [{"activity": _act(0)}]) == []
+    assert quiet.state is State.HEALTHY and _excused(logs).startswith("idle: it waits for work and has none")
+    waiting = {"listening": [{"port": 8000, "backlog": 3}], "unread": [], "complete": True}
+    (d,) = declares(_still_window(node, busy, frames, {"activity": _act(10), "io": waiting}, [{"activity": _act(0)}]))
+    assert "3 connections waiting to be accepted" in d.suspicion.detail
