@@ -146,14 +146,10 @@ def lock_state(obj: object) -> dict[str, Any]:
     return rlock_state(obj)
 
 
-_SIZED = (collections.deque, list, dict, set)
-
-
 def _length(obj: object) -> int | None:
     """len() of a deque, list, dict or set (exactly those C types: nothing of the program's runs)."""
-    tp = type(obj)
-    if any(tp is t for t in _SIZED):
-        return len(obj)  # type: ignore[arg-type]
+    if type(obj) is collections.deque or type(obj) is list or type(obj) is dict or type(obj) is set:
+        return len(obj)
     return None
 
 
