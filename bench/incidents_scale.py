@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -87,7 +88,7 @@ def old_pass(store: Store, max_bytes: float, dump_max_age: float, incident_max_a
     return removed
 
 
-def timed(fn, *args) -> float:  # type: ignore[no-untyped-def]
+def timed(fn: Callable[..., object], *args: object) -> float:
     start = time.perf_counter()
     fn(*args)
     return time.perf_counter() - start
