@@ -70,7 +70,7 @@ def task_name(task: object) -> str | None:
         c_class = cast("type[_asyncio.Task[Any]]", c_task)
         try:
             return objects.text(c_class.get_name(cast("_asyncio.Task[Any]", task)))
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - never raise into the reporter: a task with no name is still described
             return None
     return objects.text(attr(task, "_name"))
 
@@ -268,7 +268,7 @@ def describe(stacks: dict[int, list[types.FrameType]], ctx: waits.Context, holds
                 break
             try:
                 described.append(describe_task(t, ctx, holds_of))
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - one task that cannot be read is left out, the rest are described
                 continue
         tid = attr(lp, "_thread_id")
         out.append({"id": objects.hex_id(lp), "type": objects.type_name(lp), "thread": ident,

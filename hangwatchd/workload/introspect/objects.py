@@ -50,7 +50,7 @@ def type_name(obj: object) -> str:
     tp = type(obj)
     try:
         return f"{_module_of_type(tp)}.{type.__dict__['__qualname__'].__get__(tp)}"
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - never raise into the reporter
         return "?"
 
 
@@ -58,7 +58,7 @@ def _class_attr(klasses: tuple[type, ...], name: str) -> object:
     for k in klasses:
         try:
             d = _dict_of_type(k)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - never raise into the reporter: a class we cannot read has no attribute for us
             continue
         v = d.get(name, MISSING)
         if v is not MISSING:
@@ -89,7 +89,7 @@ def instance_dict(obj: object) -> dict[str, object] | None:
     if type(d) is _GETSET or type(d) is _MEMBER:  # modules keep theirs in a member
         try:
             got = d.__get__(obj, type(obj))
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - never raise into the reporter
             return None
         return got if type(got) is dict else None
     return None
@@ -104,14 +104,14 @@ def attr(obj: object, name: str, default: object = None) -> object:
         if getter is not None:
             try:
                 return getter.__get__(obj, type(obj))
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - never raise into the reporter: what a getter cannot read is the default
                 return default
         return default  # a property, or someone's descriptor: not ours to run
     d = instance_dict(obj)
     if d is not None:
         try:
             v = d.get(name, MISSING)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - never raise into the reporter
             v = MISSING
         if v is not MISSING:
             return v
@@ -121,7 +121,7 @@ def attr(obj: object, name: str, default: object = None) -> object:
     if getter is not None:
         try:
             return getter.__get__(obj, type(obj))
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - never raise into the reporter: what a getter cannot read is the default
             return default
     if _class_attr(mro(found), "__get__") is not MISSING:
         return default  # a method or other descriptor: never bound, never called

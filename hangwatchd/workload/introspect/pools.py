@@ -56,7 +56,7 @@ def watch_pools() -> None:
         finally:
             try:
                 _note_exits(before, pool)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - noting an exit must never break the pool's own cleanup
                 pass
 
     pool_class._join_exited_workers = staticmethod(_join_exited_workers)  # type: ignore[attr-defined]  # Pool's private staticmethod, wrapped on purpose
@@ -84,7 +84,7 @@ def _deref(ref: object) -> object:
 def _self(frame: types.FrameType) -> object:
     try:
         return frame.f_locals.get("self")
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a frame's locals we cannot read name no pool
         return None
 
 
@@ -142,7 +142,7 @@ def _named(frames: list[types.FrameType], seen: set[int]) -> list[object]:
     for f in own:
         try:
             spaces = [f.f_locals, f.f_globals]
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a frame's names we cannot read name no pool
             continue
         for space in spaces:
             if id(space) in seen or type(space) is not dict:

@@ -70,7 +70,7 @@ def _thread_entry(ident: int, frames: list[types.FrameType], thread: object, mai
     }
     try:
         w = waits.thread_wait(frames, ctx)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - a wait we cannot read is an error in the report, never a missing report
         w = {"kind": None, "error": f"{type(exc).__name__}"}
     entry["waits"] = w
     held: list[tuple[object, str, str, dict[str, Any], types.FrameType]] = []
@@ -78,7 +78,7 @@ def _thread_entry(ident: int, frames: list[types.FrameType], thread: object, mai
         try:
             for obj, kind, expr, how in waits.frame_holds(f, f.f_lineno, ctx):
                 held.append((obj, kind, expr, how, f))
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a frame we cannot read holds nothing we know of
             continue
     waited_id = w.get("id") if w else None
     for obj, kind, expr, how, f in held:
@@ -164,7 +164,7 @@ def build(forked: dict[str, Any] | None) -> dict[str, Any]:
             break
         try:
             entries.append(_thread_entry(ident, stacks[ident], active.get(ident) or limbo.get(ident), main_ident, ctx, locks, waited))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a thread we cannot read is an errors line, never a missing report
             errors.append(f"thread {ident}: {type(exc).__name__}")
     report: dict[str, Any] = {
         "version": VERSION, "pid": os.getpid(), "ppid": os.getppid(), "time": time.time(),
@@ -185,7 +185,7 @@ def build(forked: dict[str, Any] | None) -> dict[str, Any]:
             continue
         try:
             report[name] = make()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a section that fails is an errors line, never a missing report
             report[name] = None
             errors.append(f"{name}: {type(exc).__name__}: {exc}"[:300])
     _task_locks(report.get("asyncio") or [], locks)
@@ -208,7 +208,7 @@ def _task_holds(frames: list[types.FrameType], ctx: waits.Context, locks: Locks)
             for obj, kind, expr, how in waits.frame_holds(f, f.f_lineno, ctx):
                 out.append(waits.hold_row(obj, kind, expr, how, f, f.f_lineno))
                 locks.row(obj, kind, expr)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a frame we cannot read holds nothing we know of
             continue
     return out
 

@@ -199,7 +199,7 @@ def position(frame: types.FrameType) -> tuple[int, int, int, int] | None:
                 if line is None or end_line is None or col is None or end_col is None:
                     return None
                 return line, end_line, col, end_col
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - no position is known: the caller reads the whole line
         return None
     return None
 
@@ -207,7 +207,7 @@ def position(frame: types.FrameType) -> tuple[int, int, int, int] | None:
 def expr_text(node: ast.AST, limit: int = 200) -> str:
     try:
         s = ast.unparse(node)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - an expression that does not unparse is shown as ?
         return "?"
     return s if len(s) <= limit else s[:limit] + "..."
 
@@ -291,12 +291,12 @@ class Scope:
         if self._locals is None:
             try:
                 self._locals = f.f_locals
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - locals we cannot read: the globals and builtins still answer
                 self._locals = {}
         for names in (self._locals, f.f_globals, f.f_builtins):
             try:
                 v = names.get(name, MISSING)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - a namespace we cannot read names nothing
                 v = MISSING
             if v is not MISSING:
                 return v

@@ -105,7 +105,7 @@ def _bootstrap_inner(self: threading.Thread) -> None:
     finally:
         try:
             _record_end(self, target, began, note)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - recording must never keep a thread from ending
             pass
 
 
@@ -117,7 +117,7 @@ def _note_exception(note: dict[str, Any]) -> None:
             return
         try:
             message = str(exc)  # in the dying thread, as the default hook would print it
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - an exception whose str() fails is still recorded
             message = "?"
         frames = []
         raw: list[tuple[types.FrameType, int]] = []
@@ -129,7 +129,7 @@ def _note_exception(note: dict[str, Any]) -> None:
             frames.append({"function": objects.qualname(code), "file": objects.text(code.co_filename, 400), "line": line})
         holds = waits.traceback_holds(list(reversed(raw)))
         note["exception"] = {"type": objects.type_name(exc), "message": message[:500], "frames": frames, "holds": holds}
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - the exception hook must never raise in the dying thread
         pass
 
 
@@ -152,7 +152,7 @@ def before_fork() -> None:
         me = threading.get_ident()
         _at_fork[:] = [(ident, t, objects.attr(t, "_target"), started_at.get(ident))
                        for ident, t in list(threading._active.items()) if ident != me]  # type: ignore[attr-defined]  # private: one C copy, no lock
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - fork must go on: the child only says less of who was lost
         _at_fork[:] = []
 
 

@@ -106,7 +106,7 @@ def _self(frame: types.FrameType) -> object:
 def _local(frame: types.FrameType, name: str) -> object:
     try:
         return frame.f_locals.get(name, MISSING)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - locals we cannot read name nothing
         return MISSING
 
 
