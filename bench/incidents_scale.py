@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -30,15 +31,15 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hangwatchd import log  # noqa: E402
-from hangwatchd.incidents import footprint  # noqa: E402
-from hangwatchd.incidents.retention import Limits, enforce  # noqa: E402
-from hangwatchd.incidents.store import Store  # noqa: E402
-from hangwatchd.testing import ScratchDaemon  # noqa: E402
-from tests.incidents.many import fill  # noqa: E402
+from hangwatchd import log  # noqa: E402 - after sys.path is set
+from hangwatchd.incidents import footprint  # noqa: E402 - after sys.path is set
+from hangwatchd.incidents.retention import Limits, enforce  # noqa: E402 - after sys.path is set
+from hangwatchd.incidents.store import Store  # noqa: E402 - after sys.path is set
+from hangwatchd.testing import ScratchDaemon  # noqa: E402 - after sys.path is set
+from tests.incidents.many import fill  # noqa: E402 - after sys.path is set
 
 sys.path.insert(0, str(ROOT / "bench"))
-from _figures import Figure, Spread, judged, report  # noqa: E402
+from _figures import Figure, Spread, judged, report  # noqa: E402 - after sys.path is set
 
 COUNT = 10_000
 SMALL = 200  # the store the old pass is timed on (0.5 s at 100 incidents, 45 s at 1,000 in issue 33)
@@ -87,7 +88,7 @@ def old_pass(store: Store, max_bytes: float, dump_max_age: float, incident_max_a
     return removed
 
 
-def timed(fn, *args) -> float:  # type: ignore[no-untyped-def]
+def timed(fn: Callable[..., object], *args: object) -> float:
     start = time.perf_counter()
     fn(*args)
     return time.perf_counter() - start

@@ -31,6 +31,7 @@ import pytest
 from hangwatchd.capture.base import StepFailed, StepNotApplicable
 from hangwatchd.capture.introspect import IntrospectStep, NoReporter, reporter_thread
 from hangwatchd.host import procfs
+from hangwatchd.host.deadline import Deadline
 from hangwatchd.testing import ScratchDaemon, hangwatchd_argv, stop, wait_for
 from hangwatchd.workload import registration_file
 from hangwatchd.workload.launcher import introspect_env
@@ -56,8 +57,9 @@ class Job:
             introspect_env(full, self.dir)
         self.proc = subprocess.Popen([python, str(script)], env=full, stdout=subprocess.PIPE, text=True, cwd=tmp, **kw)
         self.lines: list[str] = []
+        assert self.proc.stdout is not None  # stdout=PIPE
         while True:
-            line = self.proc.stdout.readline()  # type: ignore[union-attr]
+            line = self.proc.stdout.readline()
             assert line, f"the workload ended before it was ready (status {self.proc.wait()})"
             self.lines.append(line.strip())
             if line.strip() == "ready":
@@ -68,7 +70,7 @@ class Job:
         out = Path(tempfile.mkdtemp(dir=self.dir.parent))
         target = registration_file.from_proc(pid or self.proc.pid)
         assert target is not None
-        assert IntrospectStep().run(target, out, timeout) == ("introspect.json",)
+        assert IntrospectStep().run(target, out, Deadline.after(timeout)) == ("introspect.json",)
         return json.loads((out / "introspect.json").read_text())
 
     def stop(self) -> None:
@@ -566,7 +568,7 @@ def test_the_first_beat_installs_the_reporter_where_the_sitecustomize_could_not_
         (pid,) = procfs.children(launcher.pid)
         target = registration_file.from_proc(pid)
         assert target is not None
-        IntrospectStep().run(target, tmp_path, 5.0)
+        IntrospectStep().run(target, tmp_path, Deadline.after(5.0))
         r = json.loads((tmp_path / "introspect.json").read_text())
         assert r["pid"] == pid and thread(r, "MainThread")["waits"]["kind"] == "event"
         (fifo,) = [p for _, p, _ in procfs.held_fifos(pid) if "introspect-" in p]
@@ -583,7 +585,7 @@ def test_a_process_without_python_has_no_reporter(tmp_path: Path) -> None:
         target = registration_file.from_proc(p.pid)
         assert target is not None
         with pytest.raises(StepNotApplicable):
-            IntrospectStep().run(target, tmp_path, 2.0)
+            IntrospectStep().run(target, tmp_path, Deadline.after(2.0))
     finally:
         stop(p)
 
@@ -667,7 +669,7 @@ def test_the_analyser_never_counts_the_reporters_thread_as_the_programs(job: Any
     """)
     target = registration_file.from_proc(j.proc.pid)
     assert target is not None
-    PySpyStep(native=False).run(target, tmp_path, 20.0)
+    PySpyStep(native=False).run(target, tmp_path, Deadline.after(20.0))
     seen = json.loads((tmp_path / "pyspy.json").read_text())
     assert len(seen) == 2 and any(f["name"] == "hangwatchd_introspect_reporter" for t in seen for f in t["frames"])
     threads, problems = read_threads(tmp_path)
@@ -711,6 +713,7 @@ def test_a_hang_under_the_daemon_carries_the_reports_of_the_process_and_its_chil
             assert work.stdout is not None and work.stdout.readline() == b"stopped beating\n"
             (inc,) = wait_for(d.settled, 60, "the incident")
             path = d.store().path_of(inc["id"])
+            assert path is not None
             data = json.loads((path / "incident.json").read_text())
             (proc,) = data["processes"]
             steps = {s["step"]: s for s in proc["steps"]}
@@ -782,11 +785,12 @@ class Fake:
         os.chown(self.where, NOBODY, NOBODY)
         self.proc = subprocess.Popen([SYSTEM_PYTHON, str(script), str(self.where), mode, str(planted)], user=NOBODY,
                                      group=NOBODY, extra_groups=[], cwd="/", stdout=subprocess.PIPE, text=True)
-        first = self.proc.stdout.readline().split()  # type: ignore[union-attr]
+        assert self.proc.stdout is not None  # stdout=PIPE
+        first = self.proc.stdout.readline().split()
         if first and first[0] == "make":  # root's FIFO, in the process's own directory, that it may open
             os.mkfifo(first[1], 0o666)
             os.chmod(first[1], 0o666)
-            first = self.proc.stdout.readline().split()  # type: ignore[union-attr]
+            first = self.proc.stdout.readline().split()
         assert first == ["ready"], first
 
     def asked(self) -> bool:
@@ -806,8 +810,9 @@ def secret(base: Path) -> Path:
 def test_another_users_fifo_under_the_reporters_name_is_never_written(base: Path, tmp_path: Path) -> None:
     fake = Fake(base, "foreign-fifo", secret(base))
     target = registration_file.from_proc(fake.proc.pid)
+    assert target is not None
     with pytest.raises(StepFailed, match="belongs to uid 0, not uid 65534"):
-        IntrospectStep().run(target, tmp_path, 2.0)  # type: ignore[arg-type]
+        IntrospectStep().run(target, tmp_path, Deadline.after(2.0))
     assert not fake.asked() and not (tmp_path / "introspect.json").exists()
 
 
@@ -815,8 +820,9 @@ def test_another_users_fifo_under_the_reporters_name_is_never_written(base: Path
 def test_a_reporter_directory_others_may_write_is_refused_before_anything_is_asked(base: Path, tmp_path: Path) -> None:
     fake = Fake(base, "shared-dir", secret(base))
     target = registration_file.from_proc(fake.proc.pid)
+    assert target is not None
     with pytest.raises(StepFailed, match="writable by others"):
-        IntrospectStep().run(target, tmp_path, 2.0)  # type: ignore[arg-type]
+        IntrospectStep().run(target, tmp_path, Deadline.after(2.0))
     assert not fake.asked() and not (tmp_path / "introspect.json").exists()
 
 
@@ -824,8 +830,9 @@ def test_a_reporter_directory_others_may_write_is_refused_before_anything_is_ask
 def test_a_report_planted_as_a_symlink_is_never_followed(base: Path, tmp_path: Path) -> None:
     fake = Fake(base, "symlink", secret(base))
     target = registration_file.from_proc(fake.proc.pid)
+    assert target is not None
     with pytest.raises(StepFailed, match="no report within"):
-        IntrospectStep().run(target, tmp_path, 1.0)  # type: ignore[arg-type]
+        IntrospectStep().run(target, tmp_path, Deadline.after(1.0))
     assert (fake.where / f"introspect-{fake.proc.pid}.json").is_symlink()
     assert fake.asked() and not (tmp_path / "introspect.json").exists()
 
@@ -834,6 +841,7 @@ def test_a_report_planted_as_a_symlink_is_never_followed(base: Path, tmp_path: P
 def test_another_users_file_under_the_reports_name_is_never_read(base: Path, tmp_path: Path) -> None:
     fake = Fake(base, "quiet", secret(base))
     target = registration_file.from_proc(fake.proc.pid)
+    assert target is not None
 
     def plant() -> None:  # root, here the other user, renames a report of its own into the process's directory
         time.sleep(0.3)
@@ -844,14 +852,14 @@ def test_another_users_file_under_the_reports_name_is_never_read(base: Path, tmp
     planter = threading.Thread(target=plant)
     planter.start()
     with pytest.raises(StepFailed, match="no report within"):
-        IntrospectStep().run(target, tmp_path, 1.5)  # type: ignore[arg-type]
+        IntrospectStep().run(target, tmp_path, Deadline.after(1.5))
     planter.join()
     assert fake.asked() and not (tmp_path / "introspect.json").exists()
 
 
 def _pythons() -> list[Any]:
     """Every Python 3.9+ on this machine the job side may meet: on PATH, and under ~/.pyenv."""
-    found = {}
+    found: dict[str, str] = {}
     candidates = [shutil.which(f"python3.{n}") for n in range(9, 15)]
     candidates += sorted(str(p) for p in (Path.home() / ".pyenv" / "versions").glob("3.*/bin/python3"))
     for c in candidates:

@@ -23,6 +23,7 @@ import pytest
 from hangwatchd.capture.proc import ProcStep
 from hangwatchd.host import peers, procfs
 from hangwatchd.host.blocked_on import blocked_on
+from hangwatchd.host.deadline import Deadline
 from hangwatchd.model import Registration
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="reads other processes' /proc/PID/syscall: needs root")
@@ -80,7 +81,7 @@ def proc_json(pid: int, out: Path) -> dict[str, Any]:
     ident = procfs.identify(pid)
     assert ident is not None
     out.mkdir(parents=True, exist_ok=True)
-    files = ProcStep().run(Registration(process=ident, uid=0), out, 5.0)
+    files = ProcStep().run(Registration(process=ident, uid=0), out, Deadline.after(5.0))
     assert files == ("proc.json",)
     return json.loads((out / "proc.json").read_text())
 

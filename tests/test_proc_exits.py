@@ -14,12 +14,14 @@ import textwrap
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from hangwatchd.capture import StepNotApplicable
 from hangwatchd.capture.exits import ExitsStep
 from hangwatchd.host import procfs
+from hangwatchd.host.deadline import Deadline
 from hangwatchd.host.proc_exits import ProcExits
 from hangwatchd.model import Registration
 
@@ -48,7 +50,7 @@ def family(body: Callable[[], None]) -> int:
     return pid
 
 
-def child(then: Callable[[], None]) -> int:
+def child(then: Callable[[], object]) -> int:
     pid = os.fork()
     if pid == 0:
         try:
@@ -58,7 +60,7 @@ def child(then: Callable[[], None]) -> int:
     return pid
 
 
-def settled(pe: ProcExits, pid: int, n: int, timeout: float = 5.0) -> list[dict[str, object]]:
+def settled(pe: ProcExits, pid: int, n: int, timeout: float = 5.0) -> list[dict[str, Any]]:
     """The exits below ``pid`` once there are ``n`` of them (events arrive a moment after the exit)."""
     end = time.monotonic() + timeout
     while True:
@@ -80,7 +82,7 @@ def test_a_killed_child_and_one_that_exited_with_a_status_are_told_apart(listene
     assert found[killed]["core_dumped"] is False and found[killed]["ppid"] == me and found[killed]["depth"] == 1
     assert found[three]["exit_code"] == 3 and found[three]["signal"] is None
     assert found[three]["comm"] == procfs.read_capped(f"/proc/{me}/comm", 64).decode().strip()
-    assert found[three]["uid"] == 0 and abs(float(found[three]["time"]) - time.time()) < 10  # type: ignore[arg-type]
+    assert found[three]["uid"] == 0 and abs(float(found[three]["time"]) - time.time()) < 10
 
 
 def test_a_grandchild_counts_for_its_grandparent_even_after_its_parent_is_gone(listener: ProcExits) -> None:
@@ -203,8 +205,8 @@ def test_off_as_an_ordinary_user_with_the_reason() -> None:
             os.setgid(65534)
             os.setuid(65534)
             pe = ProcExits()
-            ok = pe.start()
-            os.write(w, f"{ok}|{pe.off}".encode())
+            started = pe.start()
+            os.write(w, f"{started}|{pe.off}".encode())
         finally:
             os._exit(0)
     os.close(w)
@@ -236,7 +238,7 @@ def test_the_exits_step_files_the_killed_worker_of_a_hung_parent(listener: ProcE
     os.waitpid(worker, 0)
     settled(listener, me.pid, 1)
     step = ExitsStep(listener=listener, window=60.0)
-    assert step.run(Registration(process=me, uid=0), tmp_path, 2.0) == ("exits.json",)
+    assert step.run(Registration(process=me, uid=0), tmp_path, Deadline.after(2.0)) == ("exits.json",)
     data = json.loads((tmp_path / "exits.json").read_text())
     assert data["pid"] == me.pid and data["window_s"] == 60.0 and data["not_shown"] == 0 and data["lost"] == 0
     assert [(e["pid"], e["signal"], e["depth"]) for e in data["exits"]] == [(worker, "SIGKILL", 1)]
@@ -256,7 +258,7 @@ def test_another_users_process_below_is_counted_not_shown(listener: ProcExits, t
     for p in (mine, theirs):
         os.waitpid(p, 0)
     settled(listener, me.pid, 2)
-    ExitsStep(listener=listener).run(Registration(process=me, uid=65534), tmp_path, 2.0)
+    ExitsStep(listener=listener).run(Registration(process=me, uid=65534), tmp_path, Deadline.after(2.0))
     data = json.loads((tmp_path / "exits.json").read_text())
     assert [(e["pid"], e["exit_code"], e["uid"]) for e in data["exits"]] == [(theirs, 4, 65534)]
     assert data["not_shown"] == 1
@@ -266,11 +268,11 @@ def test_the_exits_step_is_not_applicable_without_a_listener(tmp_path: Path) -> 
     me = procfs.identify(os.getpid())
     assert me is not None
     with pytest.raises(StepNotApplicable, match="only the daemon runs one"):
-        ExitsStep().run(Registration(process=me, uid=0), tmp_path, 1.0)
+        ExitsStep().run(Registration(process=me, uid=0), tmp_path, Deadline.after(1.0))
     off = ProcExits(listen=False)
     assert off.start() is False
     with pytest.raises(StepNotApplicable, match="not recorded here: the exits step is not among capture_steps"):
-        ExitsStep(listener=off).run(Registration(process=me, uid=0), tmp_path, 1.0)
+        ExitsStep(listener=off).run(Registration(process=me, uid=0), tmp_path, Deadline.after(1.0))
     assert not (tmp_path / "exits.json").exists()
 
 
@@ -300,7 +302,7 @@ def test_a_pool_worker_killed_while_its_parent_waits_in_map_is_in_the_parents_ca
         while not found and time.monotonic() < end:
             found = [e for e in listener.exits_below(parent.pid, 0) if e["pid"] == worker]
             time.sleep(0.05)
-        ExitsStep(listener=listener).run(Registration(process=me, uid=0), tmp_path, 2.0)
+        ExitsStep(listener=listener).run(Registration(process=me, uid=0), tmp_path, Deadline.after(2.0))
         data = json.loads((tmp_path / "exits.json").read_text())
         (dead,) = [e for e in data["exits"] if e["pid"] == worker]
         assert (dead["signal"], dead["exit_code"], dead["ppid"], dead["depth"]) == ("SIGKILL", None, parent.pid, 1)

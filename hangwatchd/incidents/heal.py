@@ -123,9 +123,10 @@ def reconcile(store: Store, stopping: Callable[[], bool] = lambda: False) -> Hea
             if stopping():
                 break  # the rest at the next start
             if name.startswith(PARTIAL):
-                name = _finish_draft(store, name, rows)
-                if name is None:
+                finished = _finish_draft(store, name, rows)
+                if finished is None:
                     continue
+                name = finished
                 on_disk.add(name)
             elif name.startswith(".") or name in rows or not (store.dir / name).is_dir():
                 continue

@@ -130,7 +130,8 @@ class Index:
         if not self.path.exists():
             self._missing()
             return Page([], 0)
-        where, args = ["status != 'capturing'"], []
+        where: list[str] = ["status != 'capturing'"]
+        args: list[str | float] = []
         if since is not None:
             where.append("time >= ?")
             args.append(since)

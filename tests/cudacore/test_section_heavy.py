@@ -40,7 +40,7 @@ def test_every_warp_of_a_dump_with_40000_sections_is_read_and_symbolised(
     assert got.devices == base.devices and got.notes == ()
 
 
-def _header_at(data: bytes, i: int) -> int:
+def _header_at(data: bytes | bytearray, i: int) -> int:
     return struct.unpack_from("<Q", data, 0x28)[0] + i * SHDR
 
 

@@ -8,7 +8,9 @@ import json
 import os
 import sqlite3
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,7 +22,7 @@ from ..conftest import hangwatchd
 from .many import fill
 
 
-def listed(d: ScratchDaemon) -> list[dict[str, object]]:
+def listed(d: ScratchDaemon) -> list[dict[str, Any]]:
     res = hangwatchd("incidents", "--json", "--limit", "0", "--state-dir", str(d.state_dir),
                      "--runtime-dir", str(d.runtime_dir))
     assert res.returncode == 0, res.stderr
@@ -41,7 +43,7 @@ def torn_pages(index: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", [not_a_database, torn_pages])
-def test_a_corrupt_index_is_set_aside_rebuilt_and_the_daemon_watches(tmp_path: Path, damage) -> None:  # type: ignore[no-untyped-def]
+def test_a_corrupt_index_is_set_aside_rebuilt_and_the_daemon_watches(tmp_path: Path, damage: Callable[[Path], None]) -> None:
     base = tmp_path / "d"
     ids = fill(base / "state", 300, jobs=("train", "eval"), file_bytes=0)
     Store(base / "state").open()  # as a daemon leaves it: checkpointed, no -wal

@@ -21,10 +21,13 @@ import collections
 import sys
 import types
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from . import objects, source, sync, waits
 from .source import MISSING, Scope
+
+if TYPE_CHECKING:
+    import _asyncio
 
 MAX_TASKS = 256
 MAX_CHAIN = 64
@@ -63,9 +66,11 @@ def current_task(loop: object) -> object:
 def task_name(task: object) -> str | None:
     c_task = attr(sys.modules.get("_asyncio"), "Task")
     if c_task is not None and objects.is_a(task, c_task):
+        # asyncio's C Task class, and a task of it: its own get_name, never one a subclass defines
+        c_class = cast("type[_asyncio.Task[Any]]", c_task)
         try:
-            return objects.text(c_task.get_name(task))
-        except Exception:  # noqa: BLE001
+            return objects.text(c_class.get_name(cast("_asyncio.Task[Any]", task)))
+        except Exception:  # noqa: BLE001 - never raise into the reporter: a task with no name is still described
             return None
     return objects.text(attr(task, "_name"))
 
@@ -75,13 +80,14 @@ def chain(coro: object) -> tuple[list[types.FrameType], object]:
     frames: list[types.FrameType] = []
     obj = coro
     for _ in range(MAX_CHAIN):
-        tp = type(obj)
-        if tp is types.CoroutineType:
-            frame, nxt = obj.cr_frame, obj.cr_await  # type: ignore[union-attr]
-        elif tp is types.GeneratorType:
-            frame, nxt = obj.gi_frame, obj.gi_yieldfrom  # type: ignore[union-attr]
-        elif tp is types.AsyncGeneratorType:
-            frame, nxt = obj.ag_frame, obj.ag_await  # type: ignore[union-attr]
+        frame: types.FrameType | None
+        nxt: object
+        if type(obj) is types.CoroutineType:
+            frame, nxt = obj.cr_frame, obj.cr_await
+        elif type(obj) is types.GeneratorType:
+            frame, nxt = obj.gi_frame, obj.gi_yieldfrom
+        elif type(obj) is types.AsyncGeneratorType:
+            frame, nxt = obj.ag_frame, obj.ag_await
         else:
             return frames, obj
         if frame is not None:
@@ -198,7 +204,7 @@ def describe_task(task: object, ctx: waits.Context, holds_of: Any) -> dict[str, 
     frames = list(reversed(outer_first))  # innermost first
     state = objects.text(attr(task, "_state"))
     info = None
-    code = coro.cr_code if type(coro) is types.CoroutineType else None  # type: ignore[union-attr]
+    code = coro.cr_code if type(coro) is types.CoroutineType else None
     if code is not None:
         info = {"qualname": objects.qualname(code), "file": objects.text(code.co_filename, 400), "line": code.co_firstlineno}
     return {
@@ -213,7 +219,7 @@ def describe_task(task: object, ctx: waits.Context, holds_of: Any) -> dict[str, 
 
 def loops_in(stacks: dict[int, list[types.FrameType]], ctx: waits.Context) -> list[tuple[object, int | None, list[types.FrameType]]]:
     """(loop, thread ident, the frames inside its _run_once) of every loop some thread runs."""
-    out = []
+    out: list[tuple[object, int | None, list[types.FrameType]]] = []
     seen: set[int] = set()
     for ident, frames in stacks.items():
         for j, f in enumerate(frames):
@@ -262,7 +268,7 @@ def describe(stacks: dict[int, list[types.FrameType]], ctx: waits.Context, holds
                 break
             try:
                 described.append(describe_task(t, ctx, holds_of))
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - one task that cannot be read is left out, the rest are described
                 continue
         tid = attr(lp, "_thread_id")
         out.append({"id": objects.hex_id(lp), "type": objects.type_name(lp), "thread": ident,
@@ -278,7 +284,7 @@ def ready(loop: object, ctx: waits.Context) -> list[dict[str, Any]]:
     if type(queue) is not collections.deque:
         return []
     out = []
-    for handle in list(queue)[:16]:  # type: ignore[call-overload]
+    for handle in list(queue)[:16]:
         cb = attr(handle, "_callback")
         futures = [objects.hex_id(v) for v in objects.closure_values(cb) if objects.is_a(v, ctx.known.future)]
         out.append({"callback": objects.callable_name(cb), "futures": futures})

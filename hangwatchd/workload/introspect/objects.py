@@ -31,7 +31,7 @@ _TRUSTED_MODULES = frozenset({"builtins", "_thread", "_asyncio", "_queue", "_soc
 
 def mro(obj: object) -> tuple[type, ...]:
     try:
-        return _mro_of(type(obj))  # type: ignore[no-any-return]
+        return _mro_of(type(obj))
     except Exception:  # noqa: BLE001 - never raise into the reporter
         return ()
 
@@ -50,7 +50,7 @@ def type_name(obj: object) -> str:
     tp = type(obj)
     try:
         return f"{_module_of_type(tp)}.{type.__dict__['__qualname__'].__get__(tp)}"
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - never raise into the reporter
         return "?"
 
 
@@ -58,7 +58,7 @@ def _class_attr(klasses: tuple[type, ...], name: str) -> object:
     for k in klasses:
         try:
             d = _dict_of_type(k)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - never raise into the reporter: a class we cannot read has no attribute for us
             continue
         v = d.get(name, MISSING)
         if v is not MISSING:
@@ -71,16 +71,16 @@ def _is_data_descriptor(v: object) -> bool:
     return _class_attr(k, "__set__") is not MISSING or _class_attr(k, "__delete__") is not MISSING
 
 
-def _trusted_getter(v: object) -> bool:
-    tp = type(v)
-    if tp is _MEMBER:
-        return True  # a slot: a read of memory
-    if tp is _GETSET:
+def _trusted_getter(v: object) -> types.MemberDescriptorType | types.GetSetDescriptorType | None:
+    """``v`` itself where reading through it runs no code of the program's; None otherwise."""
+    if type(v) is _MEMBER:
+        return v  # a slot: a read of memory
+    if type(v) is _GETSET:
         try:
-            return _module_of_type(v.__objclass__) in _TRUSTED_MODULES  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001
-            return False
-    return False
+            return v if _module_of_type(v.__objclass__) in _TRUSTED_MODULES else None
+        except Exception:  # noqa: BLE001 - never raise into the reporter
+            return None
+    return None
 
 
 def instance_dict(obj: object) -> dict[str, object] | None:
@@ -88,8 +88,8 @@ def instance_dict(obj: object) -> dict[str, object] | None:
     d = _class_attr(mro(obj), "__dict__")
     if type(d) is _GETSET or type(d) is _MEMBER:  # modules keep theirs in a member
         try:
-            got = d.__get__(obj, type(obj))  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001
+            got = d.__get__(obj, type(obj))
+        except Exception:  # noqa: BLE001 - never raise into the reporter
             return None
         return got if type(got) is dict else None
     return None
@@ -100,26 +100,28 @@ def attr(obj: object, name: str, default: object = None) -> object:
     klasses = mro(obj)
     found = _class_attr(klasses, name)
     if found is not MISSING and _is_data_descriptor(found):
-        if _trusted_getter(found):
+        getter = _trusted_getter(found)
+        if getter is not None:
             try:
-                return found.__get__(obj, type(obj))  # type: ignore[attr-defined]
-            except Exception:  # noqa: BLE001
+                return getter.__get__(obj, type(obj))
+            except Exception:  # noqa: BLE001 - never raise into the reporter: what a getter cannot read is the default
                 return default
         return default  # a property, or someone's descriptor: not ours to run
     d = instance_dict(obj)
     if d is not None:
         try:
             v = d.get(name, MISSING)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - never raise into the reporter
             v = MISSING
         if v is not MISSING:
             return v
     if found is MISSING:
         return default
-    if _trusted_getter(found):
+    getter = _trusted_getter(found)
+    if getter is not None:
         try:
-            return found.__get__(obj, type(obj))  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001
+            return getter.__get__(obj, type(obj))
+        except Exception:  # noqa: BLE001 - never raise into the reporter: what a getter cannot read is the default
             return default
     if _class_attr(mro(found), "__get__") is not MISSING:
         return default  # a method or other descriptor: never bound, never called
@@ -135,8 +137,8 @@ def text(value: object, limit: int = 200) -> str | None:
 
 def number(value: object) -> int | float | None:
     """An int or a finite float (JSON has no inf), else None."""
-    if type(value) is int or (type(value) is float and math.isfinite(value)):  # type: ignore[arg-type]
-        return value  # type: ignore[return-value]
+    if type(value) is int or (type(value) is float and math.isfinite(value)):
+        return value
     return None
 
 
@@ -147,19 +149,18 @@ def hex_id(obj: object) -> str:
 def code_of(fn: object) -> types.CodeType | None:
     """The code a callable runs: a function, a bound method, a functools.partial, a class's __call__."""
     for _ in range(4):
-        tp = type(fn)
-        if tp is types.FunctionType:
-            return fn.__code__  # type: ignore[attr-defined, no-any-return]
-        if tp is types.MethodType:
-            fn = fn.__func__  # type: ignore[attr-defined]
+        if type(fn) is types.FunctionType:
+            return fn.__code__
+        if type(fn) is types.MethodType:
+            fn = fn.__func__
             continue
         part = _class_attr(mro(fn), "func")
-        if part is not MISSING and _trusted_getter(part):  # functools.partial (C)
+        if part is not MISSING and _trusted_getter(part) is not None:  # functools.partial (C)
             fn = attr(fn, "func")
             continue
         call = _class_attr(mro(fn), "__call__")
         if type(call) is types.FunctionType:
-            return call.__code__  # type: ignore[attr-defined, no-any-return]
+            return call.__code__
         return None
     return None
 
@@ -167,33 +168,31 @@ def code_of(fn: object) -> types.CodeType | None:
 def qualname(code: types.CodeType | None, fn: object = None) -> str | None:
     name = getattr(code, "co_qualname", None)  # 3.11+
     if name is None and type(fn) is types.FunctionType:
-        name = fn.__qualname__  # type: ignore[attr-defined, union-attr]
+        name = fn.__qualname__
     if name is None and code is not None:
         name = code.co_name
     return text(name)
-
-
-_BUILTINS = (types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType, types.MethodDescriptorType)
 
 
 def callable_name(fn: object) -> str | None:
     """The qualified name of a callable: of its code, or of a C function (``Task.task_wakeup``)."""
     code = code_of(fn)
     if code is not None:
-        return qualname(code, fn.__func__ if type(fn) is types.MethodType else fn)  # type: ignore[attr-defined]
-    if any(type(fn) is t for t in _BUILTINS):
-        return text(fn.__qualname__)  # type: ignore[attr-defined]
+        return qualname(code, fn.__func__ if type(fn) is types.MethodType else fn)
+    if (type(fn) is types.BuiltinFunctionType or type(fn) is types.MethodWrapperType
+            or type(fn) is types.WrapperDescriptorType or type(fn) is types.MethodDescriptorType):
+        return text(fn.__qualname__)
     return type_name(fn) if fn is not None else None
 
 
 def closure_values(fn: object) -> list[object]:
     """What a Python function's closure cells hold (reading a cell runs nothing)."""
     if type(fn) is types.MethodType:
-        fn = fn.__func__  # type: ignore[attr-defined]
-    if type(fn) is not types.FunctionType or fn.__closure__ is None:  # type: ignore[attr-defined]
+        fn = fn.__func__
+    if type(fn) is not types.FunctionType or fn.__closure__ is None:
         return []
     out = []
-    for cell in fn.__closure__:  # type: ignore[attr-defined]
+    for cell in fn.__closure__:
         try:
             out.append(cell.cell_contents)
         except ValueError:  # an empty cell
@@ -207,7 +206,7 @@ def callable_info(fn: object) -> dict[str, object] | None:
     if code is None:
         return {"qualname": type_name(fn), "file": None, "line": None, "names": []} if fn is not None else None
     if type(fn) is types.MethodType:
-        fn = fn.__func__  # type: ignore[attr-defined]
+        fn = fn.__func__
     return {"qualname": qualname(code, fn), "file": text(code.co_filename, 400), "line": code.co_firstlineno,
             "names": names_of(code)}
 

@@ -21,7 +21,7 @@ import sys
 import time
 import types
 import weakref
-from typing import Any
+from typing import Any, cast
 
 from . import objects, sync, waits
 
@@ -56,10 +56,10 @@ def watch_pools() -> None:
         finally:
             try:
                 _note_exits(before, pool)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - noting an exit must never break the pool's own cleanup
                 pass
 
-    pool_class._join_exited_workers = staticmethod(_join_exited_workers)
+    pool_class._join_exited_workers = staticmethod(_join_exited_workers)  # type: ignore[attr-defined]  # Pool's private staticmethod, wrapped on purpose
 
 
 def _note_exits(before: list[Any], pool: list[Any]) -> None:
@@ -78,13 +78,13 @@ def _note_exits(before: list[Any], pool: list[Any]) -> None:
 
 
 def _deref(ref: object) -> object:
-    return ref() if type(ref) is weakref.ref else None  # type: ignore[operator]
+    return ref() if type(ref) is weakref.ref else None
 
 
 def _self(frame: types.FrameType) -> object:
     try:
         return frame.f_locals.get("self")
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a frame's locals we cannot read name no pool
         return None
 
 
@@ -142,7 +142,7 @@ def _named(frames: list[types.FrameType], seen: set[int]) -> list[object]:
     for f in own:
         try:
             spaces = [f.f_locals, f.f_globals]
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a frame's names we cannot read name no pool
             continue
         for space in spaces:
             if id(space) in seen or type(space) is not dict:
@@ -163,7 +163,7 @@ def _executor(ex: object, running: dict[int, dict[str, Any]], ctx: waits.Context
         rows = []
         for t in (list(threads) if type(threads) is set else [])[:256]:
             row = sync.thread_state(t, ctx.live)
-            row["running"] = running.get(row["ident"])  # type: ignore[arg-type]
+            row["running"] = running.get(row["ident"])
             rows.append(row)
         out.update(threads=rows, queued=_qsize(attr(ex, "_work_queue"), k),
                    name_prefix=objects.text(attr(ex, "_thread_name_prefix")))
@@ -183,8 +183,9 @@ def _pool(pool: object, ctx: waits.Context) -> dict[str, Any]:
     pending = []
     n_pending = None
     if objects.is_a(cache, dict):
-        n_pending = dict.__len__(cache)  # type: ignore[arg-type]
-        for r in list(dict.values(cache))[:16]:  # type: ignore[arg-type]
+        by_job = cast("dict[object, object]", cache)  # a dict (is_a): read through dict's own methods
+        n_pending = dict.__len__(by_job)
+        for r in list(dict.values(by_job))[:16]:
             pending.append({"job": objects.number(attr(r, "_job")), "left": objects.number(attr(r, "_number_left")),
                             "ready": attr(attr(r, "_event"), "_flag") is True})
     handlers = []

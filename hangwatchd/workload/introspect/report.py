@@ -13,12 +13,14 @@ then threads and tasks.
 from __future__ import annotations
 
 import _thread
+import ast
 import json
 import os
 import sys
 import threading
 import time
 import types
+import weakref
 from typing import Any
 
 from . import loops, objects, pools, source, sync, tasks_ended, threads, waits
@@ -68,7 +70,7 @@ def _thread_entry(ident: int, frames: list[types.FrameType], thread: object, mai
     }
     try:
         w = waits.thread_wait(frames, ctx)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - a wait we cannot read is an error in the report, never a missing report
         w = {"kind": None, "error": f"{type(exc).__name__}"}
     entry["waits"] = w
     held: list[tuple[object, str, str, dict[str, Any], types.FrameType]] = []
@@ -76,7 +78,7 @@ def _thread_entry(ident: int, frames: list[types.FrameType], thread: object, mai
         try:
             for obj, kind, expr, how in waits.frame_holds(f, f.f_lineno, ctx):
                 held.append((obj, kind, expr, how, f))
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a frame we cannot read holds nothing we know of
             continue
     waited_id = w.get("id") if w else None
     for obj, kind, expr, how, f in held:
@@ -88,10 +90,10 @@ def _thread_entry(ident: int, frames: list[types.FrameType], thread: object, mai
         if ident not in row["holders"]:
             row["holders"].append(ident)
     obj = w.pop("_obj", None) if w else None
-    if obj is not None:
+    if obj is not None and w is not None:  # an object only ever comes out of a wait
         waited.append(obj)
-        if w.get("kind") in sync.LOCK_KINDS:  # type: ignore[union-attr]
-            locks.row(obj, w["kind"], w.get("expr"))["waiters"].append(ident)  # type: ignore[index]
+        if w.get("kind") in sync.LOCK_KINDS:
+            locks.row(obj, w["kind"], w.get("expr"))["waiters"].append(ident)
     return entry
 
 
@@ -106,25 +108,25 @@ def _exited(ctx: waits.Context) -> list[dict[str, Any]]:
     return out
 
 
-def _acquires(scope: tuple[types.CodeType, dict[str, object], object], ctx: waits.Context) -> list[dict[str, Any]]:
+def _acquires(scope: tuple[types.CodeType, dict[str, object], weakref.ref[object] | None], ctx: waits.Context) -> list[dict[str, Any]]:
     """The bare ``EXPR.acquire()`` calls in an ended thread's code, each EXPR evaluated now where it can be
     (a module's lock, the thread's own self._lock): which locks that thread may have left taken."""
     code, globals_, ref = scope
     fn = ctx.sources.function(code)
     if fn is None:
         return []
-    me = ref() if ref is not None else None  # type: ignore[operator]
+    me = ref() if ref is not None else None
     names = Scope(None, {"self": me} if me is not None else None, globals_)
     out = []
     for call in fn.calls:
         f = call.func
-        if not (hasattr(f, "attr") and f.attr == "acquire"):  # type: ignore[attr-defined]
+        if not (isinstance(f, ast.Attribute) and f.attr == "acquire"):
             continue
-        obj = source.evaluate(f.value, names)  # type: ignore[attr-defined]
+        obj = source.evaluate(f.value, names)
         kind = sync.kind_of(obj, ctx.known) if obj is not MISSING else None
-        row: dict[str, Any] = {"expr": source.expr_text(f.value), "line": call.lineno,  # type: ignore[attr-defined]
-                               "releases_in_code": any(getattr(c.func, "attr", None) == "release"
-                                               and source.expr_text(c.func.value) == source.expr_text(f.value)  # type: ignore[attr-defined]
+        row: dict[str, Any] = {"expr": source.expr_text(f.value), "line": call.lineno,
+                               "releases_in_code": any(isinstance(c.func, ast.Attribute) and c.func.attr == "release"
+                                               and source.expr_text(c.func.value) == source.expr_text(f.value)
                                                for c in fn.calls),
                                "id": objects.hex_id(obj) if kind else None, "kind": kind}
         if kind in ("lock", "rlock"):
@@ -145,8 +147,8 @@ def build(forked: dict[str, Any] | None) -> dict[str, Any]:
 
     me = _thread.get_ident()
     current = sys._current_frames()
-    active = dict(threading._active)  # type: ignore[attr-defined]
-    limbo = dict(threading._limbo)  # type: ignore[attr-defined]
+    active = dict(threading._active)  # type: ignore[attr-defined]  # private: enumerate() would take a lock the program may hold
+    limbo = dict(threading._limbo)  # type: ignore[attr-defined]  # private: as above
     live = set(current)
     ctx = waits.Context(sync.Known(), Sources(), live)
     stacks = {ident: waits.stack(frame, waits.MAX_HOLD_FRAMES) for ident, frame in current.items() if ident != me}
@@ -162,7 +164,7 @@ def build(forked: dict[str, Any] | None) -> dict[str, Any]:
             break
         try:
             entries.append(_thread_entry(ident, stacks[ident], active.get(ident) or limbo.get(ident), main_ident, ctx, locks, waited))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a thread we cannot read is an errors line, never a missing report
             errors.append(f"thread {ident}: {type(exc).__name__}")
     report: dict[str, Any] = {
         "version": VERSION, "pid": os.getpid(), "ppid": os.getppid(), "time": time.time(),
@@ -183,11 +185,11 @@ def build(forked: dict[str, Any] | None) -> dict[str, Any]:
             continue
         try:
             report[name] = make()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a section that fails is an errors line, never a missing report
             report[name] = None
             errors.append(f"{name}: {type(exc).__name__}: {exc}"[:300])
     _task_locks(report.get("asyncio") or [], locks)
-    found = report.pop("pools", None) or ([], [])
+    found: tuple[list[dict[str, Any]], list[dict[str, Any]]] = report.pop("pools", None) or ([], [])
     report["executors"], report["pools"] = found
     _running_in(entries, report["executors"])
     _rlock_owners(locks, entries)
@@ -206,7 +208,7 @@ def _task_holds(frames: list[types.FrameType], ctx: waits.Context, locks: Locks)
             for obj, kind, expr, how in waits.frame_holds(f, f.f_lineno, ctx):
                 out.append(waits.hold_row(obj, kind, expr, how, f, f.f_lineno))
                 locks.row(obj, kind, expr)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a frame we cannot read holds nothing we know of
             continue
     return out
 

@@ -229,7 +229,7 @@ def _after_fork_in_child() -> None:
             rep = Reporter(parent.directory, own_dir=False)
             rep.arm()
             _current = rep
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a fork child without a reporter is only less explained; it must never fail
         pass
 
 

@@ -18,6 +18,8 @@ import os
 import stat
 import sys
 import types
+from collections.abc import Mapping
+from typing import cast
 
 from . import objects
 
@@ -32,10 +34,10 @@ class Function:
 
     def __init__(self, node: ast.AST) -> None:
         self.node = node
-        self.withs: list[ast.AST] = []
+        self.withs: list[ast.With | ast.AsyncWith] = []
         self.calls: list[ast.Call] = []
         self.awaits: list[ast.Await] = []
-        self.guards: dict[int, ast.AST] = {}  # id of a call -> the if/while it is the test of
+        self.guards: dict[int, ast.If | ast.While] = {}  # id of a call -> the if/while it is the test of
         self.finals: list[ast.Try] = []  # try statements with a finally
         for n in own_nodes(node):
             if isinstance(n, (ast.With, ast.AsyncWith)):
@@ -192,10 +194,12 @@ def position(frame: types.FrameType) -> tuple[int, int, int, int] | None:
         return None
     try:
         k = frame.f_lasti // 2
-        for i, pos in enumerate(frame.f_code.co_positions()):
+        for i, (line, end_line, col, end_col) in enumerate(frame.f_code.co_positions()):
             if i == k:
-                return pos if None not in pos else None  # type: ignore[return-value]
-    except Exception:  # noqa: BLE001
+                if line is None or end_line is None or col is None or end_col is None:
+                    return None
+                return line, end_line, col, end_col
+    except Exception:  # noqa: BLE001 - no position is known: the caller reads the whole line
         return None
     return None
 
@@ -203,20 +207,20 @@ def position(frame: types.FrameType) -> tuple[int, int, int, int] | None:
 def expr_text(node: ast.AST, limit: int = 200) -> str:
     try:
         s = ast.unparse(node)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - an expression that does not unparse is shown as ?
         return "?"
     return s if len(s) <= limit else s[:limit] + "..."
 
 
-def body_holds(node: ast.AST, line: int) -> bool:
+def body_holds(node: ast.With | ast.AsyncWith | ast.If | ast.While, line: int) -> bool:
     """Whether ``line`` is inside the body of a with statement (not its header)."""
-    body = getattr(node, "body", None)
-    return bool(body) and body[0].lineno <= line <= (node.end_lineno or 0)  # type: ignore[attr-defined]
+    body = node.body
+    return bool(body) and body[0].lineno <= line <= (node.end_lineno or 0)
 
 
-def in_header(node: ast.AST, line: int) -> bool:
-    body = getattr(node, "body", None)
-    return bool(body) and node.lineno <= line < body[0].lineno  # type: ignore[attr-defined]
+def in_header(node: ast.With | ast.AsyncWith, line: int) -> bool:
+    body = node.body
+    return bool(body) and node.lineno <= line < body[0].lineno
 
 
 def open_acquires(fn: Function, line: int, unwound: bool = False) -> list[tuple[ast.AST, int]]:
@@ -236,11 +240,11 @@ def open_acquires(fn: Function, line: int, unwound: bool = False) -> list[tuple[
                         if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == "release":
                             released.add(expr_text(c.func.value))
     for call in fn.locking:
-        f = call.func
+        f = cast(ast.Attribute, call.func)  # locking holds only EXPR.acquire() and EXPR.release() calls
         if call.lineno > line:
             continue
-        key = expr_text(f.value)  # type: ignore[attr-defined]
-        if f.attr == "release":  # type: ignore[attr-defined]
+        key = expr_text(f.value)
+        if f.attr == "release":
             if call.lineno < line:
                 taken.pop(key, None)
             continue
@@ -250,7 +254,7 @@ def open_acquires(fn: Function, line: int, unwound: bool = False) -> list[tuple[
         if guard is not None and not body_holds(guard, line):
             continue
         if key not in released:
-            taken[key] = (f.value, call.lineno)  # type: ignore[attr-defined]
+            taken[key] = (f.value, call.lineno)
     return list(taken.values())
 
 
@@ -273,7 +277,7 @@ class Scope:
         self.frame = frame
         self.bound = bound  # names given outright (a method's self)
         self.globals = globals_  # a function's globals, for code that has no frame (a thread that ended)
-        self._locals: object = None
+        self._locals: Mapping[str, object] | None = None
 
     def lookup(self, name: str) -> object:
         for space in (self.bound, self.globals):
@@ -287,12 +291,12 @@ class Scope:
         if self._locals is None:
             try:
                 self._locals = f.f_locals
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - locals we cannot read: the globals and builtins still answer
                 self._locals = {}
-        for space in (self._locals, f.f_globals, f.f_builtins):
+        for names in (self._locals, f.f_globals, f.f_builtins):
             try:
-                v = space.get(name, MISSING)  # type: ignore[attr-defined]
-            except Exception:  # noqa: BLE001
+                v = names.get(name, MISSING)
+            except Exception:  # noqa: BLE001 - a namespace we cannot read names nothing
                 v = MISSING
             if v is not MISSING:
                 return v
@@ -313,12 +317,16 @@ def evaluate(node: ast.AST, scope: Scope, depth: int = 0) -> object:
     if isinstance(node, ast.Subscript):
         base = evaluate(node.value, scope, depth + 1)
         key = constant(node.slice, scope, depth + 1)
-        if not (type(key) is int or type(key) is str) or not any(type(base) is t for t in (list, tuple, dict)):
+        if not (type(key) is int or type(key) is str):
             return MISSING
         try:
-            return base[key] if type(base) is not dict else base.get(key, MISSING)  # type: ignore[index, union-attr]
+            if type(base) is dict:
+                return base.get(key, MISSING)
+            if type(base) is list or type(base) is tuple:
+                return base[key] if type(key) is int else MISSING  # a str index: a TypeError
         except (IndexError, TypeError):
             return MISSING
+        return MISSING
     return MISSING
 
 
@@ -330,13 +338,13 @@ def constant(node: ast.AST, scope: Scope, depth: int = 0) -> object:
     if isinstance(node, ast.Constant):
         return node.value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        v = constant(node.operand, scope, depth + 1)
-        return -v if _small(v) else MISSING  # type: ignore[operator]
+        v = _small(constant(node.operand, scope, depth + 1))
+        return -v if v is not None else MISSING
     if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
-        a, b = constant(node.left, scope, depth + 1), constant(node.right, scope, depth + 1)
-        if not (_small(a) and _small(b)):
+        a, b = _small(constant(node.left, scope, depth + 1)), _small(constant(node.right, scope, depth + 1))
+        if a is None or b is None:
             return MISSING
-        if isinstance(node.op, ast.Pow) and (abs(b) > 64 or abs(a) > 2 ** 32):  # type: ignore[arg-type]
+        if isinstance(node.op, ast.Pow) and (abs(b) > 64 or abs(a) > 2 ** 32):
             return MISSING
         try:
             return _ARITHMETIC[type(node.op)](a, b)
@@ -345,9 +353,11 @@ def constant(node: ast.AST, scope: Scope, depth: int = 0) -> object:
     return evaluate(node, scope, depth + 1)
 
 
-def _small(v: object) -> bool:
-    """An int of at most 64 bits or a float: arithmetic on it costs nothing."""
-    return (type(v) is int and v.bit_length() <= 64) or type(v) is float  # type: ignore[attr-defined]
+def _small(v: object) -> int | float | None:
+    """``v`` where it is an int of at most 64 bits or a float (arithmetic on it costs nothing); else None."""
+    if (type(v) is int and v.bit_length() <= 64) or type(v) is float:
+        return v
+    return None
 
 
 _ARITHMETIC = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,

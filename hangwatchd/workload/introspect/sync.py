@@ -123,7 +123,7 @@ def rlock_state(obj: object) -> dict[str, Any]:
     if RLOCK is not None and objects.is_a(obj, RLOCK):
         try:
             r = RLOCK.__repr__(obj)  # C: "<locked _thread.RLock object owner=140.. count=1 at 0x..>"
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a lock whose state we cannot read says nothing of it
             return {}
         out: dict[str, Any] = {"locked": r.startswith("<locked")}
         for word in r.split():
@@ -141,19 +141,15 @@ def lock_state(obj: object) -> dict[str, Any]:
     if type(obj) is LOCK:
         try:
             return {"locked": bool(LOCK.locked(obj))}
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a lock whose state we cannot read says nothing of it
             return {}
     return rlock_state(obj)
 
 
-_SIZED = (collections.deque, list, dict, set)
-
-
 def _length(obj: object) -> int | None:
     """len() of a deque, list, dict or set (exactly those C types: nothing of the program's runs)."""
-    tp = type(obj)
-    if any(tp is t for t in _SIZED):
-        return len(obj)  # type: ignore[arg-type]
+    if type(obj) is collections.deque or type(obj) is list or type(obj) is dict or type(obj) is set:
+        return len(obj)
     return None
 
 
@@ -212,7 +208,7 @@ def _detail(obj: object, kind: str | None, k: Known, live: set[int]) -> dict[str
     if kind == "socket" and k.socket is not None:
         try:
             return {"fd": k.socket.fileno(obj)}
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a closed or foreign socket has no descriptor to name
             return {}
     return {}
 
@@ -239,7 +235,7 @@ def queue_state(obj: object, k: Known) -> dict[str, Any]:
     if objects.is_a(obj, k.simple_queue):
         try:
             return {"qsize": k.simple_queue.qsize(obj), "type": "SimpleQueue"}
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a queue whose size we cannot read still says its type
             return {"type": "SimpleQueue"}
     if objects.is_a(obj, k.mp_queue) or objects.is_a(obj, k.mp_simple_queue):
         feeder = attr(obj, "_thread")

@@ -18,9 +18,13 @@ import collections
 import sys
 import time
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import objects
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from importlib.machinery import ModuleSpec
 
 RING = 64
 ended: collections.deque[dict[str, Any]] = collections.deque(maxlen=RING)
@@ -40,12 +44,12 @@ class _Finder:
     """Finds nothing itself: on the import of asyncio.base_events it asks the other finders, and
     wraps the module once their loader has run it."""
 
-    def find_spec(self, name: str, path: object = None, target: object = None) -> object:
+    def find_spec(self, name: str, path: Sequence[str] | None = None, target: types.ModuleType | None = None) -> ModuleSpec | None:
         if name != _MODULE or _done:
             return None
         import importlib.machinery
 
-        spec = importlib.machinery.PathFinder.find_spec(name, path)  # type: ignore[arg-type]
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         real = spec.loader.exec_module
@@ -54,7 +58,7 @@ class _Finder:
             real(module)
             _wrap(module)
 
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # wrapped on purpose, on this loader only
         return spec
 
 
@@ -68,18 +72,18 @@ def _wrap(module: types.ModuleType) -> None:
             sys.meta_path.remove(f)
     base = getattr(module, "BaseEventLoop", None)
     original = getattr(base, "create_task", None)
-    if original is None:
+    if base is None or original is None:
         return
 
     def create_task(self: object, coro: object, *args: Any, **kwargs: Any) -> object:
         task = original(self, coro, *args, **kwargs)
         try:
-            task.add_done_callback(_note)  # type: ignore[attr-defined]
+            task.add_done_callback(_note)
         except Exception:  # noqa: BLE001 - a task this cannot follow is only less explained
             pass
         return task
 
-    base.create_task = create_task  # type: ignore[union-attr]
+    base.create_task = create_task
 
 
 def _note(task: Any) -> None:

@@ -23,7 +23,7 @@ import threading
 import time
 import types
 import weakref
-from typing import Any
+from typing import Any, Callable, cast
 
 from . import objects, pools, waits
 
@@ -49,7 +49,7 @@ def target_info(thread: object, target: object = objects.MISSING) -> dict[str, o
     return objects.callable_info(run) if type(run) is types.FunctionType and run is not threading.Thread.run else None
 
 
-def code_scope(thread: object, target: object) -> tuple[types.CodeType, dict[str, object], object] | None:
+def code_scope(thread: object, target: object) -> tuple[types.CodeType, dict[str, object], weakref.ref[object] | None] | None:
     """(code, its globals, a weak reference to its self) of what a thread ran: enough to evaluate, later,
     the expressions its code acquires (``journal_lock``, ``self._lock``) without keeping the thread's objects."""
     fn = target if target is not objects.MISSING else None
@@ -61,15 +61,15 @@ def code_scope(thread: object, target: object) -> tuple[types.CodeType, dict[str
                 break
         bound: object = thread
     else:
-        bound = fn.__self__ if type(fn) is types.MethodType else None  # type: ignore[attr-defined]
-        fn = fn.__func__ if type(fn) is types.MethodType else fn  # type: ignore[attr-defined]
+        bound = fn.__self__ if type(fn) is types.MethodType else None
+        fn = fn.__func__ if type(fn) is types.MethodType else fn
     if type(fn) is not types.FunctionType:
         return None
     try:
         ref = weakref.ref(bound) if bound is not None else None
     except TypeError:
         ref = None
-    return fn.__code__, fn.__globals__, ref  # type: ignore[attr-defined]
+    return fn.__code__, fn.__globals__, ref
 
 
 def install() -> None:
@@ -77,8 +77,8 @@ def install() -> None:
     global _original_bootstrap
     if _original_bootstrap is not None:
         return
-    _original_bootstrap = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
-    threading.Thread._bootstrap_inner = _bootstrap_inner  # type: ignore[attr-defined]
+    _original_bootstrap = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]  # private, and wrapped on purpose
+    threading.Thread._bootstrap_inner = _bootstrap_inner  # type: ignore[attr-defined]  # private, and wrapped on purpose
 
 
 def _bootstrap_inner(self: threading.Thread) -> None:
@@ -89,13 +89,14 @@ def _bootstrap_inner(self: threading.Thread) -> None:
     try:
         target = objects.attr(self, "_target")
         started_at[threading.get_ident()] = began
-        invoke = (objects.instance_dict(self) or {}).get("_invoke_excepthook")
+        # the function Thread.__init__ made for this thread (threading._make_invoke_excepthook)
+        invoke = cast("Callable[[threading.Thread], None] | None", (objects.instance_dict(self) or {}).get("_invoke_excepthook"))
         if invoke is not None:
             def _invoke_excepthook(thread: threading.Thread) -> None:
                 _note_exception(note)
-                invoke(thread)  # type: ignore[operator]
+                invoke(thread)
 
-            self._invoke_excepthook = _invoke_excepthook  # type: ignore[attr-defined]
+            self._invoke_excepthook = _invoke_excepthook  # type: ignore[attr-defined]  # private, and wrapped on purpose
         pools.watch_pools()
     except Exception:  # noqa: BLE001 - recording must never keep a thread from running
         pass
@@ -104,7 +105,7 @@ def _bootstrap_inner(self: threading.Thread) -> None:
     finally:
         try:
             _record_end(self, target, began, note)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - recording must never keep a thread from ending
             pass
 
 
@@ -116,10 +117,10 @@ def _note_exception(note: dict[str, Any]) -> None:
             return
         try:
             message = str(exc)  # in the dying thread, as the default hook would print it
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - an exception whose str() fails is still recorded
             message = "?"
         frames = []
-        raw = []
+        raw: list[tuple[types.FrameType, int]] = []
         while tb is not None and len(raw) < 256:
             raw.append((tb.tb_frame, tb.tb_lineno))
             tb = tb.tb_next
@@ -128,14 +129,15 @@ def _note_exception(note: dict[str, Any]) -> None:
             frames.append({"function": objects.qualname(code), "file": objects.text(code.co_filename, 400), "line": line})
         holds = waits.traceback_holds(list(reversed(raw)))
         note["exception"] = {"type": objects.type_name(exc), "message": message[:500], "frames": frames, "holds": holds}
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - the exception hook must never raise in the dying thread
         pass
 
 
 def _record_end(thread: threading.Thread, target: object, began: float, note: dict[str, Any]) -> None:
     d = objects.instance_dict(thread) or {}
     ident = d.get("_ident")
-    started_at.pop(ident, None)  # type: ignore[arg-type]
+    if type(ident) is int:  # what threading.get_ident() gave it; None for a thread that never ran
+        started_at.pop(ident, None)
     exc = note.get("exception")
     ended.append({
         "name": objects.text(d.get("_name")), "ident": ident, "native_id": d.get("_native_id"),
@@ -149,8 +151,8 @@ def before_fork() -> None:
     try:
         me = threading.get_ident()
         _at_fork[:] = [(ident, t, objects.attr(t, "_target"), started_at.get(ident))
-                       for ident, t in list(threading._active.items()) if ident != me]  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001
+                       for ident, t in list(threading._active.items()) if ident != me]  # type: ignore[attr-defined]  # private: one C copy, no lock
+    except Exception:  # noqa: BLE001 - fork must go on: the child only says less of who was lost
         _at_fork[:] = []
 
 

@@ -27,7 +27,7 @@ import threading
 import time
 import types
 import weakref
-from typing import Any
+from typing import Any, cast
 
 from . import objects, source, sync
 from .source import MISSING, Scope, Sources
@@ -83,7 +83,7 @@ def where(frame: types.FrameType, line: int | None = None) -> dict[str, Any]:
 
 def stack(frame: types.FrameType | None, limit: int) -> list[types.FrameType]:
     """A thread's frames, innermost first, at most ``limit``."""
-    out = []
+    out: list[types.FrameType] = []
     while frame is not None and len(out) < limit:
         out.append(frame)
         frame = frame.f_back
@@ -106,7 +106,7 @@ def _self(frame: types.FrameType) -> object:
 def _local(frame: types.FrameType, name: str) -> object:
     try:
         return frame.f_locals.get(name, MISSING)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - locals we cannot read name nothing
         return MISSING
 
 
@@ -193,15 +193,15 @@ def _api(frame: types.FrameType, module: str, ctx: Context) -> tuple[str, object
 
 def _deref(ref: object) -> object:
     if type(ref) is weakref.ref:  # calling a weak reference runs nothing of the program's
-        return ref()  # type: ignore[operator]
+        return ref()
     return None
 
 
 def _futures(fs: object, k: sync.Known) -> list[tuple[object, dict[str, Any]]]:
-    if not any(type(fs) is t for t in (set, frozenset, list, tuple)):
+    if not (type(fs) is set or type(fs) is frozenset or type(fs) is list or type(fs) is tuple):
         return []
     out = []
-    for f in list(fs)[:16]:  # type: ignore[call-overload]
+    for f in list(fs)[:16]:
         if objects.is_a(f, k.future):
             out.append((f, {"state": objects.text(objects.attr(f, "_state"))}))
     return out
@@ -216,10 +216,10 @@ def thread_wait(frames: list[types.FrameType], ctx: Context) -> dict[str, Any] |
     prefix = 0
     for i, f in enumerate(frames):
         module = module_of(f.f_code.co_filename)
-        if not is_machinery(module):
+        if module is None or not is_machinery(module):
             break
         prefix = i + 1
-        found = _api(f, module, ctx)  # type: ignore[arg-type]
+        found = _api(f, module, ctx)
         if found is not None:
             match = (i, found)
     if match is not None:
@@ -254,7 +254,7 @@ def _expr_at(frame: types.FrameType, api: str, ctx: Context) -> str | None:
     line = frame.f_lineno
     for w in fn.withs:
         if source.in_header(w, line) and api == "__enter__":
-            return source.expr_text(w.items[0].context_expr)  # type: ignore[attr-defined]
+            return source.expr_text(w.items[0].context_expr)
     calls = source.calls_at(fn, line, source.position(frame))
     for call in calls:
         f = call.func
@@ -262,7 +262,7 @@ def _expr_at(frame: types.FrameType, api: str, ctx: Context) -> str | None:
             return source.expr_text(f.value)
     for w in fn.withs:
         if source.in_header(w, line):
-            return source.expr_text(w.items[0].context_expr)  # type: ignore[attr-defined]
+            return source.expr_text(w.items[0].context_expr)
     if calls:
         f = calls[0].func
         return source.expr_text(f.value if isinstance(f, ast.Attribute) else calls[0])
@@ -284,7 +284,7 @@ def _own_wait(frame: types.FrameType, ctx: Context) -> dict[str, Any]:
     for w in fn.withs:
         if not source.in_header(w, line):
             continue
-        for item in w.items:  # type: ignore[attr-defined]
+        for item in w.items:
             obj = source.evaluate(item.context_expr, scope)
             kind = sync.kind_of(obj, k) if obj is not MISSING else None
             if kind in sync.LOCK_KINDS and _takes(obj, kind):
@@ -324,8 +324,9 @@ def _call_wait(call: ast.Call, scope: Scope, ctx: Context) -> dict[str, Any] | N
                 out["expr"] = source.expr_text(f.value)
                 return out
             if m in _FILE_OPS and any(type(obj) is t for t in _FILES):
+                io_obj = cast("_io._IOBase", obj)  # exactly one of the io module's own _FILES (above)
                 try:
-                    fd = type(obj).fileno(obj)  # type: ignore[attr-defined]
+                    fd = type(io_obj).fileno(io_obj)
                 except (OSError, ValueError):
                     fd = None
                 return {"kind": "io", "id": objects.hex_id(obj), "type": objects.type_name(obj), "expr": source.expr_text(f.value),
@@ -338,9 +339,9 @@ def _call_wait(call: ast.Call, scope: Scope, ctx: Context) -> dict[str, Any] | N
         return {"kind": "sleep", "id": None, "type": None, "expr": source.expr_text(call),
                 "detail": {"seconds": objects.number(seconds) if seconds is not MISSING else None}}
     if id(fobj) in _IO:
-        fd = source.constant(call.args[0], scope) if call.args else MISSING
+        fd_value = source.constant(call.args[0], scope) if call.args else MISSING
         return {"kind": "io", "id": None, "type": None, "expr": source.expr_text(call),
-                "detail": {"op": _IO[id(fobj)], "fd": objects.number(fd) if fd is not MISSING else None}}
+                "detail": {"op": _IO[id(fobj)], "fd": objects.number(fd_value) if fd_value is not MISSING else None}}
     if id(fobj) in _WAITPID:
         pid = source.constant(call.args[0], scope) if call.args else MISSING
         return {"kind": "process", "id": None, "type": None, "expr": source.expr_text(call),
@@ -371,7 +372,7 @@ def frame_holds(frame: types.FrameType, line: int, ctx: Context, unwound: bool =
         for w in fn.withs:
             if not source.body_holds(w, line):
                 continue
-            for item in w.items:  # type: ignore[attr-defined]
+            for item in w.items:
                 obj = source.evaluate(item.context_expr, scope)
                 kind = sync.kind_of(obj, ctx.known) if obj is not MISSING else None
                 if kind in sync.LOCK_KINDS:

@@ -25,8 +25,8 @@ def _load(package_dir):
     from importlib.machinery import ModuleSpec, PathFinder
 
     found = PathFinder.find_spec("introspect", [os.path.dirname(package_dir)])
-    if found is None or found.loader is None:
-        return None
+    if found is None or found.loader is None or not hasattr(found.loader, "get_code"):
+        return None  # a loader with no get_code (neither a SourceFileLoader nor a zipimporter) loads nothing here
     code = found.loader.get_code("introspect")
     spec = ModuleSpec(_NAME, None, origin=found.origin, is_package=True)
     spec.submodule_search_locations = list(found.submodule_search_locations or [package_dir])
