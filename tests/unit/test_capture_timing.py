@@ -47,7 +47,8 @@ def test_every_configured_step_says_when_it_runs() -> None:
     steps = make_steps(Config())
     assert {s.name: s.phase for s, _ in steps} == {
         "proc": Phase.FIRST, "progress": Phase.BESIDE, "pyspy": Phase.FIRST, "children": Phase.FIRST,
-        "exits": Phase.FIRST, "introspect": Phase.FIRST, "nvml": Phase.BESIDE, "nccl_ras": Phase.BESIDE, "flight_recorder": Phase.LATE, "cuda_dump": Phase.DESTRUCTIVE}
+        "exits": Phase.FIRST, "introspect": Phase.FIRST, "nvml": Phase.BESIDE, "nccl_ras": Phase.BESIDE,
+        "flight_recorder": Phase.LATE, "cuda_dump": Phase.DESTRUCTIVE}
     first, later = late.split(steps)
     assert [s.name for s, _ in later] == ["flight_recorder", "cuda_dump"]  # added to the incident after it is stored
     assert all(s.phase.stored_first for s, _ in first)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import MutableMapping
+from typing import Any
 
 import pytest
 import structlog
@@ -194,7 +196,7 @@ def test_a_still_stack_whose_process_works_is_not_declared(node: Node, what: str
     assert why in _excused(logs), what
 
 
-def _excused(logs: list[dict[str, object]]) -> str:
+def _excused(logs: list[MutableMapping[str, Any]]) -> str:
     """Why the machine let a still stack be, as its log says."""
     (line,) = [e for e in logs if e["event"] == "stack_frozen_working"]
     return str(line["why"])
