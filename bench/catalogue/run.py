@@ -82,10 +82,11 @@ def missing_need(case: Case) -> str | None:
         if importlib.util.find_spec("torch") is None:
             return "needs torch, which is not importable here (.venv/bin/pip install torch)"
     if "gpu" in case.needs:
-        probe = subprocess.run([sys.executable, "-c", "import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 1 else 1)"],
+        # NCCL puts each rank on its own GPU ("Duplicate GPU detected" otherwise): a GPU per rank.
+        probe = subprocess.run([sys.executable, "-c", f"import torch, sys; sys.exit(0 if torch.cuda.device_count() >= {case.ranks} else 1)"],
                                capture_output=True, timeout=120)
         if probe.returncode != 0:
-            return "needs a CUDA GPU, none is visible"
+            return f"needs {case.ranks} CUDA GPUs (one per rank), fewer are visible" if case.ranks > 1 else "needs a CUDA GPU, none is visible"
     return None
 
 
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"catalogue: {len(outcomes)} classes in {elapsed:.0f} s", flush=True)
     command = "python -m bench.catalogue" + (f" -k '{args.pattern}'" if args.pattern else "") + (" --gpu" if args.gpu else "")
     if not args.no_write:
-        path = report.write(report.markdown(outcomes, summary, command, elapsed))
+        path = report.write(report.markdown(outcomes, summary, command, elapsed), "catalogue_gpu" if args.gpu else "catalogue")
         print(f"catalogue: table written to {path}", flush=True)
         if not args.pattern and not args.gpu:  # the README's table of verdicts comes from a whole CPU run only
             print(f"catalogue: verdicts written to {report.write(report.verdict_table(outcomes, summary), 'verdicts')}",

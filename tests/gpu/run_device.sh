@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch of GPU scenarios on the GPU machine (never in CI), all output in one tarball:
-#   bash tests/gpu/run_device.sh WAVE OUTDIR        WAVE: jobs | node1 | node2 | fast | diag | fr | frcost | frwarm
+#   bash tests/gpu/run_device.sh WAVE OUTDIR        WAVE: jobs | node1 | node2 | fast | diag | fr | frcost | frwarm | catalogue
 # The machine has PyTorch but not our dependencies: carry them as wheels in .whl/ (README,
 # "Running the GPU scenarios"). jobs needs 2 GPUs; node runs on one.
 set -u
@@ -57,6 +57,10 @@ case "$wave" in
   fr)  # where PyTorch's flight recorder spends its seconds
     run diag python3 tests/gpu/run_diag.py "$work/diag" --only-fr
     echo "######## diag"; tail -c 9000 "$work/diag.log" ;;
+  catalogue)  # issue 27: the GPU hang classes and the healthy GPU-bound loop under one daemon, two at a time
+    HANGWATCHD_BENCH_OUT=$work run catalogue timeout 560 python3 -m bench.catalogue --gpu -k gpu --jobs 2 --no-fail \
+      --workdir "$work/cat" --json "$work/catalogue_gpu.json"
+    echo "######## catalogue"; tail -c 6000 "$work/catalogue.log" ;;
   *) echo "unknown wave $wave" >&2; exit 2 ;;
 esac
 find "$work" -name '*.zst' -delete
