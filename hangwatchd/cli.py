@@ -200,22 +200,51 @@ def _analyze_store(args: argparse.Namespace) -> int:
     url = _store_url(args)
     try:
         found = job_incidents(url, args.job)
-        if not found:
-            raise Failure(f"no incident of job {args.job!r} in {url}")
-        with tempfile.TemporaryDirectory(prefix="hangwatchd-job-") as tmp:
-            merged = fetch(url, found[0], Path(tmp) / found[0].job_incident)
-            job = {k: v for k, v in found[0].to_dict().items() if k != "ranks"}  # the analysis's ranks say more
-            result = {**analyze(merged).to_dict(), **job}
+        pace = _store_pace(url, args.job)
+        if not found and pace is None:
+            raise Failure(f"no incident of job {args.job!r} and no record of its pace in {url}")
+        result: dict[str, Any] = {}
+        if found:
+            with tempfile.TemporaryDirectory(prefix="hangwatchd-job-") as tmp:
+                merged = fetch(url, found[0], Path(tmp) / found[0].job_incident)
+                job = {k: v for k, v in found[0].to_dict().items() if k != "ranks"}  # the analysis's ranks say more
+                result = {**analyze(merged).to_dict(), **job}
+        if pace is not None:
+            result["pace"] = pace
     except ReadError as exc:
         raise Failure(str(exc)) from None
     if args.json:
         _print_json(result)
-    else:
-        from .report.terminal import escape  # names from the store: any node wrote them
+        return 0
+    from .report.terminal import escape  # names from the store: any node wrote them
 
+    if found:
         sys.stdout.write(escape(f"job {result['job']}, job incident {result['job_incident']}, nodes {', '.join(result['nodes'])}") + "\n")
         sys.stdout.write(render_analysis(result))
+    if pace is not None:
+        sys.stdout.write(("\n" if found else "") + escape(f"job {args.job}: its pace, from the records of nodes "
+                                                          f"{', '.join(pace['pace']['nodes'])} in the store") + "\n")
+        sys.stdout.write(render_analysis(pace))
     return 0
+
+
+def _store_pace(url: Any, job: str) -> dict[str, Any] | None:
+    """The job's pace as its nodes last published it (the newest owner's, where two users ran a job
+    of that name), judged: the slowest rank of the whole job and why; None when no node published one."""
+    from .analyze import slow
+    from .fleet import paces
+    from .fleet.reader import ReadError
+
+    try:
+        records = paces.read(paces.client(), url, job)
+    except Exception as exc:  # noqa: BLE001 - botocore's errors share no useful base; say what failed
+        raise ReadError(f"store {url}: {type(exc).__name__}: {exc}") from None
+    if not records:
+        return None
+    newest = max(records, key=lambda r: r.time)
+    mine = [r for r in records if r.uid == newest.uid and newest.time - r.time <= paces.FRESH]
+    mine.sort(key=lambda r: (r.node != newest.node, r.node))
+    return slow.judge(mine).to_dict()
 
 
 # -- check -----------------------------------------------------------------

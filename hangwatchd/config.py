@@ -252,6 +252,17 @@ class Config:
                                            "stack timeouts by command line: { \"regex\" = seconds }, like hangwatchd run --stack-timeout")
     stack_blocking_patterns: tuple[str, ...] = key([], _regex_list, "extra frame patterns that mean 'blocked, waiting for something that should come'")
     stack_idle_pattern: str = key("", _optional_regex, "frame pattern that means 'idle, waiting for work' (\"\" keeps the built-in one)")
+    slow_jobs: bool = key(True, _bool, "watch each job's pace from its ranks' beats: a job slower than its learned baseline for "
+        "slow_for gets one slow incident (stacks and NVML only) naming the rank that holds it back, and why")
+    slow_margin: float = key(0.15, _factor, "a job is slower when its step time is this fraction above its learned baseline (0.15: 15 %)")
+    slow_for: float = key(60.0, _seconds, "seconds a job stays slower before it is a slow episode (an incident); it ends once back "
+        "within half the margin")
+    slow_sample_interval: float = key(10.0, _seconds, "seconds between stack samples of one rank for its wait share (py-spy "
+        "--nonblocking, the job's ranks in turn: one sample per rank per interval)")
+    slow_window: float = key(300.0, _seconds, "seconds of samples and counters a rank's wait share and CPU per step are "
+        "taken over (from when the job went over its margin, once it has)")
+    slow_publish_interval: float = key(30.0, _seconds, "seconds between this node's records of its jobs' pace in the "
+        "shared store (store), which the other nodes read while one of their jobs is slower")
     discover: bool = key(False, _bool, "also watch, by stack alone, every process that holds /dev/nvidia* open")
     discover_interval: float = key(1.0, _seconds, "seconds between looks for new GPU processes (new pids' fds, and NVML's process lists)")
     discover_devices: str = key("/dev/nvidia", _path, "path prefix of the GPU device files: discovery watches their holders; "

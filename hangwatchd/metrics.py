@@ -91,6 +91,11 @@ class Metrics:
     xid_errors: Counter
     index_rebuilds: Counter
     passes: Counter
+    job_step: Gauge
+    job_baseline: Gauge
+    job_slowest_wait: Gauge
+    job_slow: Gauge
+    slow_episodes: Counter
     const: dict[str, str]
     # (reason, job) -> the incident id its series carries now: one series each, the latest.
     _last: dict[tuple[str, str], str] = field(default_factory=dict)
@@ -187,6 +192,19 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
         passes=Counter("hangwatchd_loop_passes_total", "Passes the loop made, by what: a look at a watched process "
                        "(look), a discovery scan handed in (discovery), a rescan of the registrations (rescan). What "
                        "marks that the daemon looked, where nothing else happens.", labels("what"), registry=reg),
+        job_step=Gauge("hangwatchd_job_step_seconds", "Seconds a step of a job takes now: the median of its ranks' on "
+                       "this node, from their beats.", labels(JOB_LABEL), registry=reg),
+        job_baseline=Gauge("hangwatchd_job_step_baseline_seconds", "A job's own pace: seconds a step, learned from its "
+                           "steady steps.", labels(JOB_LABEL), registry=reg),
+        job_slowest_wait=Gauge("hangwatchd_job_slowest_rank_wait_ratio", "The share of its stack samples in which the "
+                               "rank that waits least in collectives waited (rank and rank_node name it; across nodes "
+                               "where the shared store says): the rank that holds the job back waits least.",
+                               labels(JOB_LABEL, "rank", "rank_node"), registry=reg),
+        job_slow=Gauge("hangwatchd_job_slow", "1 while a job is in a slow episode: the rank that holds it back, its node "
+                       "and the cause class (docs/slow.md); gone when the job is back to its pace.",
+                       labels(JOB_LABEL, "rank", "rank_node", "cause"), registry=reg),
+        slow_episodes=Counter("hangwatchd_slow_episodes_total", "Slow episodes of jobs seen on this node (filed here, "
+                              "or on the node of the rank that holds the job back).", names, registry=reg),
         const=const,
     )
     # Every series an alert reads, present at 0 from the start, so increase() sees the first event.
@@ -194,6 +212,8 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
         m.hangs.labels(**m.labels(reason=reason))
         m.incidents.labels(**m.labels(reason=reason))
     m.incidents.labels(**m.labels(reason="gpu-exception"))
+    m.incidents.labels(**m.labels(reason="slow"))  # a slow job's episode (detect/pace_machine.py)
+    m.slow_episodes.labels(**const)
     m.incidents.labels(**m.labels(reason="unattributed-dump"))  # a dump naming a process that is not its owner's
     for exc_type in EXCEPTION_TYPES:
         m.gpu_exceptions.labels(**m.labels(type=exc_type))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hangwatchd.analyze.stacks import is_user_frame
+from hangwatchd.detect.patterns import is_user_frame
 from hangwatchd.host import native_frames
 from hangwatchd.host.pyspy_binary import find_pyspy
 from hangwatchd.testing import stop, wait_for

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..detect.patterns import is_user_frame
 from . import flight
 from .jsonfile import read_json_or_none
 from .records import Analysis, Culprit, RankVerdict
-from .stacks import is_user_frame
 
 MAX_EXIT_FILE = 1 << 20
 MAX_WORLD = 1 << 20  # larger than any job: a world size past it is not believed

@@ -17,6 +17,8 @@ VERDICT_KINDS = (
     "gpu-exception", "gpu-kernel-spinning", "stream-deadlock", "waiting-on-gpu", "in-collective",
     # what could not be read, and ranks that are not there
     "dead", "unknown", "exited", "not-here",
+    # a slow job (analyze/slow.py): the rank that holds it back, the others, and a job with none apart
+    "slow-rank", "waits-for-slow-rank", "waits-elsewhere", "slow-alike",
 )
 
 
@@ -64,6 +66,7 @@ class Analysis:
     rests_on: tuple[str, ...] = ()  # the evidence there was: "pid 12: native stacks, GPU dump", ...
     unreadable: tuple[str, ...] = ()  # each piece of evidence that could not be read, and why
     children: tuple[RankVerdict, ...] = ()  # the hung processes' children (workers, subprocesses), each judged
+    pace: dict[str, Any] | None = None  # a slow job's figures: step, baseline, the rank, its node, the cause (analyze/slow.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -8,22 +8,6 @@ from typing import Any
 from ..detect import patterns
 from .jsonfile import Unreadable, read_json
 
-# Where library code lives; a frame elsewhere is the user's own code.
-_LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ", "/hangwatchd/workload/client.py",
-                    "/hangwatchd/workload/introspect/")  # the in-process reporter: its thread, its wrapper of every thread
-
-
-def is_user_frame(frame: dict[str, Any]) -> bool:
-    filename = frame.get("filename") or ""
-    if frame.get("module") or filename.endswith(".so") or ".so." in filename:
-        return False  # native code
-    if filename in ("", "?"):
-        # py-spy's "0x4ce7c3 (?)": a native frame it could not name (a binary only the
-        # process's own mount namespace holds, say). Unknown code is nobody's code.
-        return False
-    return not any(m in filename for m in _LIBRARY_MARKERS)
-
-
 MAX_STACK_BYTES = 64 << 20
 
 

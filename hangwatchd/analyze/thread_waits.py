@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..detect import patterns
-from .stacks import is_user_frame
+from ..detect.patterns import is_user_frame
 
 Frame = dict[str, Any]
 Thread = dict[str, Any]

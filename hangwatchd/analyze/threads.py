@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..detect import patterns
-from .stacks import is_user_frame
+from ..detect.patterns import is_user_frame
 
 Thread = dict[str, Any]
 Frame = dict[str, Any]

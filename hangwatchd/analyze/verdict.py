@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..detect import patterns
+from ..detect.patterns import is_user_frame
 from . import (
     chain_text,
     evidence,
@@ -25,13 +26,14 @@ from . import (
     process_tree,
     ras,
     ras_blame,
+    slow,
     stream_deadlock,
     waitfor,
 )
 from . import threads as th
 from .gone import account
 from .records import Analysis, Collective, Culprit, RankVerdict
-from .stacks import is_user_frame, library_frames
+from .stacks import library_frames
 from .waitfor import Graph
 
 
@@ -191,6 +193,9 @@ def judge_evidence(pdir: Path, ev: evidence.Evidence, known: dict[str, Any] | No
 
 
 def analyze(incident: Path) -> Analysis:
+    paced = slow.analyze_dir(incident)  # a slow job's incident: its ranks are not hung, their pace says who and why
+    if paced is not None:
+        return paced
     problems: list[str] = []
     meta = evidence.read_json_object(incident / "incident.json", problems) or {}
     known = {str(p.get("dir") or p.get("pid")): p for p in evidence.dicts(meta.get("processes"))}

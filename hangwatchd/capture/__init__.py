@@ -41,6 +41,25 @@ def make_steps(config: Config, exits: ProcExits | None = None) -> list[tuple[Ste
     return [factories[name]() for name in names]
 
 
+SLOW_STEPS = ("proc", "pyspy", "nvml")  # a slow job's capture: stacks and NVML only, never a pause, a dump or a trace
+
+
+def slow_steps(config: Config) -> list[tuple[Step, float]]:
+    """The steps of a slow job's capture (its ranks are not hung: nothing that pauses or ends them):
+    /proc facts, plain non-blocking stacks with their local variables, NVML; of those the config runs."""
+    out: list[tuple[Step, float]] = []
+    for name in SLOW_STEPS:
+        if name not in config.capture_steps:
+            continue
+        if name == "proc":
+            out.append((ProcStep(node=config.node), 5.0))
+        elif name == "pyspy":
+            out.append((PySpyStep(native=False, locals=True, nonblocking=True), config.pyspy_timeout))
+        else:
+            out.append((NvmlStep(), config.nvml_timeout))
+    return out
+
+
 def capture_budget(config: Config) -> float:
     """Seconds from a hang's declaration to its capture's one deadline: ``capture_timeout`` for the
     gentle steps, plus ``gpu_dump_timeout`` kept for the GPU dump where one may be taken (the
@@ -49,4 +68,4 @@ def capture_budget(config: Config) -> float:
     return config.capture_timeout + (config.gpu_dump_timeout if dump else 0.0)
 
 
-__all__ = ["Step", "StepFailed", "StepNotApplicable", "capture_all", "capture_budget", "make_steps", "run_steps"]
+__all__ = ["Step", "StepFailed", "StepNotApplicable", "capture_all", "capture_budget", "make_steps", "run_steps", "slow_steps"]

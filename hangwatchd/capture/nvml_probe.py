@@ -1,5 +1,10 @@
 """``python -m hangwatchd.capture.nvml_probe PID``: one JSON object about the GPUs, on stdout.
 
+Each device: its name and UUID, utilisation, memory, power and its enforced limit,
+temperature, SM clock and its max, why its clocks are held lower (throttle reasons), the
+error counters that grow on a sick GPU or link (ECC, PCIe replays, NVLink), its compute
+processes and NVML's per-process samples; ``process_gpus``: the GPUs PID runs on (PID 0: none).
+
 Exit status 3 with one line on stderr when NVML does not apply here (no
 library, no driver, no GPU): the step reads n/a. Exit status 1 when NVML is
 there and fails.
@@ -34,6 +39,9 @@ def probe(pid: int) -> dict[str, Any]:
                 except nv.NVMLError as exc:
                     dev[key] = None
                     dev.setdefault("errors", []).append(f"{key}: {exc}")
+            dev.update(slowdown(nv, h, dev.setdefault("errors", [])))
+            if not dev["errors"]:
+                del dev["errors"]
             try:
                 procs = nv.nvmlDeviceGetComputeRunningProcesses(h)
             except nv.NVMLError:
@@ -54,6 +62,61 @@ def probe(pid: int) -> dict[str, Any]:
         return out
     finally:
         nv.nvmlShutdown()
+
+
+# Why a GPU runs slower than it can (NVML's clock event reasons, formerly "throttle reasons"), by bit.
+# The idle and the application's own clocks are left out: they are not a slowdown of a busy GPU.
+THROTTLE_REASONS = ((0x4, "power cap"), (0x8, "hardware slowdown"), (0x10, "sync boost"), (0x20, "thermal (software)"),
+                    (0x40, "thermal (hardware)"), (0x80, "power brake"), (0x200, "board limit"), (0x400, "reliability"))
+
+
+def slowdown(nv: Any, h: Any, errors: list[str]) -> dict[str, Any]:
+    """What can slow one GPU down: its SM clock against its max and why it is held lower, its power
+    against its enforced limit, and the error counters that grow on a sick GPU or link (volatile
+    ECC errors, PCIe replays, NVLink replays, recoveries and CRC errors). Each None where NVML
+    cannot say (with a line in ``errors``); NVLink only on links that are up."""
+    out: dict[str, Any] = {}
+    asks = (
+        ("sm_clock_mhz", lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
+        ("sm_clock_max_mhz", lambda: nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM)),
+        ("throttle_reasons", lambda: [name for bit, name in THROTTLE_REASONS if _reasons(nv, h) & bit]),
+        ("power_limit_watts", lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000),
+        ("ecc_errors", lambda: sum(nv.nvmlDeviceGetTotalEccErrors(h, kind, nv.NVML_VOLATILE_ECC) for kind in
+                                   (nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED))),
+        ("pcie_replays", lambda: nv.nvmlDeviceGetPcieReplayCounter(h)),
+        ("nvlink_errors", lambda: _nvlink_errors(nv, h)),
+    )
+    for key, fn in asks:
+        try:
+            out[key] = fn()
+        except nv.NVMLError as exc:
+            out[key] = None
+            if "Not Supported" not in str(exc):
+                errors.append(f"{key}: {exc}")
+    return out
+
+
+def _reasons(nv: Any, h: Any) -> int:
+    ask = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+    return int(ask(h))
+
+
+def _nvlink_errors(nv: Any, h: Any) -> int | None:
+    """Replay, recovery and CRC errors summed over the links that are up; None on a GPU without NVLink."""
+    total, links = 0, 0
+    for link in range(nv.NVML_NVLINK_MAX_LINKS):
+        try:
+            if nv.nvmlDeviceGetNvLinkState(h, link) != nv.NVML_FEATURE_ENABLED:
+                continue
+        except nv.NVMLError:
+            continue  # no such link (or no NVLink at all)
+        links += 1
+        for counter in (nv.NVML_NVLINK_ERROR_DL_REPLAY, nv.NVML_NVLINK_ERROR_DL_RECOVERY, nv.NVML_NVLINK_ERROR_DL_CRC_FLIT):
+            try:
+                total += int(nv.nvmlDeviceGetNvLinkErrorCounter(h, link, counter))
+            except nv.NVMLError:
+                pass  # a counter this GPU does not keep
+    return total if links else None
 
 
 WINDOW_S = 5  # seconds of NVML's per-process samples read back: recent enough to be the hung state, long enough for a sample

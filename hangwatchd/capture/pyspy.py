@@ -25,6 +25,7 @@ RETRIES = 3  # more reads of a process whose threads moved under py-spy's read, 
 @dataclass
 class PySpyStep:
     native: bool = True
+    nonblocking: bool = False  # read without pausing the process (a slow job's ranks; a torn read is possible)
     name: str = "pyspy"
     locals: bool = False  # the plain dump also takes each frame's local variables (a worker's id)
     phase: ClassVar[Phase] = Phase.FIRST
@@ -50,6 +51,8 @@ class PySpyStep:
             except untrusted.Refused as exc:
                 raise StepFailed(f"not read: {exc}") from None
             argv = [tool, "dump", "--json", "--pid", str(pid)] + (["--native"] if native else ["--locals"] if self.locals else [])
+            if self.nonblocking and not native:
+                argv.append("--nonblocking")  # a rank that is slow, not hung: never paused
             until = native_by.at if native else deadline.at
             res = subproc.run_by(argv, until)
             for _ in range(RETRIES):

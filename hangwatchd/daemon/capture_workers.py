@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import itertools
+import json
 import os
 import stat
 import time
@@ -33,16 +34,18 @@ from typing import Any
 import structlog
 
 from ..analyze.jsonfile import read_json_or_none
-from ..capture import capture_budget
+from ..analyze.slow import SLOW_FILE
+from ..capture import capture_budget, slow_steps
 from ..capture.base import Step
 from ..config import Config
 from ..detect.machine import Declare
+from ..detect.pace_machine import DeclareSlow
 from ..fleet.agent import Agent, CaptureRequest
 from ..host.deadline import Deadline
 from ..incidents.spool import Spool
 from ..incidents.store import Store
 from ..metrics import Metrics
-from ..model import Registration, State, Suspicion, in_job
+from ..model import Registration, State, Suspicion, in_job, pace_to_dict
 from ..watch.admission import Registrations
 from ..watch.watched import Watched, Watchlist, notify_status
 from ..workload import dump_names, exits
@@ -91,6 +94,7 @@ class _Capture:
     job_incident: str | None = None
     requested: str | None = None  # the action another node's capture request carried
     uid: int | None = None  # whose budget it is charged to
+    pace: tuple[int, str] | None = None  # a slow job's capture: its (uid, job); nobody's fate waits on it
 
 
 class CaptureWorkers:
@@ -101,6 +105,7 @@ class CaptureWorkers:
         self.store = store
         self.spool = spool
         self.steps = steps
+        self.slow_steps = slow_steps(config)  # a slow job's capture: stacks and NVML only
         self.metrics = metrics
         self.watched = watched
         self.registrations = registrations
@@ -191,6 +196,49 @@ class CaptureWorkers:
                                     notify_status(w.registration), gone, declare, on_hang)
         self.captures[c.id] = c
         self.dumping.update(x.process.pid for x in group)
+
+    # -- slow jobs --------------------------------------------------------------
+
+    def start_slow(self, d: DeclareSlow) -> str | None:
+        """A slow episode to file here: capture its ranks (stacks and NVML only: never a GPU dump, never
+        an abort, no request to the other nodes) with the job's records beside them, within its user's
+        budget. None when queued; else why not (an episode is filed once: it is not tried again)."""
+        if len(self.captures) >= CAPTURES_MAX:
+            return f"{len(self.captures)} captures queued or running (CAPTURES_MAX)"
+        uid = d.key[0]
+        outcome = self._admit(uid, lambda: self._start_slow(d))
+        if outcome == "deferred":
+            return f"uid {uid}'s capture budget is spent"
+        if outcome == "start":
+            self._start_slow(d)
+        return None
+
+    def _start_slow(self, d: DeclareSlow) -> None:
+        regs = [w.registration for w in d.group]
+        c = _Capture([], regs, d.suspicion, time.monotonic(), Deadline.after(self.config.capture_timeout), next(self._ids),
+                     uid=d.key[0], pace=d.key)
+        beside = {SLOW_FILE: json.dumps({"node": self.config.node, "records": [pace_to_dict(r) for r in d.records]},
+                                        indent=1).encode()}
+        c.future = self.pool.submit(self._capture_slow, c.id, regs, d.suspicion, c.deadline, beside)
+        self.captures[c.id] = c
+
+    def _capture_slow(self, capture: int, targets: list[Registration], suspicion: Suspicion, deadline: Deadline,
+                      beside: dict[str, bytes]) -> None:
+        done = CaptureDone(capture, error="the worker stopped before it finished")
+        try:
+            incident = make_incident(self.store, self.slow_steps, targets, suspicion, deadline, self.metrics, None,
+                                     None, self.spool, (), self.config.node, None, beside)
+            done = CaptureDone(capture, incident)
+        except Exception as exc:  # the loop hears of it as this capture's error
+            done = CaptureDone(capture, error=f"{type(exc).__name__}: {exc}")
+            log.error("capture_failed", pids=[t.process.pid for t in targets], error=done.error, exc_info=exc)
+        finally:
+            self.post(done)
+
+    def pace_of(self, done: CaptureDone) -> tuple[int, str] | None:
+        """The job whose slow episode a finished capture filed (None: not a slow job's)."""
+        c = self.captures.get(done.capture)
+        return c.pace if c is not None else None
 
     def _admit(self, uid: int | None, later: Callable[[], None]) -> str:
         """"start" when ``uid``'s budget lets this capture start now; "queued" when its slot is taken
@@ -323,7 +371,7 @@ class CaptureWorkers:
                         reason=reason, pids=pids, seconds=round(time.monotonic() - c.started, 3))
             if pending:
                 self.metrics.incidents_pending.labels(**self.metrics.const).set(len(self.spool.pending()))
-            if self.act and c.suspicion.reason != "gpu-exception":  # stored (or its report kept): now the job's policy acts
+            if self.act and c.suspicion.reason != "gpu-exception" and c.pace is None:  # stored: now the job's policy acts (a slow job: never)
                 self.act.after_store(c.registrations, incident_id, c.requested)
         else:
             return []  # a refused dump: counted and logged already

@@ -12,11 +12,12 @@ decides a process's fate, through ``Watchlist.change`` and its table of legal
 transitions). Workers get frozen records and post one frozen value back, from
 a ``finally`` (their exceptions arrive as values):
 
-    sampler (py-spy)        SampleTaken(process, native, sample | its error)
+    sampler (py-spy)        SampleTaken(process, native, sample | its error), PaceSampled(process, sample)
+    pace's NVML look        GpusLooked(job, NVML's answer | its error)
     capture workers         CaptureDone(capture, incident | error), ChoreDone(name, error)
     discovery thread        GpuPidsFound(pids)
     discovery's /proc scan  Discovered(registrations | error)
-    fleet poller            CaptureRequest (another node's request for a job's ranks)
+    fleet poller            CaptureRequest (another node's request for a job's ranks), PacesRead (other nodes' paces)
     flight-recorder warm-up WarmupDone(registration, outcome)
     NVML listener           GpusFound(gpus), GpuEvent (an XID)
 
@@ -39,6 +40,7 @@ import os
 import selectors
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,9 +54,11 @@ from ..config import Config
 from ..cudacore import sandbox
 from ..detect import HeartbeatDetector
 from ..detect.machine import Decision, Declare, Drop, StateMachine, retry_pause
-from ..detect.sampler import Sampler, SampleTaken
+from ..detect.pace_machine import DeclareSlow
+from ..detect.sampler import PaceSampled, Sampler, SampleTaken
 from ..detect.stack import BLOCKING, IDLE
 from ..fleet.agent import Agent, CaptureRequest
+from ..fleet.paces import PacesRead
 from ..host import procfs
 from ..host.gpu_events import GpuEvent, GpusFound
 from ..host.notify import notify, watchdog_interval
@@ -77,6 +81,7 @@ from .inbox import Inbox
 from .instance_lock import AlreadyRunning, InstanceLock, LockDirError
 from .loop_guard import Guard
 from .node_health import NodeHealth
+from .pace_room import GpusLooked, PaceRoom
 from .status_file import STATUS_EVERY, WRITE_GAP, StatusFile
 
 log = structlog.get_logger("hangwatchd.daemon")
@@ -103,7 +108,7 @@ class Daemon:
         post = self.inbox.post
         self.store = Store(cfg.state_dir, on_stored=self.retention.stored)
         self.fleet = Agent(cfg.store, cfg.node, Path(cfg.state_dir), cfg.store_poll_interval, cfg.job_incident_window,
-                           cfg.store_spool_max, post, self._count_sends) if cfg.store else None
+                           cfg.store_spool_max, post, self._count_sends, cfg.slow_publish_interval) if cfg.store else None
         self.status = StatusFile(Path(cfg.runtime_dir))
         self.watched = Watchlist(self.metrics, on_change=self._status_changed, limit=WATCH_MAX)
         self.status_dirty = False  # a state changed since status.json was last handed to its writer
@@ -127,6 +132,8 @@ class Daemon:
                                     tuple(BLOCKING) + tuple(cfg.stack_blocking_patterns), cfg.stack_idle_pattern or IDLE,
                                     capture_budget=capture_budget(cfg))
         self.sampler = Sampler(cfg.pyspy_timeout, cfg.pyspy_samples_per_uid, self.limits, post)
+        # Each job's pace, from its ranks' beats and low-rate samples: slow episodes (pace_room.py).
+        self.pace = PaceRoom(cfg, self.watched, self.metrics, self.sampler, post, self.fleet) if cfg.slow_jobs else None
         self.lock = InstanceLock(Path(cfg.runtime_dir))
         self.state_lock = InstanceLock(Path(cfg.state_dir), "state dir", "--state-dir", says=str(cfg.runtime_dir))
         # GPU faults (XIDs) from the NVML listener's thread; health.json written by the status writer's.
@@ -243,6 +250,8 @@ class Daemon:
             self.registrations.stop()
             self.workers.shutdown()  # running captures end at their deadlines ...
             self.sampler.shutdown()
+            if self.pace is not None:
+                self.pace.shutdown()
             self._dispatch(time.monotonic(), only=(CaptureDone, ChoreDone))  # ... each finished one logged and counted
             if self.workers.act:
                 self.workers.act.stop()
@@ -275,6 +284,8 @@ class Daemon:
         while not self.stopping:
             now = time.monotonic()
             timers = [next_rescan, next_status, next_spool, self.next_dump_scan, self.watched.next_due()]
+            if self.pace is not None:
+                timers.append(self.pace.next_due())
             if self.status_dirty:
                 timers.append(self.status_posted + WRITE_GAP)
             if ping_every:
@@ -294,6 +305,8 @@ class Daemon:
             for w in self.watched.due(now):
                 if w.process in self.watched:  # not forgotten while handling an earlier one
                     self._look(w, now)
+            if self.pace is not None:
+                guard("pace", self._pace, now)
             if now >= self.next_dump_scan:
                 self.next_dump_scan = float("inf")
                 guard("scan_dumps", self._scan_dumps)
@@ -351,6 +364,15 @@ class Daemon:
             self.node_health.gpus_found(m)
         elif isinstance(m, GpuEvent):
             self.node_health.gpu_event(m)
+        elif isinstance(m, PaceSampled):
+            if self.pace is not None:
+                self.pace.sampled(m)
+        elif isinstance(m, GpusLooked):
+            if self.pace is not None:
+                self.pace.gpus_looked(m)
+        elif isinstance(m, PacesRead):
+            if self.pace is not None:
+                self.pace.paces_read(m)
         else:  # a worker posted what nobody takes: a bug, never a silent loss
             raise TypeError(f"no room takes {type(m).__name__}")
 
@@ -368,6 +390,9 @@ class Daemon:
             raise
 
     def _capture_done(self, done: CaptureDone, now: float) -> None:
+        pace = self.workers.pace_of(done)
+        if pace is not None and self.pace is not None:
+            self.pace.filed(pace, done.incident)
         for w, incident in self.workers.finished(done):
             if self.watched.get(w.process) is not w:
                 continue  # gone meanwhile
@@ -396,7 +421,7 @@ class Daemon:
 
     # -- the state machine's decisions, carried out -------------------------
 
-    def _act(self, decisions: list[Decision], now: float) -> None:
+    def _act(self, decisions: Sequence[Decision | DeclareSlow], now: float) -> None:
         for d in decisions:
             if isinstance(d, Declare):
                 try:  # the transaction: the capture queued (or why not), then the group HUNG
@@ -408,6 +433,12 @@ class Daemon:
                 self.machine.handed_over(d, refused, now)
             elif isinstance(d, Drop):
                 self.registrations.tampered(d.watched, d.refused)
+            elif isinstance(d, DeclareSlow) and self.pace is not None:
+                try:  # a slow episode is filed once: what could not be queued is said, not tried again
+                    refused = self.workers.start_slow(d)
+                except Exception as exc:  # noqa: BLE001 - said, and counted as the loop's error by the guard's caller
+                    refused = f"{type(exc).__name__}: {exc}"
+                self.pace.handed_over(d, refused)
 
     def _look(self, w: Watched, now: float) -> None:
         """A process is due: its detector's look, then its stack sample, each contained."""
@@ -419,6 +450,10 @@ class Daemon:
             self.machine.backoff(w, now, "sample")
         if w.process in self.watched and w.next_check <= now:
             self.machine.backoff(w, now, "observe")  # its look left no timer (a bug): never lose a process
+
+    def _pace(self, now: float) -> None:
+        assert self.pace is not None
+        self._act(self.pace.run(now), now)
 
     def _observe(self, w: Watched, now: float) -> None:
         self._act(self.machine.observe(w, now), now)

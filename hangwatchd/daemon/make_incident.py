@@ -14,7 +14,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ def make_incident(
     gone: Sequence[exits.Departed] = (),
     node: str | None = None,
     job_incident: str | None = None,
+    beside: Mapping[str, bytes] | None = None,
 ) -> str:
     """Capture every target into one new incident and store it, by ``deadline`` (the capture's one,
     set when the hang was declared, handed to every step unchanged); return the incident's id.
@@ -67,6 +68,8 @@ def make_incident(
     coming until then. Returns when everything has come or passed its deadline.
 
     ``gone``: job-mates that had exited, each written as ``PID/exit.json`` for the verdict.
+    ``beside``: files of the job as a whole (a slow job's ``slow.json``), written beside the
+    processes' directories before the analysis reads them.
     With a ``spool``, a state dir without room costs the GPU dump, never the
     report: the report is kept in the spool until the state dir takes it (and
     the slow evidence is taken before it is sealed there).
@@ -94,6 +97,8 @@ def make_incident(
         captures = capture_all(first, targets, draft.path, deadline, metrics, gate)
         exits.write_into(draft.path, list(gone), targets[0] if targets else None, suspicion.since)
         gpu_events.attach(draft.path, pids, suspicion.since)  # the GPU faults (XIDs) of the GPUs these ran on
+        for name, data in (beside or {}).items():
+            write_atomic(draft.path / name, data)
         # A GPU dump the policy refuses is not coming: said at once, in the incident as first stored.
         for i, (t, pc) in enumerate(zip(targets, captures)):
             said = [r for r in (vetoed(s, t, draft.path / str(t.process.pid), gate) for s, _ in later) if r]

@@ -15,6 +15,7 @@ import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,23 @@ BLOCKING = (*GPU, *COLLECTIVE, LOCK)
 # hung process blocked there, even in cuLaunchKernel behind a full queue, waits on the GPU).
 GPU_LIBRARIES = ("libcuda.so", "libnccl.so")
 DRIVER_LIBRARY = "libcuda.so"
+
+
+# Where library code lives; a frame elsewhere is the user's own code.
+_LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ", "/hangwatchd/workload/client.py",
+                    "/hangwatchd/workload/introspect/")  # the in-process reporter: its thread, its wrapper of every thread
+
+
+def is_user_frame(frame: dict[str, Any]) -> bool:
+    """Whether a py-spy frame is the program's own code (not a library's, not native)."""
+    filename = frame.get("filename") or ""
+    if frame.get("module") or filename.endswith(".so") or ".so." in filename:
+        return False  # native code
+    if filename in ("", "?"):
+        # py-spy's "0x4ce7c3 (?)": a native frame it could not name (a binary only the
+        # process's own mount namespace holds, say). Unknown code is nobody's code.
+        return False
+    return not any(m in filename for m in _LIBRARY_MARKERS)
 
 
 def first(names: Iterable[str], kinds: Iterable[Kind]) -> str | None:

@@ -27,7 +27,7 @@ from .stack import take_sample
 
 log = structlog.get_logger("hangwatchd.daemon")
 
-TakeSample = Callable[[int, float, bool, "int | None"], Sample]
+TakeSample = Callable[..., Sample]  # take_sample's signature: (pid, timeout, native, uid, locals=True)
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,14 @@ class SampleTaken:
 
     process: ProcessId
     native: bool  # the one native look at a frozen stack (not a plain sample)
+    sample: Sample
+
+
+@dataclass(frozen=True)
+class PaceSampled:
+    """One low-rate sample of a rank for its job's pace (what its main thread does), or why there is none."""
+
+    process: ProcessId
     sample: Sample
 
 
@@ -61,6 +69,26 @@ class Sampler:
             return now + wait
         self.pool.submit(self._take, reg.process, reg.uid, native)
         return None
+
+    def pace(self, reg: Registration, now: float) -> float | None:
+        """Start one pace sample of ``reg``'s process (plain, no local variables: only what its main
+        thread does); None when started (a ``PaceSampled`` follows, always), else when to try again.
+        The same budget per user as the stack samples."""
+        wait = self.limits.sample_wait(reg.uid, now)
+        if wait:
+            return now + wait
+        self.pool.submit(self._take_pace, reg.process, reg.uid)
+        return None
+
+    def _take_pace(self, process: ProcessId, uid: int) -> None:
+        sample = Sample(time.monotonic(), (), (), None, None, "the sampler stopped before it finished")
+        try:
+            sample = self.take(process.pid, self.pyspy_timeout, False, uid, False)
+        except Exception as exc:  # whatever it was, the loop hears of it as this sample's error
+            log.exception("stack_sample_raised", pid=process.pid, error=f"{type(exc).__name__}: {exc}")
+            sample = Sample(time.monotonic(), (), (), None, None, f"the sampler raised {type(exc).__name__}: {exc}")
+        finally:
+            self.post(PaceSampled(process, sample))
 
     def _take(self, process: ProcessId, uid: int, native: bool) -> None:
         """On a worker: the sample, or the exception that stopped it, as a value on the loop's queue."""

@@ -29,7 +29,7 @@ from ..host import activity, procfs, subproc, untrusted
 from ..host.peers import Looker
 from ..host.pyspy_binary import find_pyspy
 from ..watch.stack_history import Sample, locals_digest, signature_of
-from . import patterns
+from . import pace, patterns
 
 # Frames (Python or native) whose presence means the thread is blocked on something
 # that should come (the GPU, a collective, a lock, a join), and where a server waits for
@@ -49,11 +49,12 @@ def _cpu_and_ctx(pid: int) -> tuple[float | None, int | None]:
     return times.user + times.system, ctx.voluntary + ctx.involuntary
 
 
-def take_sample(pid: int, timeout: float, native: bool = False, uid: int | None = None) -> Sample:
+def take_sample(pid: int, timeout: float, native: bool = False, uid: int | None = None, locals: bool = True) -> Sample:
     """One py-spy dump of ``pid``; never raises (an error is in the sample). With ``uid``, only
     while the process still runs as that user alone (checked right before py-spy attaches).
     Beside the stack: its counters (``host.activity``), whether a Python thread ran, a hash of its
-    local variables; and, for the native look at a frozen stack, what its sockets hold."""
+    local variables (``locals``: read them), what its main thread was doing (``pace.main_thread``);
+    and, for the native look at a frozen stack, what its sockets hold."""
     now = time.monotonic()
     cpu, ctx = _cpu_and_ctx(pid)
     act = activity.read(pid)
@@ -67,7 +68,7 @@ def take_sample(pid: int, timeout: float, native: bool = False, uid: int | None 
             return Sample(now, (), (), cpu, ctx, f"not sampled: {exc}", refused=True)
     # --nonblocking: read without pausing the target. A frozen process reads the same either
     # way; a moving one may read torn, which only ever looks like movement.
-    flags = ["--native"] if native else ["--nonblocking", "--locals"]
+    flags = ["--native"] if native else ["--nonblocking", "--locals"] if locals else ["--nonblocking"]
     res = subproc.run([tool, "dump", "--json", "--pid", str(pid), *flags], timeout=timeout)
     if uid is not None:
         try:  # and right after: an exec of a setuid program can land between the check and the attach
@@ -87,8 +88,10 @@ def take_sample(pid: int, timeout: float, native: bool = False, uid: int | None 
     names = tuple(str(f.get("name")) for t in threads for f in t.get("frames") or [])
     running = any(t.get("active") is True for t in threads)
     io = sockets(pid, min(1.0, timeout)) if native else None
+    main = pace.main_thread(threads)
     return Sample(now, signature_of(threads), names, cpu, ctx, activity=act, python_running=running,
-                  locals_digest=locals_digest(threads, _helper), io=io)
+                  locals_digest=locals_digest(threads, _helper), io=io, main=main.kind if main else None,
+                  main_at=main.chain if main else ())
 
 
 def _helper(t: dict[str, Any]) -> bool:

@@ -29,7 +29,8 @@ from typing import Any
 
 import structlog
 
-from . import layout, s3
+from ..model import JobPace
+from . import layout, paces, s3
 from .outbox import Outbox, Task
 from .reader import read_capped
 from .uploader import Uploader
@@ -66,7 +67,7 @@ def new_job_incident(now: float) -> str:
 class Agent:
     def __init__(self, url: str, node: str, state_dir: Path, poll_interval: float, window: float,
                  spool_max: int, post: Callable[[object], None] = lambda _m: None,
-                 counted: Callable[[str, int], None] = lambda outcome, spooled: None) -> None:
+                 counted: Callable[[str, int], None] = lambda outcome, spooled: None, pace_interval: float = 30.0) -> None:
         self.url: StoreURL = parse(url)
         self.node = node
         self.poll_interval = poll_interval
@@ -80,6 +81,12 @@ class Agent:
         self.alias: dict[str, str] = {}  # our job incident id -> the one another node asked first
         self.etags: dict[str, str] = {}  # the key polled -> its last ETag
         self.polls = 0
+        # A job's pace: this node's records, handed over by the loop (replaced whole), written every
+        # pace_interval; and the jobs slower here, whose other nodes' records are read back as often.
+        self.paces: dict[tuple[int, str], JobPace] = {}
+        self.pace_reads: frozenset[tuple[int, str]] = frozenset()
+        self.pace_interval = pace_interval
+        self.paces_at = 0.0
         self._stop = threading.Event()
         self.uploader = Uploader(self.url, node, self.spool, self.client, self._resolve, self._post, counted)
         self.requester = Uploader(self.url, node, self.spool, self.client, self._resolve, self._post, counted, kind="request")
@@ -176,6 +183,9 @@ class Agent:
 
     def _poll_loop(self) -> None:
         while not self._stop.wait(self.poll_interval):
+            if time.monotonic() >= self.paces_at:
+                self.paces_at = time.monotonic() + self.pace_interval
+                self._paces()
             jobs = self.jobs
             self._forget_past(jobs)
             for uid, job in sorted(jobs, key=lambda k: (k[1], -1 if k[0] is None else k[0])):
@@ -188,6 +198,21 @@ class Agent:
                 # store, and waits for the loop when full rather than drop one.
                 if req and req.node != self.node and time.time() - req.time < self.window:
                     self.post(req)
+
+    def _paces(self) -> None:
+        """This node's records of its jobs' pace out; the other nodes' records of the jobs slower here in."""
+        for record in list(self.paces.values()):
+            try:
+                paces.publish(self.client(), self.url, record)
+            except Exception as exc:  # noqa: BLE001 - the store is down: the next round writes a newer record
+                log.debug("store_pace_failed", job=record.job, error=f"{type(exc).__name__}: {exc}")
+        for uid, job in sorted(self.pace_reads):
+            try:
+                records = paces.read(self.client(), self.url, job, uid)
+            except Exception as exc:  # noqa: BLE001 - as above: read again next round
+                log.debug("store_pace_failed", job=job, error=f"{type(exc).__name__}: {exc}")
+                continue
+            self.post(paces.PacesRead((uid, job), tuple(r for r in records if r.node != self.node)))
 
     def _forget_past(self, jobs: frozenset[JobKey]) -> None:
         """Only jobs watched here keep an ETag, and only hangs within the window stay in hand: the

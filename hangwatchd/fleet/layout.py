@@ -5,6 +5,7 @@
     requests/JOB/latest-uUID.json         the newest capture request of the job of user UID (what nodes poll)
     requests/JOB/latest.json              the same for daemons older than that (they poll the job's name alone)
     requests/JOB/JOBINC.json              every request, kept as the record
+    paces/JOB/uUID/NODE.json              a node's record of the pace of user UID's job JOB (overwritten)
 
 A job incident id (JOBINC) is shared by every node's part of one job hang.
 Job names (``host:port``, run ids) are percent-encoded into one key segment.
@@ -83,3 +84,12 @@ def latest_request(job: str, uid: int | None = None) -> str:
 
 def request(job: str, job_incident: str) -> str:
     return f"requests/{seg(job)}/{seg(job_incident)}.json"
+
+
+def pace(job: str, uid: int | None, node: str) -> str:
+    """A node's record of a job's pace (its ranks' step time and wait shares), overwritten at a low rate."""
+    return f"{paces_prefix(job, uid)}{seg(node)}.json"
+
+
+def paces_prefix(job: str, uid: int | None = None) -> str:
+    return f"paces/{seg(job)}/" if uid is None else f"paces/{seg(job)}/u{int(uid)}/"

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..analyze.jsonfile import read_json_or_none
-from ..analyze.stacks import is_user_frame
+from ..detect.patterns import is_user_frame
 
 CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:72em;color:#1b1b1b;padding:0 1em}

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from ..analyze.jsonfile import Unreadable, read_json, read_json_or_none
-from ..analyze.stacks import is_user_frame, load_threads
+from ..analyze.stacks import load_threads
+from ..detect.patterns import is_user_frame
 from .names import fold
 from .terminal import clean
 

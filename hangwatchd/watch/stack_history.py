@@ -24,6 +24,8 @@ class Sample:
     python_running: bool = False  # py-spy saw one of its Python threads on a CPU
     locals_digest: int | None = None  # the program's threads' local variables, hashed: they change while it computes
     io: dict[str, Any] | None = None  # the native look's: its listening sockets and unread bytes (a server with work?)
+    main: str | None = None  # what its main thread was doing (detect.pace: collective, input, gpu, running, waiting)
+    main_at: tuple[str, ...] = ()  # and the program's own frames there, innermost first, "function (file:line)"
 
 
 def locals_digest(threads: Sequence[dict[str, Any]], helper: Any = None) -> int | None:
