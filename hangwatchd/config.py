@@ -258,7 +258,7 @@ class Config:
     slow_for: float = key(60.0, _seconds, "seconds a job stays slower before it is a slow episode (an incident); it ends once back "
         "within half the margin")
     slow_sample_interval: float = key(10.0, _seconds, "seconds between stack samples of one rank for its wait share (py-spy "
-        "--nonblocking, the job's ranks in turn: one sample per rank per interval)")
+        "--nonblocking, the job's ranks in turn: one sample per rank per interval; five per interval while the job is slower)")
     slow_window: float = key(300.0, _seconds, "seconds of samples and counters a rank's wait share and CPU per step are "
         "taken over (from when the job went over its margin, once it has)")
     slow_publish_interval: float = key(30.0, _seconds, "seconds between this node's records of its jobs' pace in the "

@@ -161,7 +161,7 @@ class RankPace:
     kids: int = 0  # children read
     gpu_index: int | None = None  # the GPU it runs on, where NVML says
     frames: tuple[tuple[str, int], ...] = ()  # its own frames where it ran Python (the function and its callers), with
-    # the samples each was in, the most first: what sets it apart from the other ranks is named from these
+    # the samples each was in, innermost first: what sets it apart from the other ranks is named from these
 
     def share(self, count: int) -> float | None:
         return count / self.samples if self.samples else None

@@ -218,3 +218,30 @@ def test_no_alert_is_pending_or_firing_for_healthy_processes(tmp_path: Path, fak
             stop(w)
         prom.stop()
         d.stop()
+
+
+def test_a_slow_job_fires_its_alert_naming_the_rank_the_cause_and_the_incident(tmp_path: Path) -> None:
+    """Three ranks meeting every step at a TCP barrier; once the daemon has the job's pace, rank 1
+    does a third of a step more compute each step: GPUJobSlow fires with the rank, its node, the
+    cause and the slow incident's id, and stops once the rank is back to its pace."""
+    from .test_slow import PACE, Job, baseline, slow_incidents
+
+    d = ScratchDaemon(tmp_path / "d", env={"NODE_NAME": "node-slow"}, config=PACE)
+    prom = Prometheus(tmp_path / "prom", [d.info["metrics_address"]])
+    job = Job(tmp_path, [d] * 3, "paced", backend="barrier")
+    try:
+        base = baseline(d, "paced")
+        assert prom.firing("GPUJobSlow") == []
+        job.set(compute={1: 0.33 * base})
+        (alert,) = wait_for(lambda: prom.firing("GPUJobSlow", workload_job="paced"), 150, "GPUJobSlow", every=1.0)
+        assert (alert["labels"]["rank"], alert["labels"]["rank_node"], alert["labels"]["cause"]) == ("1", "node-slow", "cpu-bound")
+        (inc,) = slow_incidents(d)
+        wait_for(lambda: prom.firing("GPUJobSlow")[0]["annotations"].get("incident"), 20, "the incident id in the annotation")
+        assert prom.firing("GPUJobSlow")[0]["annotations"]["incident"] == inc["id"]
+        assert prom.firing("GPUProcessHung") == []  # slow is not hung
+        job.set()
+        wait_for(lambda: prom.firing("GPUJobSlow") == [], 150, "GPUJobSlow to stop once the job is back to its pace", every=1.0)
+    finally:
+        job.stop()
+        prom.stop()
+        d.stop()

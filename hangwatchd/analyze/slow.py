@@ -99,6 +99,15 @@ def judge(records: Sequence[JobPace]) -> Analysis:
         return Analysis(summary, (Culprit(r.rank, r.pid, cause.text, cause.location, r.node, r.gpu_index),), verdicts, (),
                         tuple(rests), pace=figures)
     here = [x for x in head.ranks if x.samples >= pace.MIN_SAMPLES]
+    if pace.everyone_waits(head.ranks) and pace.contended(head.ranks, head.step_s):
+        delays = sorted(x.delay_s for x in head.ranks if x.delay_s is not None)
+        figures.update(cause="node-contended")
+        summary = (f"{lead}: no rank holds the others back: every rank on {head.node} waits for a CPU ({_ms(delays[len(delays) // 2])} "
+                   "a step, the median run delay) and so for each other in collectives: the node's CPUs are oversubscribed "
+                   "(other processes, too many threads).")
+        verdicts = tuple(_verdict(x, _doing(x) + f"; run delay {_ms(x.delay_s)} a step", x.frame, verdict="slow-alike")
+                         for x in ranks)
+        return Analysis(summary, (), verdicts, (), tuple(rests), pace=figures)
     if pace.everyone_waits(head.ranks):
         shares = sorted(x.wait_share or 0.0 for x in here)
         figures.update(cause="elsewhere")
@@ -181,22 +190,49 @@ def why(r: RankPace, others: Sequence[RankPace], gpus: dict[tuple[str, int], Gpu
 
 
 def apart(r: RankPace, others: Sequence[RankPace]) -> str | None:
-    """The frame of its own code where this rank runs more often than the other ranks do: one the
-    others are never seen in first (the function that sets it apart, not one every rank is in, nor
-    the helper both call), else the one it is in most more; None when none is."""
+    """The frame of its own code that sets this rank apart: a function where it runs more often than
+    the other ranks do (by APART of its samples at least), of those the functions the other ranks
+    were never seen running in first (not the helper every rank calls, nor the loop they all run),
+    and of those the outermost that comes near the most telling (the function only it runs, not a
+    helper under it); None when none does. Functions are compared by name and file (a loop's line
+    moves); the frame is named with its line."""
     sampled = [x for x in others if x.samples]
     if not r.samples or not r.frames:
         return None
 
-    def usual(frame: str) -> float:
-        return _median(dict(x.frames).get(frame, 0) / x.samples for x in sampled) or 0.0
+    def by_function(frames: Sequence[tuple[str, int]], samples: int) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for frame, n in frames:
+            out[_function(frame)] = min(1.0, out.get(_function(frame), 0.0) + n / samples)
+        return out
 
-    scored = [(n / r.samples - usual(f), usual(f), f) for f, n in r.frames]
+    theirs = [by_function(x.frames, x.samples) for x in sampled]
+    mine = by_function(r.frames, r.samples)
+    shown: dict[str, str] = {}
+    for frame, _n in r.frames:  # innermost first, as kept; of one function, its most sampled line
+        shown.setdefault(_function(frame), frame)
+
+    def usual(fn: str) -> float:
+        return _median(t.get(fn, 0.0) for t in theirs) or 0.0
+
+    def seen(fn: str) -> bool:  # by any other rank, once
+        return any(t.get(fn) for t in theirs)
+
+    scored = [(mine[fn] - usual(fn), seen(fn), fn) for fn in shown]  # innermost first
     candidates = [c for c in scored if c[0] >= APART]
-    if not candidates:
+    pool = [c for c in candidates if not c[1]] or candidates
+    if not pool:
         return None
-    only_here = [c for c in candidates if c[1] <= APART / 2]
-    return max(only_here or candidates)[2]
+    # The outermost of those that come near the most telling: a function of the rank's own that only
+    # it runs, rather than the helper it calls that the others were not caught in yet.
+    best = max(c[0] for c in pool)
+    return shown[[c[2] for c in pool if c[0] >= 0.8 * best][-1]]
+
+
+def _function(frame: str) -> str:
+    """"step (train.py:40)" -> "step (train.py)": a function, wherever in it."""
+    name, _, where = frame.rpartition(" (")
+    return f"{name} ({where.rsplit(':', 1)[0]})" if name else frame
 
 
 def _doing(r: RankPace) -> str:

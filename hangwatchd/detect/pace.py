@@ -151,3 +151,14 @@ def everyone_waits(ranks: Sequence[RankPace], min_samples: int = MIN_SAMPLES) ->
     the one the job waits for."""
     read = [r for r in ranks if r.samples >= min_samples]
     return bool(read) and all(r.collective / r.samples >= WAIT_ALL for r in read)
+
+
+CONTENDED = 0.05  # ranks that wait for a CPU this share of a step (their median): the node's CPUs are oversubscribed
+
+
+def contended(ranks: Sequence[RankPace], step: float | None) -> bool:
+    """The ranks wait for a CPU (their run delay a step, the median) a noticeable share of a step:
+    on an oversubscribed node every rank waits longer in a collective too (its peers are not
+    running), so waiting everywhere there does not point at the network or another node."""
+    delays = [r.delay_s for r in ranks if r.delay_s is not None]
+    return bool(step) and bool(delays) and statistics.median(delays) >= CONTENDED * (step or 0.0)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -39,8 +40,9 @@ from .sampler import PaceSampled
 
 log = structlog.get_logger("hangwatchd.detect")
 
-BASELINE_MIN = 10  # steady looks before a baseline is taken
+BASELINE_MIN = 20  # steady looks before a baseline is taken
 STALE_AFTER = 3.0  # another node's record counts for this many of its publishing intervals
+SLOWER_RATE = 5  # a job slower than its baseline has its ranks sampled this many times as often
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,9 @@ class PaceMachine:
         margin = self.cfg.slow_margin
         if p.state == STEADY:
             if p.baseline is None or current <= p.baseline * (1 + margin):
-                p.steady.append(step)
+                # The baseline follows the job's steady steps, not those of a job drifting towards its margin.
+                if p.baseline is None or step <= p.baseline * (1 + margin / 2):
+                    p.steady.append(step)
                 if len(p.steady) >= BASELINE_MIN and p.beats_seen >= self.cfg.learn_min_beats or p.baseline is not None:
                     p.baseline = pace.median(p.steady)
                 return None
@@ -152,17 +156,31 @@ class PaceMachine:
             return None
         assert p.baseline is not None
         if p.state == SLOWER:
-            if current <= p.baseline * (1 + margin):
-                self.paces.change(p, STEADY, why="back within its margin")
+            if current <= p.baseline * (1 + margin / 2):
+                self.paces.change(p, STEADY, why="back within half its margin")
                 return None
             if now - (p.since or now) < self.cfg.slow_for:
                 return None
             return self._decide(p, ranks, current, now, wall)
         if p.state == SLOW and current <= p.baseline * (1 + margin / 2):
-            log.warning("job_slow_ended", job=p.job, uid=p.uid, incident=p.incident, step=round(current, 4),
-                        baseline=round(p.baseline, 4), lasted=round(now - (p.since or now), 1))
-            self.paces.change(p, STEADY, why="back to its pace: the episode ended")
+            self._ended(p, current, now, "back to its pace: the episode ended")
+        elif p.state == SLOW and now - (p.since or now) >= 3 * self.cfg.slow_for and now >= p.next_review:
+            # Still slower, but perhaps no longer for the rank the episode was about: a job whose ranks
+            # are alike again over the last slow_for (all of them slower: a new phase, a busier node)
+            # has ended its episode, and learns its pace again.
+            p.next_review = now + self.cfg.slow_for / 2
+            recent = p.record(self.node, now, wall, 2 * self.cfg.slow_for, recent=True)
+            if pace.alike([*recent.ranks, *(r for rec in self.fresh_remote(p, wall) for r in rec.ranks)], 2 * pace.MIN_SAMPLES):
+                p.steady.clear()
+                p.relearned += 1
+                self._ended(p, current, now, "no rank holds it back any more: the episode ended, its pace is learned again",
+                            baseline=None)
         return None
+
+    def _ended(self, p: Pace, current: float, now: float, why: str, **values: Any) -> None:
+        log.warning("job_slow_ended", job=p.job, uid=p.uid, incident=p.incident, step=round(current, 4),
+                    baseline=round(p.baseline or 0.0, 4), lasted=round(now - (p.since or now), 1), why=why)
+        self.paces.change(p, STEADY, why=why, **values)
 
     def _decide(self, p: Pace, ranks: list[Watched], current: float, now: float, wall: float) -> DeclareSlow | None:
         """Slower for long enough: whose the episode is, if the samples say yet."""
@@ -178,10 +196,12 @@ class PaceMachine:
             self.paces.change(p, SLOW, why=f"rank {found.rank.rank} on {found.rank.node} holds it back", elsewhere=found.rank.node)
             return None
         patient = now - (p.since or now) < 3 * self.cfg.slow_for
-        if found is None and pace.everyone_waits(mine.ranks) and self.expects_remote and not theirs and patient:
-            return None  # every rank here waits: the other nodes' records will say on which node the job waits
-        if found is None and not pace.everyone_waits(mine.ranks):
-            everyone = [*mine.ranks, *(r for rec in theirs for r in rec.ranks)]
+        everyone = [*mine.ranks, *(r for rec in theirs for r in rec.ranks)]
+        # Every rank here waits in collectives, none apart and none waiting for a CPU: the network or
+        # another node (whose records, with a store, are waited for: they say which).
+        elsewhere = found is None and pace.everyone_waits(mine.ranks) and not pace.contended(mine.ranks, current) \
+            and pace.alike(mine.ranks, 2 * pace.MIN_SAMPLES) and (theirs or not self.expects_remote or not patient)
+        if found is None and not elsewhere:
             if not patient and (pace.alike(everyone) or now - (p.since or now) >= self.cfg.slow_window):
                 # Slower alike on every rank, none waiting less, nothing waiting on another node: a new phase.
                 log.info("job_pace_relearned", job=p.job, uid=p.uid, detail=detail,
@@ -208,11 +228,13 @@ class PaceMachine:
 
     def due(self, p: Pace, now: float) -> Registration | None:
         """The rank whose turn it is to be sampled, when one is due (the job's ranks take turns, so a
-        job costs one sample per rank per ``slow_sample_interval``); None when none is."""
+        steady job costs one sample per rank per ``slow_sample_interval``, and one that is slower
+        SLOWER_RATE times that, to say who holds it back within ``slow_for``); None when none is."""
         if now < p.next_sample or not p.ranks:
             return None
         order = sorted(p.ranks.values(), key=lambda s: s.registration.process.pid)
-        p.next_sample = now + self.cfg.slow_sample_interval / len(order)
+        every = self.cfg.slow_sample_interval / (SLOWER_RATE if p.state != STEADY else 1)
+        p.next_sample = now + every / len(order)
         for i in range(len(order)):
             s = order[(p.turn + i) % len(order)]
             if s.registration.process not in p.sampling:

@@ -96,6 +96,7 @@ class Pace:
     next_sample: float = 0.0
     turn: int = 0  # the rank whose turn it is to be sampled
     sampling: set[ProcessId] = field(default_factory=set)
+    next_review: float = 0.0  # SLOW: when its ranks are next looked at for whether one still holds it back
     next_gpu_look: float = 0.0
     looking_at_gpus: bool = False
     series: Any = None  # its /metrics series (the loop's cache)
@@ -113,9 +114,10 @@ class Pace:
         start = now - window
         return max(start, self.since) if self.since is not None and self.state != STEADY else start
 
-    def record(self, node: str, now: float, wall: float, window: float) -> JobPace:
-        """This node's record of the job over the window: what is published and judged."""
-        start = self.window_start(now, window)
+    def record(self, node: str, now: float, wall: float, window: float, recent: bool = False) -> JobPace:
+        """This node's record of the job over the window (``recent``: the last ``window`` seconds,
+        wherever the episode began): what is published and judged."""
+        start = now - window if recent else self.window_start(now, window)
         step = self.steps[-1][1] if self.steps else None
         ranks = tuple(rank_pace(s, node, start) for s in sorted(self.ranks.values(), key=_order))
         return JobPace(self.job, self.uid, node, wall, step, self.baseline, self.state, self.since_wall,
@@ -145,9 +147,15 @@ def rank_pace(s: RankSeries, node: str, start: float) -> RankPace:
         kids = b.kids
     r = s.registration
     innermost = collections.Counter(x.chain[0] for x in samples if x.kind == "running" and x.chain)
+    # The most sampled, kept innermost first (a function before the functions that called it).
+    depth: dict[str, int] = {}
+    for x in samples:
+        for i, f in enumerate(x.chain):
+            depth[f] = min(depth.get(f, i), i)
+    kept = sorted(frames.most_common(FRAMES_KEEP), key=lambda fn: (depth.get(fn[0], 0), -fn[1]))
     return RankPace(r.rank, r.process.pid, node, len(samples), counts["collective"], counts["input"], counts["gpu"],
                     counts["running"], innermost.most_common(1)[0][0] if innermost else None, cpu, delay, kids_cpu, kids,
-                    s.gpu, tuple(frames.most_common(FRAMES_KEEP)))
+                    s.gpu, tuple(kept))
 
 
 def _per_step(a: int | None, b: int | None, steps: int) -> float | None:

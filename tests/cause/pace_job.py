@@ -10,11 +10,13 @@ in gloo's all_reduce through PyTorch (``PACE_BACKEND=gloo``), or in a TCP barrie
 ``{"compute": {"2": 0.025}}`` gives rank 2 that many seconds more compute a step (in
 ``extra_compute``); ``{"starve": {"1": 0.14}}`` makes rank 1's input worker take that long
 for each batch (it sleeps: a slow source, the worker blocked); ``{"hang": {"3": 1}}`` makes
-rank 3 stop for good before its collective (its mates then wait in it).
+rank 3 stop for good before its collective (its mates then wait in it). ``PACE_NOISE`` makes
+every step's device time noisy, on every rank alike (bench/slow_noise.py).
 """
 
 import json
 import os
+import random
 import socket
 import sys
 import threading
@@ -28,6 +30,7 @@ BACKEND = os.environ.get("PACE_BACKEND", "barrier")
 CONTROL = os.environ["PACE_CONTROL"]
 COMPUTE_S = float(os.environ.get("PACE_COMPUTE_S", "0.02"))
 DEVICE_S = float(os.environ.get("PACE_DEVICE_S", "0.08"))
+NOISE = float(os.environ.get("PACE_NOISE", "0"))  # each step's device time drawn from DEVICE_S times [1 - NOISE, 1 + NOISE]
 
 
 class Control:
@@ -171,14 +174,40 @@ def extra_compute(seconds):
     return compute(seconds)
 
 
-def device_work():
-    time.sleep(DEVICE_S)  # where a GPU would run the step's kernels
+def device_work(noise=random.Random()):
+    time.sleep(DEVICE_S * (1 + noise.uniform(-NOISE, NOISE)))  # where a GPU would run the step's kernels
+
+
+class Gpu:
+    """``PACE_DEVICE=cuda``: the step's device work is real kernels on the rank's GPU (the ranks may
+    share one), PACE_MATMULS matrix products and a synchronize; ``{"kernels": {"2": 8}}`` gives
+    rank 2 that many more products each step (tests/gpu/run_slow.py)."""
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+        self.device = torch.device("cuda", RANK % torch.cuda.device_count())
+        self.x = torch.randn(int(os.environ.get("PACE_MATRIX", "4096")), int(os.environ.get("PACE_MATRIX", "4096")),
+                             device=self.device)
+        self.n = int(os.environ.get("PACE_MATMULS", "16"))
+
+    def work(self, extra):
+        y = self.x
+        for _ in range(self.n + int(extra)):
+            y = self.x @ self.x
+        self.synchronize(y)
+
+    def synchronize(self, y):
+        self.torch.cuda.synchronize(self.device)
+        return y
 
 
 def main():
     meet = meeting()
     batches = torch_loader() if BACKEND == "gloo" else mp_loader()
     control = Control(CONTROL)
+    gpu = Gpu() if os.environ.get("PACE_DEVICE") == "cuda" else None
     print(f"rank {RANK} stepping", flush=True)
     while True:
         next(batches)
@@ -186,7 +215,10 @@ def main():
         more = control.get("compute")
         if more:
             extra_compute(more)
-        device_work()
+        if gpu is not None:
+            gpu.work(control.get("kernels"))
+        else:
+            device_work()
         if control.get("hang"):
             threading.Event().wait()
         meet()

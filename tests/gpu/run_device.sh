@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch of GPU scenarios on the GPU machine (never in CI), all output in one tarball:
-#   bash tests/gpu/run_device.sh WAVE OUTDIR        WAVE: jobs | node1 | node2 | fast | diag | fr | frcost | frwarm | catalogue
+#   bash tests/gpu/run_device.sh WAVE OUTDIR        WAVE: jobs | node1 | node2 | fast | diag | fr | frcost | frwarm | catalogue | slow
 # The machine has PyTorch but not our dependencies: carry them as wheels in .whl/ (README,
 # "Running the GPU scenarios"). jobs needs 2 GPUs; node runs on one.
 set -u
@@ -61,6 +61,9 @@ case "$wave" in
     HANGWATCHD_BENCH_OUT=$work run catalogue timeout 560 python3 -m bench.catalogue --gpu -k gpu --jobs 2 --no-fail \
       --workdir "$work/cat" --json "$work/catalogue_gpu.json"
     echo "######## catalogue"; tail -c 6000 "$work/catalogue.log" ;;
+  slow)  # issue 29: four ranks of one job on one GPU, rank 2 launching more kernels each step: the slow incident names it
+    run slow timeout 560 python3 tests/gpu/run_slow.py "$work/slow"
+    echo "######## slow"; tail -c 6000 "$work/slow.log" ;;
   *) echo "unknown wave $wave" >&2; exit 2 ;;
 esac
 find "$work" -name '*.zst' -delete
