@@ -160,8 +160,8 @@ class RankPace:
     kids_cpu_s: float | None = None  # its children's CPU seconds per step (DataLoader workers, subprocesses)
     kids: int = 0  # children read
     gpu_index: int | None = None  # the GPU it runs on, where NVML says
-    frames: tuple[tuple[str, int], ...] = ()  # its own frames where it ran Python (the function and its callers), with
-    # the samples each was in, innermost first: what sets it apart from the other ranks is named from these
+    frames: tuple[tuple[str, int], ...] = ()  # its own frames in its samples (the function it was in and its callers),
+    # with the samples each was in, innermost first: what sets it apart from the other ranks is named from these
 
     def share(self, count: int) -> float | None:
         return count / self.samples if self.samples else None

@@ -166,3 +166,41 @@ def test_a_job_across_two_nodes_names_the_slowest_rank_of_the_whole_job(tmp_path
             assert "rank 3 on node-b holds it back" in text and "Culprit: rank 3 (pid" in text, text
         finally:
             job.stop()
+
+
+def test_a_rank_on_a_throttled_gpu_is_named_with_the_throttle_reason_from_nvml_over_the_window(tmp_path: Path) -> None:
+    """Three ranks, each on a GPU of its own as NVML tells it (tests/fake_nvml: NVML's API over files,
+    the daemon's own probe reading it), GPU 1 held at 56 % of its clocks for heat. Rank 1 is slower
+    (its kernels, as a throttled GPU would make them): the incident names its GPU's throttling, read
+    by the daemon while the job was slower, and its NVML step says the same."""
+    from .test_act import FAKE_NVML
+
+    nvml = tmp_path / "nvml"
+    nvml.mkdir()
+    (nvml / "gpus").write_text("3")
+    env = {"HANGWATCHD_FAKE_NVML": str(nvml), "PYTHONPATH": os.pathsep.join(p for p in (str(FAKE_NVML), os.environ.get("PYTHONPATH", "")) if p)}
+    with ScratchDaemon(tmp_path / "d", env=env, config=PACE) as d:
+        job = Job(tmp_path, [d] * 3, "hot", backend="barrier")
+        try:
+            def pids() -> dict[int, int] | None:
+                got = json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)["processes"]
+                ranks = {p["rank"]: p["pid"] for p in got if p.get("job") == "hot"}
+                return ranks if len(ranks) == 3 else None
+
+            pid = wait_for(pids, 60, "the three ranks registered", every=0.5)
+            devices: dict[str, dict[str, Any]] = {str(r): {"processes": [{"pid": pid[r], "sm": 45}]} for r in range(3)}
+            devices["1"].update(sm_clock=1100, sm_clock_max=1980, reasons=0x40, temperature=91)  # thermal (hardware)
+            (nvml / "devices.json").write_text(json.dumps(devices))
+            base = baseline(d, "hot")
+            job.set(compute={1: 0.3 * base})
+            (inc,) = wait_for(lambda: slow_incidents(d), WITHIN, "the slow incident", every=1.0)
+            a = analysis(inc)
+            assert (a["pace"]["rank"], a["pace"]["cause"]) == (1, "gpu-throttled"), a["summary"]
+            assert "its GPU 1 is throttled (thermal (hardware)): SM clock at 56% of its max" in a["summary"] and "91 °C" in a["summary"]
+            assert a["culprits"][0]["gpu"] == 1
+            record = json.loads((Path(inc["dir"]) / "slow.json").read_text())["records"][0]
+            assert [g["throttle"] for g in record["gpus"]] == [[], ["thermal (hardware)"], []]
+            nvml_json = json.loads((Path(inc["dir"]) / str(pid[1]) / "nvml.json").read_text())
+            assert nvml_json["process_gpus"] == [1] and nvml_json["devices"][1]["throttle_reasons"] == ["thermal (hardware)"]
+        finally:
+            job.stop()

@@ -157,10 +157,12 @@ def why(r: RankPace, others: Sequence[RankPace], gpus: dict[tuple[str, int], Gpu
     input_share, their_input = r.share(r.input) or 0.0, _median(x.share(x.input) for x in others) or 0.0
     if input_share >= their_input + INPUT_GAP:
         busy = r.kids_cpu_s is not None and step and r.kids_cpu_s >= 0.25 * step
-        workers = (f"its {r.kids} worker process{'es' if r.kids != 1 else ''} " if r.kids else "its workers ")
-        state = (f"{workers}are busy ({_ms(r.kids_cpu_s)} of CPU a step): they cannot produce batches fast enough"
-                 if busy else f"{workers}are blocked, not computing ({_ms(r.kids_cpu_s)} of CPU a step): they wait on "
-                 "I/O, a lock or a slow source" if r.kids_cpu_s is not None else "its workers could not be read")
+        workers, are, they = (("its worker process", "is", "it") if r.kids == 1 else
+                              (f"its {r.kids} worker processes" if r.kids else "its workers", "are", "they"))
+        state = (f"{workers} {are} busy ({_ms(r.kids_cpu_s)} of CPU a step): {they} cannot produce batches fast enough"
+                 if busy else f"{workers} {are} blocked, not computing ({_ms(r.kids_cpu_s)} of CPU a step): {they} wait"
+                 f"{'s' if they == 'it' else ''} on I/O, a lock or a slow source" if r.kids_cpu_s is not None
+                 else "its workers could not be read")
         return Cause("input-starved", f"its input pipeline is starved: it waits for its DataLoader or worker processes "
                      f"{input_share:.0%} of the time (the other ranks {their_input:.0%}); {state}", r.frame)
     their_delay = _median(x.delay_s for x in others)
@@ -190,9 +192,9 @@ def why(r: RankPace, others: Sequence[RankPace], gpus: dict[tuple[str, int], Gpu
 
 
 def apart(r: RankPace, others: Sequence[RankPace]) -> str | None:
-    """The frame of its own code that sets this rank apart: a function where it runs more often than
-    the other ranks do (by APART of its samples at least), of those the functions the other ranks
-    were never seen running in first (not the helper every rank calls, nor the loop they all run),
+    """The frame of its own code that sets this rank apart: a function it is found in more often than
+    the other ranks are (by APART of its samples at least), of those the functions the other ranks
+    were never seen in first (not the helper every rank calls, nor the loop they all run),
     and of those the outermost that comes near the most telling (the function only it runs, not a
     helper under it); None when none does. Functions are compared by name and file (a loop's line
     moves); the frame is named with its line."""

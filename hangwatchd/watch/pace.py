@@ -133,8 +133,10 @@ def rank_pace(s: RankSeries, node: str, start: float) -> RankPace:
     """One rank's figures since ``start``: its samples by kind, its counters per step."""
     samples = [x for x in s.samples if x.time >= start]
     counts = collections.Counter(x.kind for x in samples)
-    # Where it runs: each of its own frames (the function it is in and those that called it), counted once a sample.
-    frames = collections.Counter(f for x in samples if x.kind == "running" for f in dict.fromkeys(x.chain))
+    # Where its time goes: each of its own frames (the function it is in and those that called it), counted
+    # once a sample, whatever the thread was doing there (a rank that computes is often caught waiting
+    # for a CPU, which py-spy does not call running).
+    frames = collections.Counter(f for x in samples for f in dict.fromkeys(x.chain))
     ticks = [t for t in s.ticks if t.time >= start]
     cpu = delay = kids_cpu = None
     kids = 0

@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 _here = Path(__file__).resolve().parent
 _path = next(Path(p) / "pynvml.py" for p in sys.path if p and Path(p).resolve() != _here and (Path(p) / "pynvml.py").is_file())
@@ -102,3 +103,102 @@ def nvmlEventSetWait_v2(event_set: object, timeout_ms: int) -> object:
 
 
 nvmlEventSetWait = nvmlEventSetWait_v2
+
+
+# -- a GPU's facts, for the NVML probe (capture/nvml_probe.py), from devices.json when the test writes one:
+# {"1": {"sm_clock": 1100, "sm_clock_max": 1980, "reasons": 64, "temperature": 91, "power": 690, "power_limit": 700,
+#        "ecc": 0, "pcie_replays": 0, "processes": [{"pid": 1234, "sm": 40}]}}. Without it, every call is the real
+# library's (which, with no driver, says so).
+
+class _Facts:
+    def __init__(self, **kw: object) -> None:
+        self.__dict__.update(kw)
+
+
+def _facts(handle: object) -> dict[str, Any] | None:
+    path = _dir() / "devices.json"
+    if not path.is_file():
+        return None
+    return dict(json.loads(path.read_text()).get(str(_index(handle))) or {})
+
+
+def _answer(real_name: str, key: str, default: object = 0) -> object:
+    def ask(handle: object, *args: object) -> object:
+        facts = _facts(handle)
+        if facts is None:
+            return getattr(_real, real_name)(handle, *args)
+        return facts.get(key, default)
+    return ask
+
+
+def nvmlSystemGetDriverVersion() -> str:
+    if not (_dir() / "devices.json").is_file():
+        return _real.nvmlSystemGetDriverVersion()
+    return "999.99-fake"
+
+
+def nvmlDeviceGetName(handle: object) -> str:
+    return "Fake H200" if _facts(handle) is not None else _real.nvmlDeviceGetName(handle)
+
+
+def nvmlDeviceGetUtilizationRates(handle: object) -> object:
+    facts = _facts(handle)
+    if facts is None:
+        return _real.nvmlDeviceGetUtilizationRates(handle)
+    return _Facts(gpu=facts.get("utilization", 50), memory=10)
+
+
+def nvmlDeviceGetMemoryInfo(handle: object) -> object:
+    facts = _facts(handle)
+    if facts is None:
+        return _real.nvmlDeviceGetMemoryInfo(handle)
+    return _Facts(used=1 << 30, total=141 << 30, free=140 << 30)
+
+
+nvmlDeviceGetPowerUsage = _answer("nvmlDeviceGetPowerUsage", "power_mw", 300_000)
+nvmlDeviceGetEnforcedPowerLimit = _answer("nvmlDeviceGetEnforcedPowerLimit", "power_limit_mw", 700_000)
+nvmlDeviceGetCurrentClocksEventReasons = _answer("nvmlDeviceGetCurrentClocksEventReasons", "reasons", 0)
+nvmlDeviceGetPcieReplayCounter = _answer("nvmlDeviceGetPcieReplayCounter", "pcie_replays", 0)
+
+
+def nvmlDeviceGetTemperature(handle: object, sensor: int) -> object:
+    facts = _facts(handle)
+    return _real.nvmlDeviceGetTemperature(handle, sensor) if facts is None else facts.get("temperature", 50)
+
+
+def nvmlDeviceGetClockInfo(handle: object, clock: int) -> object:
+    facts = _facts(handle)
+    return _real.nvmlDeviceGetClockInfo(handle, clock) if facts is None else facts.get("sm_clock", 1980)
+
+
+def nvmlDeviceGetMaxClockInfo(handle: object, clock: int) -> object:
+    facts = _facts(handle)
+    return _real.nvmlDeviceGetMaxClockInfo(handle, clock) if facts is None else facts.get("sm_clock_max", 1980)
+
+
+def nvmlDeviceGetTotalEccErrors(handle: object, kind: int, counter: int) -> object:
+    facts = _facts(handle)
+    if facts is None:
+        return _real.nvmlDeviceGetTotalEccErrors(handle, kind, counter)
+    return facts.get("ecc", 0) if kind == _real.NVML_MEMORY_ERROR_TYPE_UNCORRECTED else 0
+
+
+def nvmlDeviceGetNvLinkState(handle: object, link: int) -> object:
+    if _facts(handle) is None:
+        return _real.nvmlDeviceGetNvLinkState(handle, link)
+    raise _real.NVMLError(_real.NVML_ERROR_NOT_SUPPORTED)  # a PCIe card: no NVLink
+
+
+def nvmlDeviceGetComputeRunningProcesses(handle: object) -> object:
+    facts = _facts(handle)
+    if facts is None:
+        return _real.nvmlDeviceGetComputeRunningProcesses(handle)
+    return [_Facts(pid=p["pid"], usedGpuMemory=1 << 30) for p in facts.get("processes") or []]
+
+
+def nvmlDeviceGetProcessUtilization(handle: object, since: int) -> object:
+    facts = _facts(handle)
+    if facts is None:
+        return _real.nvmlDeviceGetProcessUtilization(handle, since)
+    now = int(time.time() * 1e6)
+    return [_Facts(pid=p["pid"], smUtil=p.get("sm", 0), memUtil=5, timeStamp=now) for p in facts.get("processes") or []]

@@ -118,7 +118,7 @@ def test_a_rank_starved_of_input_says_whether_its_workers_are_busy_or_blocked() 
     others = [rank(r, input=0, cpu_s=0.02, kids_cpu_s=0.001, kids=1) for r in (0, 2, 3)]
     blocked = rank(1, collective=0, input=12, cpu_s=0.02, kids_cpu_s=0.001, kids=1)
     a = judged([others[0], blocked, *others[1:]])
-    assert a["pace"]["cause"] == "input-starved" and "its 1 worker process are blocked, not computing" in a["summary"]
+    assert a["pace"]["cause"] == "input-starved" and "its worker process is blocked, not computing (1 ms of CPU a step): it waits on I/O" in a["summary"]
     busy = replace(blocked, kids_cpu_s=0.09, kids=2)
     a = judged([others[0], busy, *others[1:]])
     assert "its 2 worker processes are busy (90 ms of CPU a step)" in a["summary"], a["summary"]
