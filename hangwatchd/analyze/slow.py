@@ -41,6 +41,7 @@ SHARED_SM = 5  # SM % of a process that is not the job's on a rank's GPU that co
 THROTTLED_CLOCK = 0.9  # an SM clock held below this share of its max, with a reason, is throttled
 INPUT_GAP = 0.15  # waits for its input this much more often (a share of samples) than the others
 CPU_MORE = 1.15  # ... this many times the others' CPU a step
+STARVED_GAP = 0.2  # it waits for a CPU this much more of the time it wants to run than the others do
 APART = 0.05  # a frame sets a rank apart when it is in this much more of its samples than of the others'
 
 
@@ -165,18 +166,30 @@ def why(r: RankPace, others: Sequence[RankPace], gpus: dict[tuple[str, int], Gpu
                  else "its workers could not be read")
         return Cause("input-starved", f"its input pipeline is starved: it waits for its DataLoader or worker processes "
                      f"{input_share:.0%} of the time (the other ranks {their_input:.0%}); {state}", r.frame)
-    their_delay = _median(x.delay_s for x in others)
-    if r.delay_s is not None and step and r.delay_s >= max(2 * (their_delay or 0.0), 0.1 * step):
-        return Cause("cpu-starved", f"it waits for a CPU: run delay {_ms(r.delay_s)} a step (the other ranks "
-                     f"{_ms(their_delay)}): its node's CPUs are oversubscribed (other processes, too many threads)", r.frame)
+    # What a rank wanted of the CPU a step: the time it ran and the time it was ready to run but waited
+    # for a CPU. On a busy node a rank that computes more gets little more CPU, and waits the more.
+    mine_demand, their_demand = _demand(r), _median(_demand(x) for x in others)
+    their_ratio = _median(x.delay_s / d for x in others if x.delay_s is not None and (d := _demand(x)))
+    if r.delay_s is not None and mine_demand and step and r.delay_s >= 0.1 * step \
+            and r.delay_s / mine_demand >= (their_ratio or 0.0) + STARVED_GAP:
+        return Cause("cpu-starved", f"it waits for a CPU: run delay {_ms(r.delay_s)} a step, {r.delay_s / mine_demand:.0%} of the "
+                     f"time it wants to run (the other ranks {_ms(_median(x.delay_s for x in others))}, "
+                     f"{their_ratio or 0.0:.0%}): it gets less of the node's CPUs than the others", r.frame)
     their_cpu = _median(x.cpu_s for x in others)
     running, their_running = r.share(r.running) or 0.0, _median(x.share(x.running) for x in others) or 0.0
-    if (r.cpu_s is not None and their_cpu is not None and r.cpu_s >= CPU_MORE * their_cpu and r.cpu_s - their_cpu >= 0.05 * step) \
-            or (r.cpu_s is None and running >= their_running + INPUT_GAP):
+    more_cpu = r.cpu_s is not None and their_cpu is not None and r.cpu_s >= CPU_MORE * their_cpu and r.cpu_s - their_cpu >= 0.05 * step
+    more_demand = mine_demand is not None and their_demand is not None and mine_demand >= CPU_MORE * their_demand \
+        and mine_demand - their_demand >= 0.05 * step
+    if more_cpu or more_demand or (r.cpu_s is None and running >= their_running + INPUT_GAP):
         where = apart(r, others) or r.frame
         at = f" at {where}" if where else ""
-        cpu = f"{_ms(r.cpu_s)} of CPU a step against the other ranks' {_ms(their_cpu)}" if r.cpu_s is not None else \
-            f"it runs Python {running:.0%} of the time (the other ranks {their_running:.0%})"
+        if more_cpu:
+            cpu = f"{_ms(r.cpu_s)} of CPU a step against the other ranks' {_ms(their_cpu)}"
+        elif more_demand:
+            cpu = (f"it runs or waits to run {_ms(mine_demand)} a step against the other ranks' {_ms(their_demand)} (on a busy "
+                   f"node: it got {_ms(r.cpu_s)} of CPU a step, they {_ms(their_cpu)})")
+        else:
+            cpu = f"it runs Python {running:.0%} of the time (the other ranks {their_running:.0%})"
         return Cause("cpu-bound", f"it is CPU-bound in its own code{at}: {cpu}", where)
     gpu_share, their_gpu = r.share(r.gpu) or 0.0, _median(x.share(x.gpu) for x in others) or 0.0
     if gpu_share >= their_gpu + INPUT_GAP:
@@ -235,6 +248,10 @@ def _function(frame: str) -> str:
     """"step (train.py:40)" -> "step (train.py)": a function, wherever in it."""
     name, _, where = frame.rpartition(" (")
     return f"{name} ({where.rsplit(':', 1)[0]})" if name else frame
+
+
+def _demand(r: RankPace) -> float | None:
+    return r.cpu_s + r.delay_s if r.cpu_s is not None and r.delay_s is not None else None
 
 
 def _doing(r: RankPace) -> str:

@@ -209,6 +209,11 @@ class PaceMachine:
                 p.steady.clear()
                 p.relearned += 1
                 self.paces.change(p, STEADY, why="a new phase: its baseline is learned again", baseline=None)
+            if now >= p.next_review:  # said now and then, so that a person sees why nothing is filed yet
+                p.next_review = now + self.cfg.slow_for
+                log.info("job_pace_undecided", job=p.job, uid=p.uid, detail=detail,
+                         why="no rank waits clearly less than the others yet",
+                         wait_shares={f"{r.rank}@{r.node}": f"{r.collective}/{r.samples}" for r in everyone})
             return None  # not sampled enough yet to say who
         record = JobPace(mine.job, mine.uid, mine.node, mine.time, current, mine.baseline_s, SLOW, mine.since,
                          mine.window_s, mine.ranks, mine.gpus)

@@ -127,7 +127,19 @@ def test_a_rank_starved_of_input_says_whether_its_workers_are_busy_or_blocked() 
 def test_a_rank_waiting_for_a_cpu_more_than_the_others_is_starved_not_cpu_bound() -> None:
     others = [rank(r, cpu_s=0.02, delay_s=0.002) for r in (0, 1, 3)]
     a = judged([*others[:2], rank(2, collective=0, cpu_s=0.022, delay_s=0.03), others[2]])
-    assert a["pace"]["cause"] == "cpu-starved" and "run delay 30 ms a step (the other ranks 2 ms)" in a["summary"]
+    assert a["pace"]["cause"] == "cpu-starved"
+    assert "run delay 30 ms a step, 58% of the time it wants to run (the other ranks 2 ms, 9%)" in a["summary"], a["summary"]
+
+
+def test_on_a_busy_node_a_rank_that_wants_more_cpu_is_cpu_bound_and_one_that_waits_for_it_is_starved() -> None:
+    """Every rank waits for a CPU most of the time it wants one (the node's CPUs are oversubscribed):
+    the one that holds the job back wants more of it, though it gets little more."""
+    others = [rank(r, collective=15, cpu_s=0.003, delay_s=0.075) for r in (0, 1, 3)]
+    a = judged([*others[:2], rank(2, collective=3, cpu_s=0.01, delay_s=0.118), others[2]], step=0.216)
+    assert a["pace"]["cause"] == "cpu-bound", a["summary"]
+    assert "it runs or waits to run 128 ms a step against the other ranks' 78 ms (on a busy node: it got 10 ms of CPU a step, they 3 ms)" in a["summary"]
+    contended = judged([rank(r, collective=15, cpu_s=0.003, delay_s=0.075) for r in range(4)], step=0.216)
+    assert contended["pace"]["cause"] == "node-contended" and "every rank on n1 waits for a CPU (75 ms a step" in contended["summary"]
 
 
 def test_the_gpu_of_the_slow_rank_throttled_or_shared_is_the_cause() -> None:
