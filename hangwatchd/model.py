@@ -203,6 +203,8 @@ class JobPace:
     window_s: float = 0.0  # seconds of samples and counters the ranks' figures cover
     ranks: tuple[RankPace, ...] = ()
     gpus: tuple[GpuPace, ...] = ()
+    named_rank: int | None = None  # slow: the rank this node found holding the job back when its episode began
+    named_node: str | None = None  # ... and that rank's node
 
     @property
     def slower_by(self) -> float | None:
@@ -234,7 +236,8 @@ def pace_from_dict(d: Any) -> JobPace:
                    _text(d.get("node"), "node", required=True) or "", _num(d.get("time"), "time") or 0.0,
                    _num(d.get("step_s"), "step_s"), _num(d.get("baseline_s"), "baseline_s"), state,
                    _num(d.get("since"), "since"), _num(d.get("window_s"), "window_s") or 0.0,
-                   tuple(_rank(r) for r in ranks), tuple(_gpu(g) for g in gpus))
+                   tuple(_rank(r) for r in ranks), tuple(_gpu(g) for g in gpus), _int(d.get("named_rank"), "named_rank"),
+                   _text(d.get("named_node"), "named_node"))
 
 
 def _rank(d: Any) -> RankPace:

@@ -78,6 +78,9 @@ def judge(records: Sequence[JobPace]) -> Analysis:
     head = records[0]
     ranks = [r for rec in records for r in rec.ranks]
     found = pace.slowest(ranks)
+    for rec in records:  # the rank a node named when the episode began, while its samples still say so
+        if found is None and rec.state == "slow" and rec.named_node is not None:
+            found = pace.confirmed(ranks, rec.named_rank, rec.named_node)
     gpus = {(rec.node, g.index): g for rec in records for g in rec.gpus}
     nodes = ", ".join(sorted({rec.node for rec in records}))
     lead = _lead(head)

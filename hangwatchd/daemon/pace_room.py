@@ -69,7 +69,8 @@ class PaceRoom:
     def next_due(self) -> float:
         due = [self.next_tick]
         for p in self.paces.values():
-            due.append(p.next_sample)
+            if not p.paused:
+                due.append(p.next_sample)
             if p.state != STEADY and not p.looking_at_gpus and self._nvml_here():
                 due.append(p.next_gpu_look)
         return min(due)

@@ -134,6 +134,18 @@ def slowest(ranks: Sequence[RankPace], min_samples: int = MIN_SAMPLES) -> Slowes
     return found
 
 
+CONFIRM_Z = 2.0  # a rank a node named when its episode began is still the one while it stands this far apart
+
+
+def confirmed(ranks: Sequence[RankPace], rank: int | None, node: str, min_samples: int = MIN_SAMPLES) -> Slowest | None:
+    """The rank a node named when the job's episode began (at MIN_Z), while it still waits least and
+    stands apart at CONFIRM_Z: naming it again needs less than naming it first did."""
+    found = least(ranks, min_samples)
+    if found is None or (found.rank.rank, found.rank.node) != (rank, node):
+        return None
+    return found if found.z >= CONFIRM_Z and found.others - found.share >= MIN_GAP / 2 else None
+
+
 ALIKE_Z = 1.0  # the rank that waits least is within this many standard errors of the others: chance alone
 
 

@@ -101,8 +101,9 @@ class PaceMachine:
         return out
 
     def _look(self, p: Pace, ranks: list[Watched], now: float, wall: float) -> DeclareSlow | None:
-        if any(w.state not in (State.STARTING, State.HEALTHY) for w in ranks):
-            return None  # suspect, hung or captured: a hang's business, not a pace's
+        p.paused = any(w.state not in (State.STARTING, State.HEALTHY) for w in ranks)
+        if p.paused:
+            return None  # suspect, hung or captured: a hang's business, not a pace's (nor sampled meanwhile)
         live = {w.process: w for w in ranks}
         for pid in [x for x in p.ranks if x not in live]:
             del p.ranks[pid]
@@ -193,7 +194,8 @@ class PaceMachine:
         if found is not None and found.rank.node != self.node:
             log.warning("job_slow_elsewhere", job=p.job, uid=p.uid, detail=detail, rank=found.rank.rank,
                         node=found.rank.node, wait_share=round(found.share, 3), others=round(found.others, 3))
-            self.paces.change(p, SLOW, why=f"rank {found.rank.rank} on {found.rank.node} holds it back", elsewhere=found.rank.node)
+            self.paces.change(p, SLOW, why=f"rank {found.rank.rank} on {found.rank.node} holds it back", elsewhere=found.rank.node,
+                              named=(found.rank.rank, found.rank.node))
             return None
         patient = now - (p.since or now) < 3 * self.cfg.slow_for
         everyone = [*mine.ranks, *(r for rec in theirs for r in rec.ranks)]
@@ -215,12 +217,13 @@ class PaceMachine:
                          why="no rank waits clearly less than the others yet",
                          wait_shares={f"{r.rank}@{r.node}": f"{r.collective}/{r.samples}" for r in everyone})
             return None  # not sampled enough yet to say who
+        named = (found.rank.rank, found.rank.node) if found else None
         record = JobPace(mine.job, mine.uid, mine.node, mine.time, current, mine.baseline_s, SLOW, mine.since,
-                         mine.window_s, mine.ranks, mine.gpus)
+                         mine.window_s, mine.ranks, mine.gpus, named[0] if named else None, named[1] if named else None)
         why = (f"rank {found.rank.rank} waits in collectives {found.share:.0%} of the time, the others {found.others:.0%}"
                if found else "every rank here waits in collectives")
         log.warning("job_slow", job=p.job, uid=p.uid, detail=detail, why=why)
-        self.paces.change(p, SLOW, why=why, finding=record)
+        self.paces.change(p, SLOW, why=why, finding=record, named=named)
         return DeclareSlow(p.key, tuple(ranks), Suspicion("slow", f"{detail}; {why}", p.since_wall or wall, ("pace",)),
                            (record, *theirs))
 
@@ -235,7 +238,7 @@ class PaceMachine:
         """The rank whose turn it is to be sampled, when one is due (the job's ranks take turns, so a
         steady job costs one sample per rank per ``slow_sample_interval``, and one that is slower
         SLOWER_RATE times that, to say who holds it back within ``slow_for``); None when none is."""
-        if now < p.next_sample or not p.ranks:
+        if now < p.next_sample or not p.ranks or p.paused:
             return None
         order = sorted(p.ranks.values(), key=lambda s: s.registration.process.pid)
         every = self.cfg.slow_sample_interval / (SLOWER_RATE if p.state != STEADY else 1)

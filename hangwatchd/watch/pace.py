@@ -87,12 +87,14 @@ class Pace:
     incident: str | None = None  # SLOW: the episode's incident on this node
     elsewhere: str | None = None  # SLOW: the node of the rank that holds it back, where that is not this one
     finding: JobPace | None = None  # SLOW: the record the episode was declared on
+    named: tuple[int | None, str] | None = None  # SLOW: (rank, node) found holding the job back when it began
     ranks: dict[ProcessId, RankSeries] = field(default_factory=dict)
     steps: collections.deque[tuple[float, float]] = field(default_factory=lambda: collections.deque(maxlen=STEPS_KEEP))
     steady: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=BASELINE_KEEP))
     beats_seen: int = 0  # beats counted across its ranks while learning
     remote: dict[str, JobPace] = field(default_factory=dict)  # other nodes' newest records of the job (the store)
     gpus: collections.deque[tuple[float, dict[str, Any]]] = field(default_factory=lambda: collections.deque(maxlen=GPU_LOOKS_KEEP))
+    paused: bool = False  # a rank of it is suspect, hung or captured: not judged, not sampled
     next_sample: float = 0.0
     turn: int = 0  # the rank whose turn it is to be sampled
     sampling: set[ProcessId] = field(default_factory=set)
@@ -120,8 +122,10 @@ class Pace:
         start = now - window if recent else self.window_start(now, window)
         step = self.steps[-1][1] if self.steps else None
         ranks = tuple(rank_pace(s, node, start) for s in sorted(self.ranks.values(), key=_order))
+        named = self.named if self.state == SLOW else None
         return JobPace(self.job, self.uid, node, wall, step, self.baseline, self.state, self.since_wall,
-                       round(now - start, 3), ranks, gpu_paces(self.gpus, start, ranks))
+                       round(now - start, 3), ranks, gpu_paces(self.gpus, start, ranks),
+                       named[0] if named else None, named[1] if named else None)
 
 
 def _order(s: RankSeries) -> tuple[int, int]:
@@ -238,7 +242,7 @@ class Paces(dict[JobKey, Pace]):
         if unknown:
             raise TypeError(f"Paces.change: no such field of a job's pace: {', '.join(sorted(unknown))}")
         if state == STEADY:
-            for name in ("since", "since_wall", "incident", "elsewhere", "finding"):
+            for name in ("since", "since_wall", "incident", "elsewhere", "finding", "named"):
                 values.setdefault(name, None)
             values.setdefault("gpus", collections.deque(maxlen=GPU_LOOKS_KEEP))
         old = p.state
@@ -249,4 +253,4 @@ class Paces(dict[JobKey, Pace]):
         return True
 
 
-_SETTABLE: Final = frozenset({"since", "since_wall", "incident", "elsewhere", "finding", "gpus", "baseline"})
+_SETTABLE: Final = frozenset({"since", "since_wall", "incident", "elsewhere", "finding", "named", "gpus", "baseline"})

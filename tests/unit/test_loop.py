@@ -194,3 +194,45 @@ def test_a_deadline_is_absolute_and_only_ever_cut() -> None:
     assert d.cut(3.0, now=104.0).at == 107.0 and d.cut(30.0, now=104.0) == d  # a step's own timeout, never past it
     assert d.sooner(4.0).at == 106.0 and d.passed(now=110.0) and not d.passed(now=109.9)
     assert time.monotonic() < Deadline.after(1.0).at
+
+
+def test_a_slow_episode_is_captured_once_as_nobodys_hang_and_its_workers_values_reach_its_job(daemon: Daemon) -> None:
+    """The pace machine's DeclareSlow: one capture queued (stacks and NVML only), no rank's life
+    changes, the job's policy never acts on it; its incident comes back to the job's pace. The pace's
+    workers' values (a sample, an NVML look, the other nodes' records) each reach their room."""
+    from hangwatchd.daemon.pace_room import GpusLooked
+    from hangwatchd.detect.pace_machine import DeclareSlow
+    from hangwatchd.detect.sampler import PaceSampled
+    from hangwatchd.fleet.paces import PacesRead
+    from hangwatchd.model import JobPace
+    from hangwatchd.watch.pace import SLOW, SLOWER, Pace
+
+    assert daemon.pace is not None and daemon.workers.act is not None
+    acted: list[Any] = []
+
+    def after_store(*a: Any, **k: Any) -> list[int]:  # what the job's policy would be told
+        acted.append(a)
+        return []
+
+    daemon.workers.act.after_store = after_store  # type: ignore[method-assign]  # caught, never carried out
+    ranks = [watch(daemon, ME, "paced") for _ in range(2)]
+    key = (ME, "paced")
+    p = daemon.pace.paces[key] = Pace(key)
+    assert daemon.pace.paces.change(p, SLOWER, why="unit", since=0.0) and daemon.pace.paces.change(p, SLOW, why="unit")
+    record = JobPace("paced", ME, "unit", 0.0, 0.125, 0.1, "slow")
+    daemon._act([DeclareSlow(key, tuple(ranks), Suspicion("slow", "25% slower", 0.0, ("pace",)), (record,))], 1.0)
+    ((fn, args),) = pool(daemon).jobs
+    (c,) = daemon.workers.captures.values()
+    assert c.pace == key and c.watched == [] and [s.name for s, _ in daemon.workers.slow_steps] == ["proc", "pyspy", "nvml"]
+    assert b'"records"' in args[-1]["slow.json"] and all(w.state is State.HEALTHY for w in ranks)
+    daemon.inbox.post(CaptureDone(c.id, "inc-slow"))
+    daemon._dispatch(2.0)
+    assert p.incident == "inc-slow" and acted == [] and all(w.state is State.HEALTHY for w in ranks)
+    assert counter(daemon, "hangwatchd_incidents_total", reason="slow") == 1
+    daemon.inbox.post(PaceSampled(ranks[0].process, Sample(2.0, (), (), None, None, main="collective")))
+    daemon.inbox.post(GpusLooked(key, 3.0, None, "no NVML here", absent=True))
+    daemon.inbox.post(PacesRead(key, (JobPace("paced", ME, "other", 0.0, 0.125, 0.1, "slower"),)))
+    daemon._dispatch(3.0)
+    assert daemon.pace.nvml_absent_until > time.monotonic() and not daemon.pace._nvml_here()
+    assert list(p.remote) == ["other"] and counter(daemon, "hangwatchd_loop_errors_total", where="PaceSampled") == 0
+    assert counter(daemon, "hangwatchd_loop_errors_total", where="GpusLooked") == 0

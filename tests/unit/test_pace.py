@@ -89,6 +89,16 @@ def test_ranks_waiting_alike_by_chance_are_never_taken_for_a_straggler() -> None
     assert named <= 4, f"{named} of 2000 uniform windows named a rank"
 
 
+def test_a_rank_named_when_the_episode_began_is_confirmed_while_it_still_stands_apart() -> None:
+    ranks = [rank(0, 73, 29), rank(1, 73, 30), rank(2, 73, 27), rank(3, 73, 15)]  # 21 % against 39 %: z about 2.9
+    assert pace.slowest(ranks) is None
+    named = JobPace("train", 1000, "n1", 1e9, 0.125, 0.1, "slow", None, 60.0, tuple(ranks), (), 3, "n1")
+    a = slow.judge([named]).to_dict()
+    assert (a["pace"]["rank"], a["pace"]["node"]) == (3, "n1")
+    other = replace(named, named_rank=1)  # a rank that does not wait least is never confirmed
+    assert slow.judge([other]).to_dict()["pace"]["cause"] == "alike"
+
+
 # -- the verdict on the nodes' records -------------------------------------------------------------
 
 def record(ranks: list[RankPace], node: str = "n1", gpus: tuple[GpuPace, ...] = (), step: float = 0.125) -> JobPace:
