@@ -97,10 +97,11 @@ def judge(records: Sequence[JobPace]) -> Analysis:
         who = f"rank {r.rank} on {r.node}" if r.rank is not None else f"pid {r.pid} on {r.node}"
         summary = (f"{lead}: {who} holds it back (it waits in collectives {found.share:.0%} of the time, the other ranks "
                    f"{found.others:.0%}): {cause.text}.")
-        verdicts = tuple(_verdict(x, cause.text, cause.location, verdict="slow-rank") if x is r else
+        told = cause.text.replace(f" at {cause.location}", "", 1) if cause.location else cause.text  # the location is said apart
+        verdicts = tuple(_verdict(x, told, cause.location, verdict="slow-rank") if x is r else
                          _verdict(x, f"waits in collectives {_pct(x.wait_share)} of the time, for {who}", x.frame,
                                   verdict="waits-for-slow-rank") for x in ranks)
-        return Analysis(summary, (Culprit(r.rank, r.pid, cause.text, cause.location, r.node, r.gpu_index),), verdicts, (),
+        return Analysis(summary, (Culprit(r.rank, r.pid, told, cause.location, r.node, r.gpu_index),), verdicts, (),
                         tuple(rests), pace=figures)
     here = [x for x in head.ranks if x.samples >= pace.MIN_SAMPLES]
     if pace.everyone_waits(head.ranks) and pace.contended(head.ranks, head.step_s):
