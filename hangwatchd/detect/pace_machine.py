@@ -211,6 +211,7 @@ class PaceMachine:
                 p.steady.clear()
                 p.relearned += 1
                 self.paces.change(p, STEADY, why="a new phase: its baseline is learned again", baseline=None)
+                return None
             if now >= p.next_review:  # said now and then, so that a person sees why nothing is filed yet
                 p.next_review = now + self.cfg.slow_for
                 log.info("job_pace_undecided", job=p.job, uid=p.uid, detail=detail,
