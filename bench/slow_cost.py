@@ -16,6 +16,7 @@ pace under the daemon that does not watch its pace.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -26,10 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hangwatchd.testing import ScratchDaemon, stop, wait_for  # noqa: E402 - after the path is set
+from hangwatchd.testing import ScratchDaemon, stop, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _figures import Figure, Spread, judged, report  # noqa: E402
+from _figures import Figure, Spread, judged, report
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "cause" / "pace_job.py"
@@ -46,14 +47,13 @@ def cpu_seconds(pid: int) -> float:
 def beats(d: ScratchDaemon) -> int:
     res = subprocess.run([sys.executable, "-m", "hangwatchd", "status", "--json", "--runtime-dir", str(d.runtime_dir)],
                          capture_output=True, text=True, timeout=30)
-    import json
-
     return sum(p["beats"] for p in json.loads(res.stdout)["processes"] if p.get("job") == "paced")
 
 
 def one_round(base: Path, pace_on: bool, seconds: float) -> tuple[float, float]:
     """(the daemon's CPU in % of a core, the job's steps a second) over ``seconds`` of a steady job."""
     config = {"slow_jobs": pace_on, "pyspy_native": False, "gpu_dump": "never"}
+    base.mkdir(parents=True, exist_ok=True)
     control = base / "control.json"
     control.write_text("{}")
     from tests.s3server import free_port

@@ -24,10 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hangwatchd.testing import ScratchDaemon, stop, wait_for  # noqa: E402 - after the path is set
+from hangwatchd.testing import ScratchDaemon, stop, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _figures import Figure, report  # noqa: E402
+from _figures import Figure, report
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "cause" / "pace_job.py"
