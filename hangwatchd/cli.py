@@ -167,12 +167,22 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     if not (path / "incident.json").exists() and not process_dirs(path):
         raise UsageError(f"analyze: {path} is no incident: it has no incident.json and no process subdirectory "
                          "with proc.json, pyspy.json, symbolized.json, ...; give an incident directory")
-    result = analyze(path)
+    result = analyze(path, raw_dumps=_symbolize_limits())
     if args.json:
         _print_json(result.to_dict())
     else:
         sys.stdout.write(render_analysis(result.to_dict()))
     return 0
+
+
+def _symbolize_limits() -> Any:
+    """The limits a raw GPU dump in a directory is symbolised under (an untrusted dump, as in the
+    daemon: the config's defaults), in the sandbox's child."""
+    from .config import Config
+    from .cudacore import sandbox
+
+    cfg = Config()
+    return sandbox.Limits(cfg.symbolize_cpu_seconds, int(cfg.symbolize_memory_mb), cfg.symbolize_timeout)
 
 
 def _store_url(args: argparse.Namespace) -> Any:
@@ -205,7 +215,7 @@ def _analyze_store(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="hangwatchd-job-") as tmp:
             merged = fetch(url, found[0], Path(tmp) / found[0].job_incident)
             job = {k: v for k, v in found[0].to_dict().items() if k != "ranks"}  # the analysis's ranks say more
-            result = {**analyze(merged).to_dict(), **job}
+            result = {**analyze(merged, raw_dumps=_symbolize_limits()).to_dict(), **job}
     except ReadError as exc:
         raise Failure(str(exc)) from None
     if args.json:

@@ -270,6 +270,11 @@ class Config:
         "always, never (keeps hung processes running), or when confirmed (the heartbeat and the stack "
         "agree, or its native stack waits on the GPU or a collective), whatever on_hang says")
     gpu_dump_timeout: float = key(120.0, _seconds, "seconds to wait for the driver to finish writing a CUDA coredump")
+    exception_fifos: bool = key(True, _bool, "hangwatchd run points the driver's GPU exception dumps at a FIFO the daemon makes for "
+        "each process (DUMP_DIR/exceptions/UID/), so the process's stacks are taken while it still waits where the error "
+        "surfaced, before the dump is read; false: the dumps are files in dump_dir, found after the process is gone")
+    exception_dump_max_bytes: int = key(8 << 30, parse_size, "bytes of one GPU exception dump read from its FIFO "
+        "(\"8GiB\"); past it the reading stops, the incident says so, and the driver's write fails")
     symbolize_cpu_seconds: float = key(30.0, _seconds, "CPU seconds the child that symbolises one GPU dump may use before it is killed")
     symbolize_memory_mb: int = key(4096, _megabytes, "address space, in MB, of the child that symbolises one GPU dump (the dump is mapped into it)")
     symbolize_timeout: float = key(60.0, _seconds, "seconds the child that symbolises one GPU dump may take before it is killed")

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import flight, ras
+from ..cudacore import sandbox
+from . import flight, raw_dump, ras
 from .jsonfile import Unreadable, read_json
 from .stacks import read_threads
 
@@ -48,13 +49,19 @@ def read_json_object(path: Path, problems: list[str]) -> dict[str, Any] | None:
     return data
 
 
-def read(pdir: Path, known: dict[str, Any] | None = None) -> Evidence:
+def read(pdir: Path, known: dict[str, Any] | None = None, raw_dumps: sandbox.Limits | None = None) -> Evidence:
+    """``raw_dumps``: symbolise a raw dump found without symbolized.json (``raw_dump``), in the
+    sandbox under these limits (``hangwatchd analyze``); the daemon's own analyses never do."""
     problems: list[str] = []
     used: list[str] = []
     proc = read_json_object(pdir / "proc.json", problems)
     if proc is None:
         proc = known if isinstance(known, dict) else {}
     sym = read_json_object(pdir / "symbolized.json", problems) or {}
+    if not sym and raw_dumps is not None and not (pdir / "symbolized.json").exists():
+        from_raw, why_raw = raw_dump.symbolized(pdir, raw_dumps)
+        sym = from_raw or {}
+        problems += [why_raw] if why_raw else []
     nvml = read_json_object(pdir / "nvml.json", problems) or {}
     threads, why = read_threads(pdir)
     problems += why

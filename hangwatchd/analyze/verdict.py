@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..cudacore import sandbox
 from ..detect import patterns
 from . import (
     chain_text,
@@ -25,7 +26,9 @@ from . import (
     process_tree,
     ras,
     ras_blame,
+    raw_dump,
     stream_deadlock,
+    surfaced,
     waitfor,
 )
 from . import threads as th
@@ -50,7 +53,7 @@ def _user_location(threads: list[dict[str, Any]]) -> str | None:
 
 def process_dirs(incident: Path) -> list[Path]:
     wanted = ("proc.json", "pyspy.json", "pyspy-native.json", "symbolized.json", "flight-recorder.pkl", "nvml.json",
-              "nccl-ras.txt", "nccl-ras.json")
+              "nccl-ras.txt", "nccl-ras.json", *raw_dump.NAMES)
     try:
         subdirs = [p for p in incident.iterdir() if p.is_dir() and not p.is_symlink()]
     except OSError:
@@ -150,9 +153,16 @@ def judge_evidence(pdir: Path, ev: evidence.Evidence, known: dict[str, Any] | No
         return _where(f) if f else None
 
     for exc in evidence.dicts(sym.get("exceptions")):
-        frame = next((f for f in evidence.dicts(exc.get("frames")) if f.get("file")), None)
+        frames = evidence.dicts(exc.get("frames"))
+        frame = next((f for f in frames if f.get("file")), None)
         loc = f"{frame.get('function')} ({frame.get('file')}:{frame.get('line')})" if frame else exc.get("kernel")
-        return verdict("gpu-exception", f"{exc.get('type', 'an exception')} in {exc.get('kernel')}", loc)
+        detail = f"{exc.get('type', 'an exception')} in {surfaced.short_name(str(exc.get('kernel')))}"
+        chain = surfaced.kernel_chain(frames)
+        detail += f" at {chain}" if chain else " (no source lines in its cubin)" if frames else ""
+        where = surfaced.find(threads)
+        if where is None:
+            return verdict("gpu-exception", detail, loc)
+        return verdict("gpu-exception", f"{detail}, surfaced in {where.text()}; {surfaced.ASYNC_NOTE}", where.location)
     kernels = [str(k["name"]) for k in stream_deadlock.kernels_on(sym, gpus)]
     nccl = [k for k in kernels if "nccl" in k.lower()]
     if nccl:
@@ -190,12 +200,14 @@ def judge_evidence(pdir: Path, ev: evidence.Evidence, known: dict[str, Any] | No
     return verdict("unknown", "nothing was captured that says what it was doing")
 
 
-def analyze(incident: Path) -> Analysis:
+def analyze(incident: Path, raw_dumps: sandbox.Limits | None = None) -> Analysis:
+    """The verdict on an incident directory. ``raw_dumps``: a process directory's raw GPU dump without
+    symbolized.json is symbolised, in the sandbox under these limits (``hangwatchd analyze``)."""
     problems: list[str] = []
     meta = evidence.read_json_object(incident / "incident.json", problems) or {}
     known = {str(p.get("dir") or p.get("pid")): p for p in evidence.dicts(meta.get("processes"))}
     all_dirs = process_dirs(incident)
-    everyone = process_tree.members(all_dirs, [evidence.read(p, known.get(p.name)) for p in all_dirs])
+    everyone = process_tree.members(all_dirs, [evidence.read(p, known.get(p.name), raw_dumps) for p in all_dirs])
     pids = {m.pid for m in everyone}
     kids = [m for m in everyone if process_tree.is_child(m, pids)]
     tops = [m for m in everyone if m not in kids]

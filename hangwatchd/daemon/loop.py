@@ -55,7 +55,8 @@ from ..detect.machine import Decision, Declare, Drop, StateMachine, retry_pause
 from ..detect.sampler import Sampler, SampleTaken
 from ..detect.stack import BLOCKING, IDLE
 from ..fleet.agent import Agent, CaptureRequest
-from ..host import procfs
+from ..host import dump_fifos, procfs
+from ..host.dump_fifos import ExceptionBegun, ExceptionDrained, ExceptionFifos
 from ..host.gpu_events import GpuEvent, GpusFound
 from ..host.notify import notify, watchdog_interval
 from ..host.proc_exits import ProcExits
@@ -68,10 +69,11 @@ from ..metrics import Metrics, create, serve
 from ..model import State, Suspicion
 from ..watch.admission import Discovered, Registrations
 from ..watch.discovery import Discovery, GpuPidsFound
-from ..watch.watched import Watched, Watchlist
+from ..watch.watched import LIVE, Watched, Watchlist
 from ..workload import registration_file
 from . import act, exception_dumps
 from .capture_workers import CaptureDone, CaptureWorkers, ChoreDone
+from .exception_capture import ExceptionLooked
 from .fr_warmup import Warmup, WarmupDone
 from .inbox import Inbox
 from .instance_lock import AlreadyRunning, InstanceLock, LockDirError
@@ -117,10 +119,12 @@ class Daemon:
         self.registrations = Registrations(cfg, self.watched, self.metrics, self.limits, self.selector, self.guard, post)
         self.spool = Spool(Path(cfg.runtime_dir) / SPOOL_DIR, cfg.spool_bytes_per_uid)  # reports kept while the state dir is full
         self.exits = ProcExits(listen="exits" in cfg.capture_steps)  # processes that end, with their signal
-        self.workers = CaptureWorkers(cfg, self.store, self.spool, make_steps(cfg, self.exits), self.metrics, self.watched,
-                                      self.registrations, self.fleet, post,
+        # GPU exception dumps through a FIFO per process, the stacks taken while the driver waits (host/dump_fifos.py).
+        self.fifos = ExceptionFifos(cfg.dumps, post, cfg.exception_dump_max_bytes) if cfg.exception_fifos else None
+        self.workers = CaptureWorkers(cfg, self.store, self.spool, make_steps(cfg, self.exits, self.fifos), self.metrics,
+                                      self.watched, self.registrations, self.fleet, post,
                                       act.Acting(Path(cfg.runtime_dir), cfg.on_hang, cfg.abort_grace, self.metrics,
-                                                 cfg.abort_on_request))
+                                                 cfg.abort_on_request), self.fifos)
         detector = HeartbeatDetector(cfg.startup_grace, cfg.learn_timeouts, cfg.learned_timeout_factor,
                                      cfg.learned_timeout_min, cfg.learned_timeout_max, int(cfg.learn_min_beats))
         self.machine = StateMachine(cfg, detector, self.watched, self.metrics,
@@ -190,6 +194,8 @@ class Daemon:
         cfg.driver_logs.mkdir(exist_ok=True)
         if os.stat(cfg.driver_logs).st_uid == os.geteuid():
             os.chmod(cfg.driver_logs, 0o1777)
+        if self.fifos is not None:
+            self.fifos.start()  # off (with one line logged) where the directory cannot be the daemon's
         self.inotify = INotify()
         self.reg_wd = self.inotify.add_watch(cfg.registrations, inflags.CLOSE_WRITE | inflags.MOVED_TO | inflags.CREATE
                                              | inflags.DELETE | inflags.MOVED_FROM)
@@ -203,7 +209,8 @@ class Daemon:
         self.exits.start()  # as root on the host; elsewhere off, with one line saying why
         self.status.metrics_address = self.metrics_address
         self.status.write([])  # status.json exists whenever daemon.json does; its writer thread keeps it from here
-        self.status.write_daemon(cfg.state_dir, cfg.dumps, self.metrics_address)  # last: clients find the daemon by it
+        fifo = dump_fifos.pattern_for(self.fifos.root, "{uid}") if self.fifos is not None and self.fifos.on else None
+        self.status.write_daemon(cfg.state_dir, cfg.dumps, self.metrics_address, fifo)  # last: clients find the daemon by it
         self.status.start()
 
     def stop(self, *_: object) -> None:
@@ -258,6 +265,8 @@ class Daemon:
             self.status.remove()
             self.node_health.stop()
             self.exits.stop()
+            if self.fifos is not None and self.fifos.on:
+                self.fifos.stop()  # after the captures: none reads a FIFO any more
             self.state_lock.release()
             self.lock.release()
         return 0
@@ -351,6 +360,14 @@ class Daemon:
             self.node_health.gpus_found(m)
         elif isinstance(m, GpuEvent):
             self.node_health.gpu_event(m)
+        elif isinstance(m, ExceptionBegun):
+            self._exception_begun(m, now)
+        elif isinstance(m, ExceptionLooked):
+            done = self.workers.exception_looked(m)
+            if done is not None:
+                self._capture_done(done, now)
+        elif isinstance(m, ExceptionDrained):
+            self.workers.exception_drained(m)
         else:  # a worker posted what nobody takes: a bug, never a silent loss
             raise TypeError(f"no room takes {type(m).__name__}")
 
@@ -384,6 +401,17 @@ class Daemon:
         if group:
             why = Suspicion("job-request", f"node {req.node} declared job {req.job} hung ({req.reason}: {req.detail})", req.time)
             self._act(self.machine.declare(group, why, now, req.job_incident, requested=req.on_hang), now)
+
+    def _exception_begun(self, begun: ExceptionBegun, now: float) -> None:
+        """The driver began an exception's dump in a process's FIFO: captured now, alive. The process is
+        HUNG from here (its beats have stopped: the exception is its one incident, never a second hang)."""
+        w = self.watched.get(begun.registration.process)
+        group = [w] if w is not None and w.state in LIVE else []
+        if self.workers.start_exception(begun, group) is None and group:
+            why = Suspicion("gpu-exception", f"GPU exception: the driver began writing its dump into {begun.fifo}", begun.since)
+            for d in self.machine.declare(group, why, now):
+                if isinstance(d, Declare):
+                    self.machine.handed_over(d, None, now)
 
     @staticmethod
     def _warmup_done(done: WarmupDone) -> None:
@@ -440,6 +468,8 @@ class Daemon:
                 self.machine.backoff(w, now, "observe")
             if self.warmup is not None:
                 self.warmup.add(w.registration)
+            if self.fifos is not None and self.fifos.on and w.registration.source != "discovered":
+                self.fifos.add(w.registration)  # before CUDA can fault: hangwatchd run's child waits for it
 
     def rescan(self) -> None:
         self.registrations.rescan()

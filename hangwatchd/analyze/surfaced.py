@@ -1,0 +1,107 @@
+"""Where a GPU exception surfaced in the program, and how its kernel is told.
+
+A kernel's fault is reported to the host at the next call that waits for the
+GPU (a synchronise, a copy to the host, ``Tensor.item``), often lines after the
+launch. When the daemon caught the exception alive (its FIFO), the thread in that
+call is still there: the one whose stack is inside the CUDA driver or in a
+PyTorch call that waits for the GPU (``patterns.GPU``). Its innermost frame of
+the program's own is where the error surfaced; a CUDA graph's replay on the
+stack is named as such. Helper threads (PyTorch's, NCCL's) are passed over.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..detect import patterns
+from . import threads as th
+from .stacks import is_user_frame
+
+ASYNC_NOTE = ("with asynchronous launches the line where a GPU error surfaces can be later than the one that "
+              "launched the kernel (CUDA_LAUNCH_BLOCKING=1 makes them the same)")
+_GRAPH = re.compile(r"(?:^|\.)replay$|\bcu(?:da)?GraphLaunch")
+LONG_NAME = 100  # characters past which a kernel's or function's name loses its template arguments
+
+
+@dataclass(frozen=True)
+class Surfaced:
+    thread: str  # the thread's name
+    main: bool
+    frame: dict[str, Any]  # the program's innermost frame in that thread
+    call: str | None  # the waiting call the stack shows (cudaStreamSynchronize, item)
+    graph: dict[str, Any] | None  # the program's frame that replays a CUDA graph, where the stack shows one
+
+    @property
+    def location(self) -> str:
+        return f"{self.frame.get('name')} ({self.frame.get('filename')}:{self.frame.get('line')})"
+
+    def text(self) -> str:
+        """``in `print(data[index])` (x.py:26)``, or ``in thread model-runner at run_model (x.py:48)``."""
+        f = self.frame
+        base = os.path.basename(str(f.get("filename") or "?"))
+        code = f.get("code")
+        where = f"`{code}` ({base}:{f.get('line')})" if isinstance(code, str) and code else th.short(f)
+        who = "" if self.main else f"thread {self.thread} at "
+        out = f"{who}{where}" if who else where
+        if self.graph is not None:
+            out += f", in the replay of a CUDA graph ({th.short(self.graph)})"
+        return out
+
+
+def find(threads: list[dict[str, Any]]) -> Surfaced | None:
+    """The thread the exception surfaced in, and the program's line there; None when no thread is in
+    a call that waits for the GPU (stacks of another moment, or none)."""
+    best: tuple[int, int, Surfaced] | None = None
+    for order, t in enumerate(th.ordered(threads)):
+        frames = [f for f in t.get("frames") or [] if isinstance(f, dict)]
+        names = [str(f.get("name") or "") for f in frames]
+        native = next((n for n in names if patterns.GPU_NATIVE.search(n)), None)
+        python = next((str(f.get("name")) for f in frames if th.is_python(f) and patterns.GPU_PYTHON.search(str(f.get("name") or ""))), None)
+        in_driver = any(patterns.DRIVER_LIBRARY in str(f.get("filename") or f.get("module") or "") for f in frames)
+        score = 3 if native else 2 if python and in_driver else 1 if python or in_driver else 0
+        mine = next((f for f in frames if is_user_frame(f) and th.is_python(f)), None)
+        if not score or mine is None:
+            continue
+        graph = None
+        for i, f in enumerate(frames):
+            if _GRAPH.search(str(f.get("name") or "")):
+                graph = next((g for g in frames[i + 1:] if is_user_frame(g) and th.is_python(g)), None)
+                break
+        found = Surfaced(str(t.get("thread_name") or t.get("os_thread_id") or "?"), th.is_main(t), mine,
+                         native or python, graph)
+        if best is None or (score, -order) > best[:2]:
+            best = (score, -order, found)
+    return best[2] if best else None
+
+
+def short_name(name: str) -> str:
+    """A C++ name a person can read in a sentence: past LONG_NAME characters, template arguments as
+    ``<…>`` and the parameter list as ``(…)``."""
+    if len(name) <= LONG_NAME:
+        return name
+    out, depth = [], 0
+    for ch in name:
+        if ch == "<":
+            if depth == 0:
+                out.append("<…>")
+            depth += 1
+        elif ch == ">" and depth:
+            depth -= 1
+        elif depth == 0:
+            out.append(ch)
+    text = "".join(out)
+    if len(text) > LONG_NAME and "(" in text:
+        text = text[: text.index("(")] + "(…)"
+    return text.removeprefix("void ")
+
+
+def kernel_chain(frames: list[dict[str, Any]]) -> str:
+    """The kernel's source lines, innermost first, each inlined into the next: ``store_at(int*, long,
+    int) (inlined.cu:9) ← epilogue(int*, long, int) (inlined.cu:13) ← faulty_epilogue_kernel(int*,
+    long) (inlined.cu:17)``; "" without line information."""
+    parts = [f"{short_name(str(f.get('function') or '?'))} ({os.path.basename(str(f.get('file')))}:{f.get('line')})"
+             for f in frames if f.get("file")]
+    return " ← ".join(parts)
