@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cudacore import sandbox
-from . import flight, raw_dump, ras
+from . import flight, ras, raw_dump
 from .jsonfile import Unreadable, read_json
 from .stacks import read_threads
 

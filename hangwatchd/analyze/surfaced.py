@@ -39,16 +39,22 @@ class Surfaced:
         return f"{self.frame.get('name')} ({self.frame.get('filename')}:{self.frame.get('line')})"
 
     def text(self) -> str:
-        """``in `print(data[index])` (x.py:26)``, or ``in thread model-runner at run_model (x.py:48)``."""
-        f = self.frame
-        base = os.path.basename(str(f.get("filename") or "?"))
-        code = f.get("code")
-        where = f"`{code}` ({base}:{f.get('line')})" if isinstance(code, str) and code else th.short(f)
-        who = "" if self.main else f"thread {self.thread} at "
-        out = f"{who}{where}" if who else where
-        if self.graph is not None:
-            out += f", in the replay of a CUDA graph ({th.short(self.graph)})"
-        return out
+        """``in `print(data[index])` (x.py:26)``, ``in thread model-runner at run_model (x.py:48)``, or
+        ``in the replay of a CUDA graph at <module> (x.py:12)``."""
+        where = _said(self.frame)
+        if self.graph is self.frame:
+            where = f"the replay of a CUDA graph at {where}"
+        elif self.graph is not None:
+            where = f"{where}, in the replay of a CUDA graph at {_said(self.graph)}"
+        return where if self.main else f"thread {self.thread} at {where}"
+
+
+def _said(f: dict[str, Any]) -> str:
+    """A frame as the verdict says it: its line of code where the capture read it, else its function."""
+    code = f.get("code")
+    if isinstance(code, str) and code:
+        return f"`{code}` ({os.path.basename(str(f.get('filename') or '?'))}:{f.get('line')})"
+    return th.short(f)
 
 
 def find(threads: list[dict[str, Any]]) -> Surfaced | None:

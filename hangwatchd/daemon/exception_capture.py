@@ -52,6 +52,7 @@ log = structlog.get_logger("hangwatchd.daemon")
 
 STEPS = ("proc", "pyspy")  # what is taken while the driver waits: facts and stacks, nothing that asks the process
 RAW = "coredump.nvcudmp"  # the drained dump in the draft, until it is compressed
+FILE_RESERVE = 30.0  # seconds (at most a quarter of what is left) held back from the drain for symbolising and compressing
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,9 @@ def drain_into(fifos: ExceptionFifos, begun: ExceptionBegun, looked: ExceptionLo
     elif looked.draft.spooled:
         fifos.drain(process, None, deadline.at, "the state dir has no room: the dump was not read (the report is kept)")
     else:
-        fifos.drain(process, looked.draft.path / str(process.pid) / RAW, deadline.at)
+        # The drain ends early enough for what came to be symbolised and compressed by the deadline.
+        keep = min(FILE_RESERVE, deadline.left() / 4)
+        fifos.drain(process, looked.draft.path / str(process.pid) / RAW, deadline.sooner(keep).at)
 
 
 def abandon(store: Store, draft: Draft) -> None:

@@ -406,7 +406,8 @@ class Daemon:
         """The driver began an exception's dump in a process's FIFO: captured now, alive. The process is
         HUNG from here (its beats have stopped: the exception is its one incident, never a second hang)."""
         w = self.watched.get(begun.registration.process)
-        group = [w] if w is not None and w.state in LIVE else []
+        # Bytes that are no dump (its owner wrote into the FIFO) say nothing of the process's state.
+        group = [w] if w is not None and w.state in LIVE and begun.coredump else []
         if self.workers.start_exception(begun, group) is None and group:
             why = Suspicion("gpu-exception", f"GPU exception: the driver began writing its dump into {begun.fifo}", begun.since)
             for d in self.machine.declare(group, why, now):

@@ -545,7 +545,8 @@ class ExceptionFifos:
         if not coredump:  # what is there now, kept for the incident; nothing more is waited for
             f.drain.feed(f.fd, budget=HEADER * 1024)
             self._drained(f, "junk", f"{self._path(f)} gave {f.drain.size} bytes that are not a CUDA coredump "
-                                     f"({header_facts(f.head)[2]}): not the driver's")
+                                     f"({header_facts(f.head)[2]}): not the driver's; the FIFO is let go, so a later "
+                                     "exception of the process is not caught alive")
             return
         if f.drain.ended is not None:
             self._drained(f, f.drain.ended)
