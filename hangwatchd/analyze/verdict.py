@@ -159,10 +159,10 @@ def judge_evidence(pdir: Path, ev: evidence.Evidence, known: dict[str, Any] | No
         detail = f"{exc.get('type', 'an exception')} in {surfaced.short_name(str(exc.get('kernel')))}"
         chain = surfaced.kernel_chain(frames)
         detail += f" at {chain}" if chain else " (no source lines in its cubin)" if frames else ""
-        where = surfaced.find(threads)
-        if where is None:
+        at = surfaced.find(threads)
+        if at is None:
             return verdict("gpu-exception", detail, loc)
-        return verdict("gpu-exception", f"{detail}, surfaced in {where.text()}; {surfaced.ASYNC_NOTE}", where.location)
+        return verdict("gpu-exception", f"{detail}, surfaced in {at.text()}; {surfaced.ASYNC_NOTE}", at.location)
     kernels = [str(k["name"]) for k in stream_deadlock.kernels_on(sym, gpus)]
     nccl = [k for k in kernels if "nccl" in k.lower()]
     if nccl:
