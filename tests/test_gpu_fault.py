@@ -152,6 +152,9 @@ def test_a_writer_that_dies_stalls_or_passes_the_cap_ends_with_its_line_in_the_i
         assert "<module>:illegal_address.py:12" in main_frames(Path(inc["dir"]) / str(data["processes"][0]["pid"]))
         assert not s["cuda_exception"]["ok"] and said in s["cuda_exception"]["error"], s["cuda_exception"]
         assert said in data["detail"] or said in json.dumps(data["processes"])
+        # No exception could be read from what came: the verdict says so, and where it surfaced.
+        assert data["verdict"].startswith(f"pid {data['processes'][0]['pid']}: GPU exception (core."), data["verdict"]
+        assert data["verdict"].endswith("surfaced in <module> (illegal_address.py:12)."), data["verdict"]
         # What came is kept, compressed, for whoever wants to look at it.
         assert "coredump.nvcudmp.zst" in s["cuda_exception"]["files"], s["cuda_exception"]
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import structlog
 
+from ..analyze import evidence, surfaced
 from ..analyze.verdict import analyze
 from ..capture.base import Step
 from ..capture.dump_artifacts import Stored, copy_text, store_fd
@@ -150,16 +151,21 @@ def _file(begun: ExceptionBegun, drained: ExceptionDrained, draft: Draft, captur
     incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason="gpu-exception", detail=detail,
                         job=reg.job, processes=(ProcessCapture(reg, captured.steps + (step,)),), since=begun.since,
                         node=node)
-    verdict, analysis = None, None
+    verdict, analysis = f"pid {pid}: {detail}.", None
     try:
         result = analyze(draft.path)
-        verdict, analysis = result.summary, result.to_dict()
+        analysis = result.to_dict()
+        if any(r.verdict == "gpu-exception" for r in result.ranks):
+            verdict = result.summary
+        else:  # no exception read from the dump: what it stopped at is said, and where it surfaced, not what the stacks look like
+            at = surfaced.find(list(evidence.read(outdir).threads))
+            verdict = f"pid {pid}: GPU exception ({detail})" + (f", surfaced in {at.text()}." if at else ".")
     except Exception as exc:  # a capture is stored even when its analysis fails
         log.error("analysis_failed", incident=draft.id, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
     incident = dataclasses.replace(incident, verdict=verdict)
     if analysis is not None:
         write_pages(draft.path, incident, analysis)
-    finish_draft(store, spool, draft, incident, f"gpu-exception: {verdict or detail}", analysis, metrics)
+    finish_draft(store, spool, draft, incident, f"gpu-exception: {verdict}", analysis, metrics)
     return draft.id
 
 

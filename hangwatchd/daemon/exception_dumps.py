@@ -10,6 +10,7 @@ not count as that process's GPU exception.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -112,11 +113,17 @@ def ingest(store: Store, path: Path, pid: int | None, claimed: Registration | No
         detail = f"{detail} ({who.note})" if who.note else detail
     incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason="gpu-exception",
                         detail=detail, job=reg.job, processes=(ProcessCapture(reg, (step,)),))
+    analysis = None
     try:
-        write_pages(draft.path, incident, analyze(draft.path).to_dict())
+        result = analyze(draft.path)
+        analysis = result.to_dict()
+        # The dump's verdict where it was read; else the driver's own report says more than "nothing was captured".
+        told = any(r.verdict == "gpu-exception" for r in result.ranks)
+        incident = dataclasses.replace(incident, verdict=result.summary if told else detail)
+        write_pages(draft.path, incident, analysis)
     except Exception as exc:  # the page is a convenience; the dump's report is stored all the same
         log.error("analysis_failed", incident=draft.id, error=f"{type(exc).__name__}: {exc}", exc_info=True)
-    finish_draft(store, spool, draft, incident, f"gpu-exception: {detail}", metrics=metrics)
+    finish_draft(store, spool, draft, incident, f"gpu-exception: {detail}", analysis, metrics=metrics)
     try:
         store.mark_ingested(path.name)
     except Exception:  # noqa: BLE001 - remembered in the daemon's memory for this run; a full index forgets it
