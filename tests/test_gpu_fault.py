@@ -25,7 +25,7 @@ from hangwatchd.testing import ScratchDaemon, stop, wait_for
 from hangwatchd.workload import runtime_files
 
 from .conftest import FIXTURES
-from .test_security import QUICK, SYSTEM_PYTHON, Attacker, attacker, base, needs_root  # noqa: F401 - fixtures (base, attacker)
+from .test_security import NOBODY, QUICK, SYSTEM_PYTHON, Attacker, attacker, base, needs_root  # noqa: F401 - fixtures (base, attacker)
 from .test_security_paths import VICTIM, user_env
 
 HERE = Path(__file__).parent / "gpufault"
@@ -88,7 +88,7 @@ def test_an_exception_is_one_incident_with_the_stacks_taken_while_the_driver_wai
         verdict = data["verdict"]
         assert verdict.startswith(f"pid {pid}: WARP_ILLEGAL_ADDRESS in faulty_epilogue_kernel(int*, long) at "
                                   "store_at(int*, long, int) (inlined.cu:9) ← epilogue(int*, long, int) (inlined.cu:13) ← "
-                                  "faulty_epilogue_kernel(int*, long) (inlined.cu:17), surfaced in <module> (illegal_address.py:12)"), verdict
+                                  "faulty_epilogue_kernel(int*, long) (inlined.cu:17), surfaced in `print(data.item())` (illegal_address.py:12)"), verdict
         assert "asynchronous launches" in verdict
         assert d.metric("hangwatchd_gpu_exceptions_total", type="WARP_ILLEGAL_ADDRESS") == 1.0
         d.event("process_forgotten", pid=pid)
@@ -108,7 +108,7 @@ def test_a_slow_driver_past_the_heartbeat_timeout_is_still_one_incident(tmp_path
         data = incident_json(inc)
         pid = data["processes"][0]["pid"]
         assert data["reason"] == "gpu-exception" and steps(data)["cuda_exception"]["ok"], data
-        assert "surfaced in <module> (illegal_address.py:12)" in data["verdict"]
+        assert "surfaced in `print(data.item())` (illegal_address.py:12)" in data["verdict"]
         d.event("process_forgotten", pid=pid, seconds=20)
         assert [i["reason"] for i in d.store().list()] == ["gpu-exception"]
         assert not d.metric_total("hangwatchd_incidents_total", reason="heartbeat")
@@ -127,9 +127,9 @@ def test_the_python_line_of_the_thread_that_met_the_fault_and_a_graphs_replay(tm
             stop(model, graph)
         verdict = {i["job"]: incident_json(i)["verdict"] for i in d.settled()}
         assert "WARP_ILLEGAL_ADDRESS in faulty_epilogue_kernel(int*, long)" in verdict["model"]
-        assert "surfaced in thread model-runner at run_model (model_thread.py:15)" in verdict["model"], verdict["model"]
-        assert ("surfaced in the replay of a CUDA graph at <module> (graph_replay.py:12)"
-                in verdict["graph"]), verdict["graph"]
+        assert ("surfaced in thread model-runner at `outputs.put(fakecuda.Tensor().item())` (model_thread.py:15)"
+                in verdict["model"]), verdict["model"]
+        assert "surfaced in the replay of a CUDA graph at `g.replay()` (graph_replay.py:12)" in verdict["graph"], verdict["graph"]
 
 
 @pytest.mark.parametrize("mode, config, said", [
@@ -154,7 +154,7 @@ def test_a_writer_that_dies_stalls_or_passes_the_cap_ends_with_its_line_in_the_i
         assert said in data["detail"] or said in json.dumps(data["processes"])
         # No exception could be read from what came: the verdict says so, and where it surfaced.
         assert data["verdict"].startswith(f"pid {data['processes'][0]['pid']}: GPU exception (core."), data["verdict"]
-        assert data["verdict"].endswith("surfaced in <module> (illegal_address.py:12)."), data["verdict"]
+        assert data["verdict"].endswith("surfaced in `print(data.item())` (illegal_address.py:12)."), data["verdict"]
         # What came is kept, compressed, for whoever wants to look at it.
         assert "coredump.nvcudmp.zst" in s["cuda_exception"]["files"], s["cuda_exception"]
 
@@ -287,5 +287,25 @@ print(json.dumps(out))
         (inc,) = wait_for(lambda: [i for i in d.settled() if i["job"] == "v"], 60, "the victim's exception")
         data = incident_json(inc)
         assert data["processes"][0]["pid"] == int(fifo.name.split(".")[1]) and steps(data)["cuda_exception"]["ok"], data
-        assert "surfaced in <module> (illegal_address.py:12)" in data["verdict"]
+        assert "surfaced in `print(data.item())` (illegal_address.py:12)" in data["verdict"], data["verdict"]
         victim.wait(timeout=30)
+
+
+@needs_root
+def test_the_quoted_line_is_read_with_the_process_users_rights_only(base: Path, attacker: Attacker) -> None:
+    """A frame may name any file (a user's program can claim to be /etc/shadow): its line is read by a
+    helper running as the process's user, so a file that user cannot read is never quoted."""
+    from hangwatchd.host import source_lines
+    from hangwatchd.host.deadline import Deadline
+
+    secret = base / "secret.py"
+    secret.write_text("root_only = 1\n")
+    os.chmod(secret, 0o600)
+    public = base / "public.py"
+    public.write_text("import os\nprint(data[index])  # here\n")
+    os.chmod(public, 0o644)
+    wanted = [(str(secret), 1), (str(public), 2), ("<string>", 1), (str(public), 99)]
+    theirs = attacker.spawn(["sleep", "60"], user=NOBODY, group=NOBODY, extra_groups=[], cwd="/")  # the process named
+    lines = source_lines.read(theirs.pid, NOBODY, wanted, Deadline.after(5).at)
+    assert lines == [{"file": str(public), "line": 2, "code": "print(data[index])  # here"}], lines
+    assert source_lines.read(os.getpid(), 0, wanted[:1], Deadline.after(5).at)[0]["code"] == "root_only = 1"

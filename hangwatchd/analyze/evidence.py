@@ -65,6 +65,8 @@ def read(pdir: Path, known: dict[str, Any] | None = None, raw_dumps: sandbox.Lim
     nvml = read_json_object(pdir / "nvml.json", problems) or {}
     threads, why = read_threads(pdir)
     problems += why
+    if threads:
+        _quote_code(pdir, threads, problems)
     record, why_fr = flight.read(pdir / "flight-recorder.pkl")
     if why_fr:
         problems.append(f"{pdir.name}/flight-recorder.pkl: {why_fr}")
@@ -93,6 +95,20 @@ def read(pdir: Path, known: dict[str, Any] | None = None, raw_dumps: sandbox.Lim
 
 
 MAX_EXITS = 1024
+CODE_FILE = "code.json"  # lines of the program's frames, read at the capture as the process's user
+
+
+def _quote_code(pdir: Path, threads: list[dict[str, Any]], problems: list[str]) -> None:
+    """code.json's lines put on the frames they belong to (``code``), where the capture read them."""
+    data = read_json_object(pdir / CODE_FILE, problems)
+    if data is None:
+        return
+    code = {(x.get("file"), x.get("line")): x["code"] for x in dicts(data.get("lines"))
+            if isinstance(x.get("code"), str) and isinstance(x.get("line"), int)}
+    for t in threads:
+        for f in t.get("frames") or []:
+            if isinstance(f, dict) and (f.get("filename"), f.get("line")) in code:
+                f["code"] = code[(f.get("filename"), f.get("line"))][:200]
 
 
 def _exits(pdir: Path, problems: list[str]) -> list[dict[str, Any]]:

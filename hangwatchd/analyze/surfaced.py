@@ -11,8 +11,10 @@ stack is named as such. Helper threads (PyTorch's, NCCL's) are passed over.
 
 from __future__ import annotations
 
+import io
 import os
 import re
+import tokenize
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,10 +53,21 @@ class Surfaced:
 
 def _said(f: dict[str, Any]) -> str:
     """A frame as the verdict says it: its line of code where the capture read it, else its function."""
-    code = f.get("code")
-    if isinstance(code, str) and code:
+    code = without_comment(f.get("code") or "") if isinstance(f.get("code"), str) else ""
+    if code:
         return f"`{code}` ({os.path.basename(str(f.get('filename') or '?'))}:{f.get('line')})"
     return th.short(f)
+
+
+def without_comment(line: str) -> str:
+    """A line of Python without its trailing comment (a ``#`` inside a string stays)."""
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(line).readline):
+            if tok.type == tokenize.COMMENT:
+                return line[: tok.start[1]].rstrip()
+    except (tokenize.TokenError, SyntaxError):
+        pass  # a statement that goes on over the next lines: no comment was met before its end
+    return line.strip()
 
 
 def find(threads: list[dict[str, Any]]) -> Surfaced | None:

@@ -24,6 +24,7 @@ report says so.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import socket
@@ -39,18 +40,19 @@ from ..capture.base import Step
 from ..capture.dump_artifacts import Stored, copy_text, store_fd
 from ..capture.pipeline import run_steps
 from ..cudacore.symbolize import Symbolized
-from ..host import untrusted
+from ..host import source_lines, untrusted
 from ..host.deadline import Deadline
 from ..host.dump_fifos import ExceptionBegun, ExceptionDrained, ExceptionFifos
 from ..incidents.spool import Spool, begin_draft, finish_draft
 from ..incidents.store import Draft, Store
 from ..metrics import Metrics, exception_type
-from ..model import Incident, ProcessCapture, StepResult
+from ..model import Incident, ProcessCapture, Registration, StepResult
 from . import exception_dumps
 from .make_incident import write_pages
 
 log = structlog.get_logger("hangwatchd.daemon")
 
+CODE_TIMEOUT = 2.0  # seconds to read the lines the verdict quotes, while the driver waits
 STEPS = ("proc", "pyspy")  # what is taken while the driver waits: facts and stacks, nothing that asks the process
 RAW = "coredump.nvcudmp"  # the drained dump in the draft, until it is compressed
 FILE_RESERVE = 30.0  # seconds (at most a quarter of what is left) held back from the drain for symbolising and compressing
@@ -78,12 +80,30 @@ def look(capture: int, begun: ExceptionBegun, steps: list[tuple[Step, float]], d
         outdir.mkdir(parents=True, exist_ok=True)
         chosen = [(s, t) for s, t in steps if s.name in STEPS] if begun.coredump else []
         captured = run_steps(chosen, reg, outdir, deadline, metrics)
+        if chosen:
+            try:
+                read_code(reg, outdir, deadline.cut(CODE_TIMEOUT))
+            except Exception as exc:  # the quoted line is a nicety: its trouble costs it alone
+                log.warning("code_not_read", pid=pid, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
     except BaseException:
         abandon(store, draft)
         raise
     log.info("exception_looked", pid=pid, incident=draft.id, steps=[s.step for s in captured.steps],
              seconds_since_begun=round(time.time() - begun.since, 3))
     return ExceptionLooked(capture, draft, captured)
+
+
+def read_code(reg: Registration, outdir: Path, deadline: Deadline) -> None:
+    """code.json: the lines of the program's own frames in the thread where the exception surfaced
+    (the verdict quotes them), read as the process's user; nothing where none could be read."""
+    at = surfaced.find(list(evidence.read(outdir).threads))
+    if at is None:
+        return
+    frames = [at.frame] + ([at.graph] if at.graph is not None and at.graph is not at.frame else [])
+    wanted = [(str(f.get("filename") or ""), int(f.get("line") or 0)) for f in frames]
+    lines = source_lines.read(reg.process.pid, reg.uid, wanted, deadline.at)
+    if lines:
+        (outdir / evidence.CODE_FILE).write_text(json.dumps({"lines": lines}, indent=1))
 
 
 def drain_into(fifos: ExceptionFifos, begun: ExceptionBegun, looked: ExceptionLooked, deadline: Deadline) -> None:
