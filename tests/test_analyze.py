@@ -425,7 +425,7 @@ def test_a_raw_dump_that_is_junk_or_a_link_is_one_line_never_an_error(tmp_path: 
         "inflated": ("coredump.nvcudmp.zst", zstandard.ZstdCompressor().compress(b"\0" * (64 << 20)), "not symbolised"),
         "link": ("coredump.nvcudmp", None, "symlinks are refused"),
     }
-    for pid, (name, data, said) in enumerate(cases.values(), 100):
+    for pid, (name, data, _said) in enumerate(cases.values(), 100):
         pdir = tmp_path / str(pid)
         pdir.mkdir()
         if data is None:
