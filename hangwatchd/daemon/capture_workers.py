@@ -339,7 +339,7 @@ class CaptureWorkers:
     # -- GPU dumps nobody asked for: exceptions ---------------------------
 
     def dump_appeared(self, name: str) -> None:
-        if not (name.endswith(".nvcudmp") or name.endswith(dump_names.DRIVER_LOG_SUFFIX)) or name in self.ingested:
+        if not exception_dumps.is_dump_name(name) or name in self.ingested:
             return
         pid = dump_names.pid_of(name)
         if pid is not None and pid in self.dumping:

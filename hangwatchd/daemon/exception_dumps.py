@@ -181,6 +181,11 @@ class Scan:
     busy: bool  # some are still changing: look again in QUIET_S
 
 
+def is_dump_name(name: str) -> bool:
+    """A name the driver (or ``hangwatchd run``, for a lost dump's lines) gives what it leaves in the dump dir."""
+    return name.endswith(".nvcudmp") or name.endswith(dump_names.DRIVER_LOG_SUFFIX)
+
+
 def scan(directory: Path, ingested: Container[str], now: float | None = None) -> Scan:
     """The names in ``directory`` not yet ingested, split into whole and maybe still being written.
 
@@ -188,8 +193,8 @@ def scan(directory: Path, ingested: Container[str], now: float | None = None) ->
     now = time.time() if now is None else now
     ready, busy = [], False
     for path in sorted(directory.iterdir()):
-        if path.name.startswith(".") or path.name in ingested:
-            continue
+        if path.name.startswith(".") or path.name in ingested or not is_dump_name(path.name):
+            continue  # a flight-recorder trace, the exception FIFOs' directory: never a dump, never "busy"
         try:
             quiet = now - path.lstat().st_mtime >= QUIET_S
         except OSError:

@@ -284,6 +284,9 @@ class ExceptionFifos:
         except OSError as exc:
             self.off = f"{self.root}: {exc.strerror or exc}; GPU exception dumps go to files in the dump dir"
             log.error("exception_fifos_off", error=self.off)
+            self.epoll.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
             return False
         self.on = True
         self.epoll.register(self._wake_r, select.EPOLLIN)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch of GPU scenarios on the GPU machine (never in CI), all output in one tarball:
-#   bash tests/gpu/run_device.sh WAVE OUTDIR        WAVE: jobs | node1 | node2 | fast | diag | fr | frcost | frwarm | catalogue
+#   bash tests/gpu/run_device.sh WAVE OUTDIR        WAVE: jobs | node1 | node2 | fast | diag | fr | frcost | frwarm | catalogue | exception
 # The machine has PyTorch but not our dependencies: carry them as wheels in .whl/ (README,
 # "Running the GPU scenarios"). jobs needs 2 GPUs; node runs on one.
 set -u
@@ -61,6 +61,12 @@ case "$wave" in
     HANGWATCHD_BENCH_OUT=$work run catalogue timeout 560 python3 -m bench.catalogue --gpu -k gpu --jobs 2 --no-fail \
       --workdir "$work/cat" --json "$work/catalogue_gpu.json"
     echo "######## catalogue"; tail -c 6000 "$work/catalogue.log" ;;
+  exception)  # issue 28: GPU exceptions caught alive through the daemon's FIFO (eager, a CUDA graph), then the catalogue's model-thread case
+    run exception timeout 110 python3 tests/gpu/run_exception.py "$work/exception"
+    HANGWATCHD_BENCH_OUT=$work run catalogue timeout 100 python3 -m bench.catalogue --gpu -k gpu_model_thread_died_on_cuda_error \
+      --jobs 1 --no-fail --no-write --workdir "$work/cat" --json "$work/catalogue_gpu.json"
+    cp "$work/exception/exception.json" "$work/catalogue_gpu.json" "$out/" 2>/dev/null
+    for n in exception catalogue; do echo "######## $n"; tail -c 5000 "$work/$n.log"; done ;;
   *) echo "unknown wave $wave" >&2; exit 2 ;;
 esac
 find "$work" -name '*.zst' -delete
