@@ -39,6 +39,7 @@ KEYS = frozenset({"CUDA_COREDUMP_PIPE", "CUDA_COREDUMP_FILE", "CUDA_ENABLE_USER_
 # per GPU is triggered: its turn lasts until the driver has begun writing the dump file (past
 # collecting the GPU's state), or TURN seconds.
 TURN = 2.0
+LAST_LINES = 2.0  # seconds a dump read whole from the FIFO waits for its process to end (the driver's last lines)
 _turns: dict[str, threading.Lock] = {}  # one per GPU device file: bounded by the node's GPUs
 _turns_guard = threading.Lock()
 
@@ -166,6 +167,10 @@ class CudaDumpStep:
             if drain.size >= dump_fifos.HEADER:
                 drain.expect(os.pread(out, dump_fifos.HEADER, 0))
             note = dump_fifos.read_blocking(fd, drain, end, fifo, gone) if drain.size else None
+            # The driver's last lines ("All done") come as it closes and ends the process: a moment for them.
+            last_lines_by = min(end, time.monotonic() + LAST_LINES)
+            while drain.ended == "whole" and not gone() and time.monotonic() < last_lines_by:
+                time.sleep(0.05)
         finally:
             os.close(fd)
             os.close(out)

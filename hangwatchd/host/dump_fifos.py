@@ -241,6 +241,7 @@ class _Fifo:
     deadline: float = float("inf")
     exited: bool = False
     since: float = 0.0
+    polled: bool = False  # its exit is looked for in /proc (its pidfd cannot be polled here)
 
 
 @dataclass
@@ -271,6 +272,7 @@ class ExceptionFifos:
         self._uid_fds: dict[int, int] = {}
         self._root_fd = -1
         self._stopping = False
+        self._next_look = 0.0  # when processes whose pidfds cannot be polled are looked for next
         self._thread: threading.Thread | None = None
         self.epoll = select.epoll()
 
@@ -395,6 +397,10 @@ class ExceptionFifos:
             for f in list(self._fifos.values()):
                 if f.state == "draining" and now >= f.deadline:
                     self._drained(f, "deadline")
+                elif f.polled and not f.exited and now >= self._next_look and not procfs.alive(f.reg.process):
+                    self._exited(f)
+            if now >= self._next_look:
+                self._next_look = now + 1.0
 
     def _do(self, cmd: _Command) -> None:
         f = self._fifos.get(cmd.process)
@@ -460,8 +466,11 @@ class ExceptionFifos:
             return None
         f = _Fifo(reg, name, uid_fd, fd, wfd, (st.st_dev, st.st_ino), pidfd)
         self._fifos[proc] = f
-        self._by_fd[pidfd] = ("pidfd", f)
-        self.epoll.register(pidfd, select.EPOLLIN)
+        try:
+            self.epoll.register(pidfd, select.EPOLLIN)
+            self._by_fd[pidfd] = ("pidfd", f)
+        except OSError:  # a kernel whose pidfds cannot be polled: its exit is looked for once a second instead
+            f.polled = True
         self._watch(f)
         return f
 
@@ -701,8 +710,11 @@ def _fifo_in(uid_fd: int, name: str, uid: int) -> tuple[int, int, os.stat_result
         fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, WAIT_PIPE)
     except OSError:
         pass
-    try:  # a reader is there (ours): never blocks
-        wfd = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:  # a reader is there (ours): never blocks; our own directory, so the name is still ours
+        wfd = os.open(name, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=uid_fd)
+        if (os.fstat(wfd).st_dev, os.fstat(wfd).st_ino) != (st.st_dev, st.st_ino):
+            os.close(wfd)
+            raise OSError(errno.EEXIST, f"{name} changed under the daemon")
     except OSError:
         os.close(fd)
         raise

@@ -62,8 +62,8 @@ case "$wave" in
       --workdir "$work/cat" --json "$work/catalogue_gpu.json"
     echo "######## catalogue"; tail -c 6000 "$work/catalogue.log" ;;
   exception)  # issue 28: GPU exceptions caught alive through the daemon's FIFO (eager, a CUDA graph), then the catalogue's model-thread case
-    run exception timeout 110 python3 tests/gpu/run_exception.py "$work/exception"
-    HANGWATCHD_BENCH_OUT=$work run catalogue timeout 100 python3 -m bench.catalogue --gpu -k gpu_model_thread_died_on_cuda_error \
+    run exception timeout 100 python3 tests/gpu/run_exception.py "$work/exception"
+    HANGWATCHD_BENCH_OUT=$work run catalogue timeout 90 python3 -m bench.catalogue --gpu -k gpu_model_thread_died_on_cuda_error \
       --jobs 1 --no-fail --no-write --workdir "$work/cat" --json "$work/catalogue_gpu.json"
     cp "$work/exception/exception.json" "$work/catalogue_gpu.json" "$out/" 2>/dev/null
     for n in exception catalogue; do echo "######## $n"; tail -c 5000 "$work/$n.log"; done ;;
