@@ -309,3 +309,20 @@ def test_the_quoted_line_is_read_with_the_process_users_rights_only(base: Path, 
     lines = source_lines.read(theirs.pid, NOBODY, wanted, Deadline.after(5).at)
     assert lines == [{"file": str(public), "line": 2, "code": "print(data[index])  # here"}], lines
     assert source_lines.read(os.getpid(), 0, wanted[:1], Deadline.after(5).at)[0]["code"] == "root_only = 1"
+
+
+@needs_root
+def test_a_worker_process_that_never_registered_gets_its_fifo_as_it_starts(tmp_path: Path) -> None:
+    """A program started below a workload of hangwatchd run's (a rank under torchrun, an engine's worker)
+    inherits the FIFO pattern but registers nothing: the daemon, told by the kernel's process events,
+    makes its FIFO as it starts, and its exception is caught alive, filed under the workload's job."""
+    with ScratchDaemon(tmp_path / "d") as d:
+        work = fault(d, "spawns_worker.py", "whole", tmp_path, job="spawner")
+        try:
+            (inc,) = wait_for(d.settled, 40, "the worker's exception")
+        finally:
+            stop(work)
+        data = incident_json(inc)
+        assert data["reason"] == "gpu-exception" and data["job"] == "spawner", data
+        assert steps(data)["cuda_exception"]["ok"], steps(data)
+        assert "surfaced in `fakecuda.Tensor().item()` (worker.py:7)" in data["verdict"], data["verdict"]

@@ -59,14 +59,14 @@ from ..host import dump_fifos, procfs
 from ..host.dump_fifos import ExceptionBegun, ExceptionDrained, ExceptionFifos
 from ..host.gpu_events import GpuEvent, GpusFound
 from ..host.notify import notify, watchdog_interval
-from ..host.proc_exits import ProcExits
+from ..host.proc_exits import ProcExits, ProgramStarted
 from ..host.user_limits import Budgets, UserLimits
 from ..incidents import heal
 from ..incidents.retention import Retention
 from ..incidents.spool import SPOOL_DIR, Spool
 from ..incidents.store import Store, StoreWriteError
 from ..metrics import Metrics, create, serve
-from ..model import State, Suspicion
+from ..model import Registration, State, Suspicion
 from ..watch.admission import Discovered, Registrations
 from ..watch.discovery import Discovery, GpuPidsFound
 from ..watch.watched import LIVE, Watched, Watchlist
@@ -118,7 +118,11 @@ class Daemon:
         self.guard = Guard(self.metrics)
         self.registrations = Registrations(cfg, self.watched, self.metrics, self.limits, self.selector, self.guard, post)
         self.spool = Spool(Path(cfg.runtime_dir) / SPOOL_DIR, cfg.spool_bytes_per_uid)  # reports kept while the state dir is full
-        self.exits = ProcExits(listen="exits" in cfg.capture_steps)  # processes that end, with their signal
+        # Processes that end, with their signal; and programs started below a workload of hangwatchd run's,
+        # each given its exception FIFO before its CUDA can fault (a torchrun rank, an engine's worker).
+        self.exits = ProcExits(listen="exits" in cfg.capture_steps or cfg.exception_fifos,
+                               on_exec=lambda pid, root: post(ProgramStarted(pid, root)))
+        self.followed: dict[int, Registration] = {}  # pid -> the workload whose new programs get FIFOs
         # GPU exception dumps through a FIFO per process, the stacks taken while the driver waits (host/dump_fifos.py).
         self.fifos = ExceptionFifos(cfg.dumps, post, cfg.exception_dump_max_bytes) if cfg.exception_fifos else None
         self.workers = CaptureWorkers(cfg, self.store, self.spool, make_steps(cfg, self.exits, self.fifos), self.metrics,
@@ -297,6 +301,8 @@ class Daemon:
                     guard("inotify", self._on_inotify)
                 elif isinstance(key.data, registration_file.ProcessId):
                     guard("exit", self.registrations.exited, key.data)
+                    if self.followed.pop(key.data.pid, None) is not None:
+                        self.exits.unfollow(key.data.pid)
             now = time.monotonic()
             self._dispatch(now)  # what the workers sent back
             self.workers.tell_fleet(now)
@@ -360,6 +366,8 @@ class Daemon:
             self.node_health.gpus_found(m)
         elif isinstance(m, GpuEvent):
             self.node_health.gpu_event(m)
+        elif isinstance(m, ProgramStarted):
+            self._program_started(m)
         elif isinstance(m, ExceptionBegun):
             self._exception_begun(m, now)
         elif isinstance(m, ExceptionLooked):
@@ -401,6 +409,19 @@ class Daemon:
         if group:
             why = Suspicion("job-request", f"node {req.node} declared job {req.job} hung ({req.reason}: {req.detail})", req.time)
             self._act(self.machine.declare(group, why, now, req.job_incident, requested=req.on_hang), now)
+
+    def _program_started(self, started: ProgramStarted) -> None:
+        """A program started below a workload of hangwatchd run's (a rank under torchrun, a worker process):
+        its exception FIFO, as the workload's job's, unless it runs as another user (a setuid helper)."""
+        root = self.followed.get(started.root)
+        if root is None or self.watched.get(root.process) is None:
+            self.followed.pop(started.root, None)
+            self.exits.unfollow(started.root)
+            return
+        process, uid = procfs.identify(started.pid), procfs.uid(started.pid)
+        if self.fifos is None or process is None or uid != root.uid or process in self.watched:
+            return
+        self.fifos.add(Registration(process, uid, job=root.job, source="below", registered_at=time.time()))
 
     def _exception_begun(self, begun: ExceptionBegun, now: float) -> None:
         """The driver began an exception's dump in a process's FIFO: captured now, alive. The process is
@@ -471,6 +492,9 @@ class Daemon:
                 self.warmup.add(w.registration)
             if self.fifos is not None and self.fifos.on and w.registration.source != "discovered":
                 self.fifos.add(w.registration)  # before CUDA can fault: hangwatchd run's child waits for it
+                if w.registration.source == "run" and self.exits.on:
+                    self.followed[w.process.pid] = w.registration
+                    self.exits.follow(w.process.pid)
 
     def rescan(self) -> None:
         self.registrations.rescan()

@@ -61,6 +61,7 @@ HEADER = 64  # an ELF64 header: enough to tell a CUDA coredump and its size
 READ_CHUNK = 1 << 20
 PER_WAKE = 16 << 20  # bytes one drain reads before the others get a turn
 COMMAND_WAIT = 5.0  # seconds a claim waits for this thread's answer
+MAX_BELOW_PER_UID = 256  # FIFOs one user's programs below its workloads get (registered ones are held to their own limit)
 ELF_CUDA = 190  # EM_CUDA
 ET_CORE = 4
 
@@ -408,6 +409,8 @@ class ExceptionFifos:
             assert cmd.reg is not None
             if f is None:
                 self._make(cmd.reg)
+            elif cmd.reg.source != "below":
+                f.reg = cmd.reg  # a program below a workload that registered itself since: its own registration
         elif cmd.kind == "claim":
             assert cmd.reg is not None
             f = f or self._make(cmd.reg)
@@ -454,6 +457,10 @@ class ExceptionFifos:
             os.close(pidfd)
             return None
         name = name_for(own_pid(proc.pid))
+        if reg.source == "below" and sum(1 for x in self._fifos.values() if x.reg.uid == reg.uid) >= MAX_BELOW_PER_UID:
+            os.close(pidfd)
+            log.warning("exception_fifo_refused", pid=proc.pid, uid=reg.uid, why=f"{MAX_BELOW_PER_UID} FIFOs of this user")
+            return None
         try:
             uid_fd = self._uid_dir(reg.uid)
             taken = next((x for x in self._fifos.values() if x.uid_fd == uid_fd and x.name == name), None)
