@@ -20,11 +20,13 @@ from typing import Any
 
 import pytest
 import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hangwatchd.testing import ScratchDaemon, stop, wait_for
 from hangwatchd.workload import runtime_files
 
-from .conftest import FIXTURES
+from .conftest import FIXTURES, hangwatchd
 from .test_security import NOBODY, QUICK, SYSTEM_PYTHON, Attacker, attacker, base, needs_root  # noqa: F401 - fixtures (base, attacker)
 from .test_security_paths import VICTIM, user_env
 
@@ -91,6 +93,9 @@ def test_an_exception_is_one_incident_with_the_stacks_taken_while_the_driver_wai
                                   "faulty_epilogue_kernel(int*, long) (inlined.cu:17), surfaced in `print(data.item())` (illegal_address.py:12)"), verdict
         assert "asynchronous launches" in verdict
         assert d.metric("hangwatchd_gpu_exceptions_total", type="WARP_ILLEGAL_ADDRESS") == 1.0
+        shown = hangwatchd("show", inc["id"], "--state-dir", str(d.state_dir))
+        assert shown.returncode == 0 and "surfaced in `print(data.item())`" in shown.stdout, shown.stdout + shown.stderr
+        assert "cuda_exception" in shown.stdout and "print(data.item())" in (Path(inc["dir"]) / "report.html").read_text()
         d.event("process_forgotten", pid=pid)
         assert not list((d.dump_dir / "exceptions").glob("*/*")), "the FIFO outlived its process"
 
@@ -326,3 +331,66 @@ def test_a_worker_process_that_never_registered_gets_its_fifo_as_it_starts(tmp_p
         assert data["reason"] == "gpu-exception" and data["job"] == "spawner", data
         assert steps(data)["cuda_exception"]["ok"], steps(data)
         assert "surfaced in `fakecuda.Tensor().item()` (worker.py:7)" in data["verdict"], data["verdict"]
+
+
+# -- the parsers of what a user's process writes (any bytes) ----------------------------------
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_any_first_bytes_are_told_apart_from_a_coredump_without_an_error(head: bytes) -> None:
+    from hangwatchd.host.dump_fifos import HEADER, header_facts
+
+    coredump, expected, why = header_facts(head)
+    assert coredump == (why is None)
+    if coredump:
+        assert len(head) >= HEADER and head[:4] == b"\x7fELF" and (expected is None or expected > 0)
+    else:
+        assert expected is None and why
+
+
+def test_the_real_headers_give_the_real_sizes() -> None:
+    from hangwatchd.host.dump_fifos import header_facts
+
+    for name in ("cpp_ima", "torch_ima", "triton_hang", "cpp_hang"):
+        raw = lzma.decompress((FIXTURES / name / "coredump.nvcudmp.xz").read_bytes())
+        assert header_facts(raw[:64]) == (True, len(raw), None), name
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(min_size=64, max_size=20000), st.lists(st.integers(1, 5000), max_size=20), st.integers(10, 30000))
+def test_a_drain_keeps_exactly_what_came_up_to_its_cap(data: bytes, cuts: list[int], cap: int) -> None:
+    """Bytes written into a pipe in any pieces come out whole, in order, cut at the cap, never past it."""
+    import tempfile
+
+    from hangwatchd.host.dump_fifos import Drain
+
+    r, w = os.pipe2(os.O_NONBLOCK)
+    fcntl_size = 1 << 16
+    with tempfile.TemporaryFile() as out:
+        drain = Drain(out.fileno(), cap, expected=len(data))
+        at = 0
+        for cut in [*cuts, len(data)]:
+            piece = data[at:at + min(cut, fcntl_size)]
+            at += len(piece)
+            if piece:
+                os.write(w, piece)
+            drain.feed(r)
+            if drain.ended:
+                break
+        os.close(w)
+        if not drain.ended:
+            drain.writer_gone(r)
+        os.close(r)
+        out.seek(0)
+        kept = out.read()
+    assert kept == data[:len(kept)] and len(kept) == drain.size <= cap
+    assert drain.ended == ("cap" if len(data) >= cap else "whole" if at >= len(data) else "short"), (drain.ended, len(data), cap, at)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=200))
+def test_any_line_of_code_loses_its_comment_without_an_error(line: str) -> None:
+    from hangwatchd.analyze.surfaced import without_comment
+
+    out = without_comment(line)
+    assert "\n" not in out.strip() or "\n" in line
