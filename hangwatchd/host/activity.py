@@ -36,6 +36,7 @@ class Activity:
     io_bytes: int | None  # read and written (rchar + wchar)
     kids_cpu_ns: int  # its descendants' CPU (user + system), alive at the look
     kids: int  # how many descendants were read
+    kids_wait_ns: int = 0  # the time its descendants' main threads waited for a CPU (a loaded node)
 
 
 def read(pid: int) -> Activity:
@@ -45,7 +46,7 @@ def read(pid: int) -> Activity:
     sched = procfs.schedstat(pid)
     kids = procfs.descendants(pid, MAX_DESCENDANTS)
     return Activity(now, sched.get("cpu_ns") if sched else None, sched.get("wait_ns") if sched else None,
-                    io_bytes(pid), sum(cpu_ns(k) for k in kids), len(kids))
+                    io_bytes(pid), sum(cpu_ns(k) for k in kids), len(kids), sum(leader_wait_ns(k) for k in kids))
 
 
 def io_bytes(pid: int) -> int | None:
@@ -66,4 +67,12 @@ def cpu_ns(pid: int) -> int:
     try:
         return (int(rest[11]) + int(rest[12])) * TICK_NS if rest else 0
     except (IndexError, ValueError):
+        return 0
+
+
+def leader_wait_ns(pid: int) -> int:
+    """How long the main thread of ``pid`` waited, runnable, for a CPU (/proc/PID/schedstat); 0 unknown."""
+    try:
+        return int(procfs.read_capped(f"/proc/{pid}/schedstat", 256).split()[1])
+    except (OSError, ValueError, IndexError):
         return 0

@@ -177,13 +177,16 @@ def _still_window(node: Node, w: Watched, frames: tuple[str, ...], native_extra:
     return node.machine.sample_taken(w, SampleTaken(w.process, True, native), t)
 
 
-def _act(t: float, cpu: float = 0.0, wait: float = 0.0, io: int = 0, kids: float = 0.0, n_kids: int = 0) -> Activity:
-    return Activity(t, int(cpu * 1e9), int(wait * 1e9), io, int(kids * 1e9), n_kids)
+def _act(t: float, cpu: float = 0.0, wait: float = 0.0, io: int = 0, kids: float = 0.0, n_kids: int = 0,
+         kids_wait: float = 0.0) -> Activity:
+    return Activity(t, int(cpu * 1e9), int(wait * 1e9), io, int(kids * 1e9), n_kids, int(kids_wait * 1e9))
 
 
 @pytest.mark.parametrize(("what", "start", "end", "running", "why"), [
     ("a checkpoint written in one C call", _act(0), _act(10, io=50_000_000), False, "read or wrote"),
     ("a child that compiles", _act(0, n_kids=1), _act(10, kids=9.0, n_kids=1), False, "child processes used"),
+    ("a child that compiles on a loaded node", _act(0, n_kids=1), _act(10, kids=1.0, n_kids=1, kids_wait=6.0), False,
+     "waited 0.6 for a CPU"),
     ("gloo's threads reduce on a loaded node", _act(0), _act(10, cpu=3.0, wait=4.0), False, "non-Python threads wanted"),
 ])
 def test_a_still_stack_whose_process_works_is_not_declared(node: Node, what: str, start: Activity, end: Activity,
