@@ -93,7 +93,8 @@ def make_incident(
     try:
         captures = capture_all(first, targets, draft.path, deadline, metrics, gate)
         exits.write_into(draft.path, list(gone), targets[0] if targets else None, suspicion.since)
-        gpu_events.attach(draft.path, pids, suspicion.since)  # the GPU faults (XIDs) of the GPUs these ran on
+        # The GPU faults (XIDs) of the GPUs these ran on, and those that name them.
+        gpu_events.attach(draft.path, [t.process for t in targets], suspicion.since)
         # A GPU dump the policy refuses is not coming: said at once, in the incident as first stored.
         for i, (t, pc) in enumerate(zip(targets, captures)):
             said = [r for r in (vetoed(s, t, draft.path / str(t.process.pid), gate) for s, _ in later) if r]
