@@ -4,7 +4,8 @@ Put this directory first on PYTHONPATH (or load this file as a module) with
 $HANGWATCHD_FAKE_NVML naming a directory holding ``gpus`` (how many GPUs) and
 ``events/NNN.json`` files, each ``{"gpu": 3, "xid": 79}`` (with ``"recovery": 1``:
 the recovery action NVML reports for that GPU from then on) or ``{"lost": 2}``.
-GPU i sits at PCI 0000:(0x18 + i):00.0 with serial 1650000000 + i. Everything
+GPU i sits at PCI 0000:(0x18 + i):00.0 with serial 1650000000 + i; ``processes/I``
+(a pid a line) lists the compute processes on GPU I. Everything
 else is the real library's: its constants, its error classes, and the records
 (``c_nvmlEventData_t``, ``nvmlPciInfo_t``, ``c_nvmlFieldValue_t``) its calls return.
 """
@@ -98,6 +99,20 @@ def nvmlDeviceGetFieldValues(handle: object, field_ids: list[int]) -> object:
         else:
             values[n].nvmlReturn = _real.NVML_ERROR_NOT_SUPPORTED
     return values
+
+
+def nvmlSystemGetDriverVersion() -> str:
+    return "570.00-fake"
+
+
+def nvmlDeviceGetName(handle: object) -> str:
+    return "NVIDIA Fake H200"
+
+
+def nvmlDeviceGetComputeRunningProcesses(handle: object) -> list[object]:
+    listed = _dir() / "processes" / str(_index(handle))
+    pids = [int(w) for w in listed.read_text().split()] if listed.is_file() else []
+    return [_real.c_nvmlProcessInfo_v2_t(pid=pid, usedGpuMemory=1 << 30) for pid in pids]
 
 
 def nvmlEventSetCreate() -> object:
