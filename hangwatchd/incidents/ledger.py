@@ -199,7 +199,7 @@ def suspects(entries: Iterable[dict[str, Any]], since: float | None = None) -> d
     for e in entries:
         if since is not None and e["time"] < since:
             continue
-        for b in e["blames"]:
+        for b in sorted(e["blames"], key=lambda b: b["kind"] == "gpu"):  # a GPU's fault is the newest reason, if any
             node = b.get("node") or e.get("node")
             key = _gpu_key(b, node)
             g = gpus.setdefault(key, {"gpu": key, "uuid": b.get("uuid"), "serial": None, "node": node, "index": None,
@@ -221,6 +221,8 @@ def suspects(entries: Iterable[dict[str, Any]], since: float | None = None) -> d
                 rec["first"] = min(rec["first"], e["time"])
                 if e["time"] >= rec["last"]:
                     rec["last"], rec["why"] = e["time"], b.get("why") or ""
+            if e["time"] >= g["last"]:
+                g["node"] = node  # where the GPU is now: the newest entry's node (a GPU moves when it is repaired)
             _add(n["gpus"], key)
     out = {"gpus": list(gpus.values()), "nodes": list(nodes.values())}
     for rows in out.values():

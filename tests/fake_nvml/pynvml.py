@@ -5,7 +5,8 @@ $HANGWATCHD_FAKE_NVML naming a directory holding ``gpus`` (how many GPUs) and
 ``events/NNN.json`` files, each ``{"gpu": 3, "xid": 79}`` (with ``"recovery": 1``:
 the recovery action NVML reports for that GPU from then on) or ``{"lost": 2}``.
 GPU i sits at PCI 0000:(0x18 + i):00.0 with serial 1650000000 + i; ``processes/I``
-(a pid a line) lists the compute processes on GPU I. Everything
+(a pid a line) lists the compute processes on GPU I; ``uuid-prefix`` makes the UUIDs
+GPU-PREFIX-I (else GPU-fake-I). Everything
 else is the real library's: its constants, its error classes, and the records
 (``c_nvmlEventData_t``, ``nvmlPciInfo_t``, ``c_nvmlFieldValue_t``) its calls return.
 """
@@ -72,7 +73,8 @@ def nvmlDeviceGetMinorNumber(handle: object) -> int:
 def nvmlDeviceGetUUID(handle: object) -> str:
     if _index(handle) in _lost:
         raise _real.NVMLError(_real.NVML_ERROR_GPU_IS_LOST)
-    return f"GPU-fake-{_index(handle)}"
+    prefix = _dir() / "uuid-prefix"  # two fake nodes, two sets of GPUs: a GPU is its UUID wherever it goes
+    return f"GPU-{prefix.read_text().strip() if prefix.is_file() else 'fake'}-{_index(handle)}"
 
 
 def pci_bus_id(i: int) -> str:
