@@ -56,6 +56,7 @@ MAX_EVENTS = 1024  # the newest kept: a flapping GPU cannot grow the daemon
 WAIT_MS = 1000  # how long one wait in the driver lasts before the listener looks at its stop flag
 MERGE_S = 10.0  # NVML's event and the kernel log's line of one XID on one GPU come within this many seconds
 MERGE_LOOK = 64  # the newest events an arriving one may be the other report of
+BURST_S = 1.0  # the kernel log's lines of one report (an XID 13 is three: warp, SM, ESR) come within this
 POSTS_PER_S, POSTS_BURST = 50.0, 200  # events posted to the loop: a flood is recorded, counted in the log, not posted
 DEVICE = re.compile(r"/dev/nvidia(\d+)$")
 DRIVER_GPUS = Path("/proc/driver/nvidia/gpus")  # one directory a GPU, by PCI address: its minor number and UUID
@@ -137,10 +138,13 @@ class Recorder:
 
     def add(self, event: GpuEvent) -> GpuEvent:
         """Keep ``event``; the other source's report of the same XID (same GPU, ``MERGE_S``) takes
-        its facts instead, and comes back marked ``update``."""
+        its facts instead, and comes back marked ``update``; so does another line of one report
+        (the driver logs an XID 13 in several lines, ``BURST_S`` apart at most)."""
         with self._lock:
             for i in range(len(self._events) - 1, max(-1, len(self._events) - 1 - MERGE_LOOK), -1):
                 old = self._events[i]
+                if _burst(old, event):
+                    return dataclasses.replace(old, update=True)
                 if _same(old, event):
                     merged = _merge(old, event)
                     self._events[i] = merged
@@ -175,6 +179,12 @@ class Recorder:
             if found is not None:
                 return dataclasses.replace(found, index=self.index_of_minor(found.minor) if found.minor is not None else None)
         return None
+
+
+def _burst(old: GpuEvent, new: GpuEvent) -> bool:
+    """Another kernel log line of the report ``old`` is: the same GPU, XID, process and cause, within BURST_S."""
+    return ("kmsg" in old.source and new.source == "kmsg" and (old.pci, old.xid, old.pid, old.cause) ==
+            (new.pci, new.xid, new.pid, new.cause) and abs(old.time - new.time) <= BURST_S)
 
 
 def _same(old: GpuEvent, new: GpuEvent) -> bool:
