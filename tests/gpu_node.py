@@ -70,11 +70,21 @@ class Node:
                "PYTHONPATH": os.pathsep.join(p for p in (str(FAKE_NVML), os.environ.get("PYTHONPATH", "")) if p),
                **(s3.env if s3 else {}), **(env or {})}
         extra = ("--store", s3.url(), "--node-name", name) if s3 and name else ()
-        self.d = ScratchDaemon(base / "hw", *extra, env=env, config={**FAST, "kernel_log": str(self.kmsg), **config})
+        self._start = lambda: ScratchDaemon(base / "hw", *extra, env=env, config={**FAST, "kernel_log": str(self.kmsg), **config})
+        self.d = self._start()
         self.ranks: list[Rank] = []
         self.seq = 0
+        self._gpus_found()
+
+    def _gpus_found(self) -> None:
         wait_for(lambda: self.d.metric("hangwatchd_gpu_xid_errors_total", gpu="0", xid="31") == 0.0, 20,
                  "the GPUs found, their XID series at 0")
+
+    def restart(self) -> None:
+        """The daemon stopped and started again on the same dirs (its ranks keep running)."""
+        self.d.stop()
+        self.d = self._start()
+        self._gpus_found()
 
     def rank(self, job: str, gpu: int = 0, timeout: float = 2.0, rank: int | None = 0) -> Rank:
         self.ranks.append(Rank(self, job, gpu, timeout, rank))

@@ -84,6 +84,12 @@ def test_an_application_xid_is_its_own_process_fault_and_context_for_others_and_
         assert n.d.metric("hangwatchd_gpu_suspect", gpu="1", UUID="GPU-fake-1") == 0.0
         shown = hangwatchd("show", row["id"], "--state-dir", str(n.d.state_dir)).stdout
         assert "Blames the GPU: GPU 0 (GPU-fake-0, serial 1650000000)" in shown, shown
+        # A restarted daemon forgets the XID it heard, not the ledger: GPU 0 is still a suspect.
+        n.restart()
+        code, line = n.health()
+        assert code == 1 and "GPU 0 (GPU-fake-0, serial 1650000000) was implicated by 2 different jobs in 24 h " \
+            "(own, after; XID 31, XID 79): suspect the GPU" in line, line
+        assert n.d.metric("hangwatchd_gpu_suspect", gpu="0", UUID="GPU-fake-0") == 1.0
     finally:
         n.stop()
     res = hangwatchd("suspects", "--state-dir", str(n.d.state_dir), "--json")
