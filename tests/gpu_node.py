@@ -31,8 +31,9 @@ while not os.path.exists(sys.argv[1]):
 print("stopped", flush=True)
 threading.Event().wait()
 """
-MMU_FAULT = ("Ch 00000008, intr 10000000. MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f2c_1e000000. "
-             "Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_READ")
+# The rest of a real XID 31 line, as an H200's driver (580) logged an illegal address (docs/gpu-evidence.md).
+MMU_FAULT = ("channel 0x0000001e, intr 00000000. MMU Fault: ENGINE GRAPHICS GPC4 GPCCLIENT_T1_8 faulted @ 0x7ff1_14a00000. "
+             "Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_WRITE")
 
 
 class Rank:

@@ -20,6 +20,10 @@ from hangwatchd.testing import wait_for
 # Lines as drivers wrote them (issues and bug reports of the NVIDIA driver, NVSentinel, gpud; docs/gpu-evidence.md
 # names them), each with what must be read from it: (pci, xid, pid, name, cause, recovery, kind).
 FIELD_LINES = [
+    # On an H200 (driver 580, 2026-12-01): tests/gpu/run_xid.py's faulting process, read back with dmesg.
+    ("NVRM: Xid (PCI:0000:00:06): 31, pid=550, name=python3, channel 0x0000001e, intr 00000000. MMU Fault: ENGINE GRAPHICS "
+     "GPC4 GPCCLIENT_T1_8 faulted @ 0x7ff1_14a00000. Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_WRITE",
+     ("0000:00:06", 31, 550, "python3", None, None, "application")),
     ("NVRM: Xid (PCI:0000:18:00): 31, pid=2149, name=python3, Ch 00000008, intr 10000000. MMU Fault: ENGINE GRAPHICS "
      "GPCCLIENT_T1_0 faulted @ 0x7f2c_1e000000. Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_READ",
      ("0000:18:00", 31, 2149, "python3", None, None, "application")),
@@ -142,10 +146,10 @@ def test_lines_written_into_a_fifo_come_out_as_xids_with_their_time_and_writers_
         before = time.time()
         with open(fifo, "wb") as w:
             w.write(kmsg_record(1, "usb 1-1: new high-speed USB device"))  # not an XID: skipped
-            w.write(kmsg_record(2, FIELD_LINES[0][0]))
+            w.write(kmsg_record(2, FIELD_LINES[1][0]))
         wait_for(lambda: len(seen) == 1, 10, "the first XID")
         with open(fifo, "wb") as w:  # a second writer, after the first left: still read
-            record = kmsg_record(3, FIELD_LINES[10][0])
+            record = kmsg_record(3, FIELD_LINES[11][0])
             w.write(record[:17])  # a record cut across two writes is one record
             w.flush()
             time.sleep(0.2)
@@ -173,7 +177,7 @@ def test_an_overrun_of_the_ring_buffer_is_counted_and_reading_goes_on(fifo: Path
     reader, seen = follow(fifo)
     try:
         with open(fifo, "wb") as w:
-            w.write(kmsg_record(7, FIELD_LINES[3][0]))
+            w.write(kmsg_record(7, FIELD_LINES[4][0]))
             w.flush()
             wait_for(lambda: seen, 10, "the XID after the overrun")
     finally:
@@ -190,7 +194,7 @@ def test_a_log_that_cannot_be_opened_says_why_and_is_tried_again(tmp_path: Path)
         os.mkfifo(path)
         wait_for(lambda: reader.unavailable is None, 10, "the log opened once it is there")
         with open(path, "wb") as w:
-            w.write(kmsg_record(1, FIELD_LINES[6][0]))
+            w.write(kmsg_record(1, FIELD_LINES[7][0]))
         wait_for(lambda: seen, 10, "the XID")
     finally:
         reader.stop()
@@ -224,7 +228,7 @@ def test_any_text_is_an_xid_line_or_none(text: str) -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=2000), st.binary(max_size=2000), st.lists(st.integers(min_value=0, max_value=4000), max_size=6))
 def test_a_real_xid_line_between_any_bytes_cut_anywhere_is_found(noise_before: bytes, noise_after: bytes, cuts: list[int]) -> None:
-    data = noise_before + b"\n" + kmsg_record(5, FIELD_LINES[0][0], usec=1) + noise_after
+    data = noise_before + b"\n" + kmsg_record(5, FIELD_LINES[1][0], usec=1) + noise_after
     lines, found, at = Lines(), [], 0
     for cut in sorted(c % (len(data) + 1) for c in cuts) + [len(data)]:
         found += [xid.parse_line(r.message) for r in map(parse_record, lines.feed(data[at:cut])) if r is not None]
@@ -242,7 +246,7 @@ def test_the_reader_survives_any_bytes_through_a_fifo_and_still_reads_the_next_x
         with open(path, "wb") as w:
             for chunk in junk:
                 w.write(chunk)
-            w.write(b"\n" + kmsg_record(9, FIELD_LINES[14][0]))
+            w.write(b"\n" + kmsg_record(9, FIELD_LINES[15][0]))
         wait_for(lambda: any(line.xid == 95 for line, _ in seen), 10, "the XID after the junk")
         assert reader.is_alive()
     finally:
