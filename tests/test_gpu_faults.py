@@ -172,3 +172,43 @@ def test_bad_input_to_suspects_is_one_line_and_exit_2(tmp_path: Path) -> None:
     empty.mkdir()
     res = hangwatchd("suspects", "--state-dir", str(empty))
     assert res.returncode == 0 and "no incident" in res.stdout and "blames a GPU" in res.stdout
+
+
+def hand_made(base: Path, events: list[dict[str, Any]]) -> Path:
+    """An incident put together by hand: rank 3 (pid 4174) on GPU 3, stopped at a known time, with these events."""
+    inc = base / "by-hand"
+    pdir = inc / "4174"
+    pdir.mkdir(parents=True)
+    stopped = 1_764_000_000.0
+    (inc / "incident.json").write_text(json.dumps({"id": "x", "reason": "heartbeat", "since": stopped, "node": "gpu-node-7",
+                                                    "processes": [{"pid": 4174, "rank": 3}]}))
+    (pdir / "proc.json").write_text(json.dumps({"pid": 4174, "rank": 3, "job": "train", "state": "S (sleeping)"}))
+    (pdir / "pyspy.json").write_text(json.dumps([{"thread_name": "MainThread", "frames": [
+        {"name": "synchronize", "filename": "/usr/lib/python3/site-packages/torch/cuda/__init__.py", "line": 800},
+        {"name": "train_step", "filename": "/home/u/train.py", "line": 42}]}]))
+    (pdir / "gpu-events.json").write_text(json.dumps({"pid": 4174, "gpus": [3], "stopped": stopped, "events": [
+        {"time": stopped + e.pop("dt"), "gpu": 3, **e} for e in events]}))
+    return inc
+
+
+def test_an_xid_whose_process_nobody_named_is_never_taken_for_the_cause_and_one_a_gpu_fault_caused_is_the_gpus(
+        tmp_path: Path) -> None:
+    # NVML alone (the kernel log not read): an application's XID 31 is said, never the cause.
+    inc = hand_made(tmp_path / "nvml-only", [{"dt": -1.0, "xid": 31}])
+    analysis = json.loads(hangwatchd("analyze", str(inc), "--json").stdout)
+    assert not analysis["summary"].startswith("GPU 3") and "a GPU fault" not in analysis["summary"], analysis["summary"]
+    assert "GPU 3 reported XID 31 (GPU memory page fault) 1 s before rank 3 stopped, an application's fault whose " \
+           "process the kernel log would name (not read here): not taken for this hang's cause" in analysis["summary"]
+    assert analysis["blame"] == []
+    # A channel the driver ended because the GPU failed (45 caused by 149, an NVLink error) is the GPU's fault.
+    inc = hand_made(tmp_path / "sympathetic", [{"dt": -2.0, "xid": 45, "cause": 149, "pid": 999, "uuid": "GPU-3", "serial": "7"}])
+    analysis = json.loads(hangwatchd("analyze", str(inc), "--json").stdout)
+    assert analysis["summary"].startswith("GPU 3 reported XID 45 (channel ended early (preemptive cleanup)) 2 s before "
+                                          "rank 3 stopped: a GPU fault, not the program"), analysis["summary"]
+    (blame,) = analysis["blame"]
+    assert (blame["kind"], blame["uuid"], blame["serial"], blame["node"], blame["rank"]) == ("gpu", "GPU-3", "7", "gpu-node-7", 3)
+    # The process's own fault, named by pid in a directory put together by hand.
+    inc = hand_made(tmp_path / "own", [{"dt": 0.0, "xid": 13, "pid": 4174}])
+    summary = json.loads(hangwatchd("analyze", str(inc), "--json").stdout)["summary"]
+    assert summary.startswith("Rank 3 hit XID 13 (graphics engine exception) on GPU 3 as it stopped: a fault of the "
+                              "program itself"), summary
