@@ -269,9 +269,10 @@ def analyze(incident: Path) -> Analysis:
                      for v, ev in zip(ranks, found))
     rests_on += tuple(f"{k.role} (pid {k.pid}): {', '.join(k.ev.used) or 'nothing readable'}" for k in kids)
     unreadable = tuple(problems) + tuple(p for ev in found for p in ev.problems) + tuple(p for k in kids for p in k.ev.problems)
-    summary = gpu_events.explain(incident, ranks, summary, meta)  # an XID on a rank's GPU near its stop comes first
+    # A GPU fault near a rank's stop comes first; another process's fault on its GPU is said after.
+    summary, blame = gpu_events.judge(list(zip(dirs, ranks)), summary, meta)
     return account(incident, meta, Analysis(summary, tuple(culprits), tuple(ranks), tuple(collectives), rests_on, unreadable,
-                                            tuple(kid_verdicts)))
+                                            tuple(kid_verdicts), blame))
 
 
 def _apart(ranks: list[RankVerdict], found: list[evidence.Evidence]) -> tuple[str, list[Culprit]] | None:

@@ -19,6 +19,8 @@ a ``finally`` (their exceptions arrive as values):
     fleet poller            CaptureRequest (another node's request for a job's ranks)
     flight-recorder warm-up WarmupDone(registration, outcome)
     NVML listener           GpusFound(gpus), GpuEvent (an XID)
+    kernel log reader       GpuEvent (an NVRM Xid line, with its process)
+    the store (any thread)  LedgerChanged(incident, entry) (the ledger of suspects)
 
 Two threads keep to themselves and decide no process's fate: retention
 (``incidents/retention.py``, its own schedule, told by the store what it
@@ -65,7 +67,7 @@ from ..incidents.retention import Retention
 from ..incidents.spool import SPOOL_DIR, Spool
 from ..incidents.store import Store, StoreWriteError
 from ..metrics import Metrics, create, serve
-from ..model import State, Suspicion
+from ..model import ProcessId, State, Suspicion
 from ..watch.admission import Discovered, Registrations
 from ..watch.discovery import Discovery, GpuPidsFound
 from ..watch.watched import Watched, Watchlist
@@ -76,7 +78,7 @@ from .fr_warmup import Warmup, WarmupDone
 from .inbox import Inbox
 from .instance_lock import AlreadyRunning, InstanceLock, LockDirError
 from .loop_guard import Guard
-from .node_health import NodeHealth
+from .node_health import LedgerChanged, NodeHealth, Suspicions
 from .status_file import STATUS_EVERY, WRITE_GAP, StatusFile
 
 log = structlog.get_logger("hangwatchd.daemon")
@@ -101,7 +103,8 @@ class Daemon:
         self.retention = Retention(cfg)  # its own thread and schedule; the store tells it what it stored
         self.inbox = Inbox()  # every worker's result comes back here, as a value
         post = self.inbox.post
-        self.store = Store(cfg.state_dir, on_stored=self.retention.stored)
+        self.store = Store(cfg.state_dir, on_stored=self.retention.stored,
+                           on_ledger=lambda incident, entry: post(LedgerChanged(incident, entry)))
         self.fleet = Agent(cfg.store, cfg.node, Path(cfg.state_dir), cfg.store_poll_interval, cfg.job_incident_window,
                            cfg.store_spool_max, post, self._count_sends) if cfg.store else None
         self.status = StatusFile(Path(cfg.runtime_dir))
@@ -129,8 +132,10 @@ class Daemon:
         self.sampler = Sampler(cfg.pyspy_timeout, cfg.pyspy_samples_per_uid, self.limits, post)
         self.lock = InstanceLock(Path(cfg.runtime_dir))
         self.state_lock = InstanceLock(Path(cfg.state_dir), "state dir", "--state-dir", says=str(cfg.runtime_dir))
-        # GPU faults (XIDs) from the NVML listener's thread; health.json written by the status writer's.
-        self.node_health = NodeHealth(Path(cfg.runtime_dir), self.metrics, post, self.status.post_file)
+        # GPU faults (XIDs) from the NVML listener's and the kernel log's threads; health.json written by the status writer's.
+        self.node_health = NodeHealth(Path(cfg.runtime_dir), self.metrics, post, self.status.post_file,
+                                      kernel_log=cfg.kernel_log, node=cfg.node, state_dir=Path(cfg.state_dir),
+                                      suspicions=Suspicions(cfg.suspect_jobs, cfg.suspect_window))
         # New GPU processes within seconds, found on a thread of its own (watch/discovery.py).
         self.discovery = Discovery(cfg.discover_devices, cfg.discover_interval, post) if cfg.discover else None
         # Each rank's flight recorder asked as it starts, until PyTorch has named a trace's frames (fr_warmup.py).
@@ -350,9 +355,18 @@ class Daemon:
         elif isinstance(m, GpusFound):
             self.node_health.gpus_found(m)
         elif isinstance(m, GpuEvent):
-            self.node_health.gpu_event(m)
+            self.node_health.gpu_event(m, *self._job_of(m))
+        elif isinstance(m, LedgerChanged):
+            self.node_health.ledger_changed(m)
         else:  # a worker posted what nobody takes: a bug, never a silent loss
             raise TypeError(f"no room takes {type(m).__name__}")
+
+    def _job_of(self, event: GpuEvent) -> tuple[str | None, int | None]:
+        """The job and rank of the watched process an XID names (pid and start time), if it is one."""
+        if event.pid is None or event.start_time is None:
+            return None, None
+        w = self.watched.get(ProcessId(event.pid, event.start_time))
+        return (w.registration.job, w.registration.rank) if w is not None else (None, None)
 
     def _sample_taken(self, taken: SampleTaken, now: float) -> None:
         w = self.watched.get(taken.process)
@@ -469,6 +483,7 @@ class Daemon:
         self.status_posted = now
         wall = time.time()
         self.status.post([(w.status_row(now, wall), w.registration) for w in self.watched.values()])
+        self.node_health.expire(wall)  # the ledger's window moves on: a GPU implicated a day ago is cleared
 
     def _scan_dumps(self) -> None:
         """Dumps that appeared while nobody watched (the daemon down, an inotify overflow)."""

@@ -98,7 +98,8 @@ def make_incident(
         late_gone = [d for d in (exits.vanished(runtime_dir, t) for t in targets if t.process not in known)
                      if d is not None] if runtime_dir is not None else []
         exits.write_into(draft.path, [*gone, *late_gone], targets[0] if targets else None, suspicion.since)
-        gpu_events.attach(draft.path, pids, suspicion.since)  # the GPU faults (XIDs) of the GPUs these ran on
+        # The GPU faults (XIDs) of the GPUs these ran on, and those that name them.
+        gpu_events.attach(draft.path, [t.process for t in targets], suspicion.since)
         # A GPU dump the policy refuses is not coming: said at once, in the incident as first stored.
         for i, (t, pc) in enumerate(zip(targets, captures)):
             said = [r for r in (vetoed(s, t, draft.path / str(t.process.pid), gate) for s, _ in later) if r]

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..host.atomic import write_atomic
-from . import permissions
+from . import ledger, permissions
 from .index import INCIDENTS, INDEX, REBUILT_AT_START, SCHEMA, Index, Page, StoreError, corrupt, unreadable
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def incident_to_json(incident: Incident) -> dict[str, Any]:
     for pc in incident.processes:
         r = pc.registration
         data["processes"].append({
-            "pid": r.process.pid, "start_time": r.process.start_time, "job": r.job, "rank": r.rank,
+            "pid": r.process.pid, "start_time": r.process.start_time, "uid": r.uid, "job": r.job, "rank": r.rank,
             "local_rank": r.local_rank, "world_size": r.world_size, "cmdline": list(r.cmdline),
             "dir": str(r.process.pid),
             "steps": [asdict(s) for s in pc.steps],
@@ -95,13 +95,16 @@ def late_owner(name: str) -> str:
 
 
 class Store:
-    def __init__(self, state_dir: str | os.PathLike[str], on_stored: Callable[[str], None] | None = None) -> None:
+    def __init__(self, state_dir: str | os.PathLike[str], on_stored: Callable[[str], None] | None = None,
+                 on_ledger: Callable[[str, dict[str, Any] | None], None] | None = None) -> None:
         """``on_stored(id)``: files were stored into incident ``id`` (it was committed, adopted from
-        the spool, or given late evidence); called on the thread that stored them."""
+        the spool, or given late evidence); ``on_ledger(id, entry)``: the incident's ledger entry was
+        written (None: its verdict blames no GPU, or no longer); each called on the thread that stored it."""
         self.root = Path(state_dir)
         self.dir = self.root / INCIDENTS
         self.index = self.root / INDEX
         self.on_stored = on_stored
+        self.on_ledger = on_ledger
 
     def open(self) -> str | None:
         """Create the layout (or check it is usable) and the index.
@@ -183,8 +186,18 @@ class Store:
         except sqlite3.Error as exc:
             final.replace(draft.path)  # not indexed: back to a draft, for the caller to keep elsewhere
             raise _write_failure(self.root, exc) from exc
+        self._ledger(data)
         self._stored(draft.id)
         return final
+
+    def _ledger(self, data: dict[str, Any]) -> None:
+        """The incident's entry in the ledger of suspects, kept as its record is (``ledger.py``)."""
+        try:
+            entry = ledger.write(self.root, data)
+        except OSError:
+            return  # a full disk costs the entry, never the incident (the next write of the record tries again)
+        if self.on_ledger is not None:
+            self.on_ledger(str(data.get("id")), entry)
 
     def _stored(self, incident_id: str) -> None:
         if self.on_stored is not None:
@@ -239,6 +252,7 @@ class Store:
                 db.execute("UPDATE incidents SET summary=?, pending=? WHERE id=?", (summary, len(incident.pending), incident_id))
         except (OSError, sqlite3.Error) as exc:
             raise _write_failure(self.root, exc) from exc
+        self._ledger(data)
 
     def abandon(self, draft: Draft) -> None:
         """Drop a draft whose report went elsewhere: its directory, and its index row where the index takes it."""
@@ -277,6 +291,12 @@ class Store:
             if final.exists() and not self._indexed(incident_id):
                 shutil.rmtree(final, ignore_errors=True)
             raise _write_failure(self.root, exc) from exc
+        try:
+            record = json.loads((final / "incident.json").read_text())
+        except (OSError, ValueError):
+            record = None
+        if isinstance(record, dict):
+            self._ledger(record)
         self._stored(incident_id)
         return final
 
