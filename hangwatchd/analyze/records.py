@@ -32,6 +32,7 @@ class RankVerdict:
     node: str | None = None  # the node it ran on (proc.json), for a job merged from many nodes
     parent: int | None = None  # a child captured with its hung parent: the parent's pid
     role: str | None = None  # and what it is to the job ("DataLoader worker 1")
+    certainty: str = ""  # "sure: ...", "inferred: ...", "unknown: ...": how sure the verdict is, and why
 
 
 @dataclass(frozen=True)
