@@ -99,3 +99,26 @@ def test_a_recorded_incident_changed_anywhere_still_gets_a_verdict(recorded: Pat
         f.write_text(json.dumps(_mutate(json.loads(f.read_text()), rnd, junk)))
     summary = analyze(copy).summary
     assert isinstance(summary, str) and summary
+
+
+def test_every_recorded_verdict_says_how_sure_it_is(recorded: Path) -> None:
+    for case in CASES:
+        a = analyze(recorded / case)
+        said = [v.certainty for v in a.ranks if v.certainty]
+        assert said and all(c.split(":")[0] in ("sure", "inferred", "unknown") for c in said), (case, said)
+        assert any(c in line for c in said for line in a.rests_on), (case, a.rests_on)
+
+
+def test_a_deadlock_read_from_the_process_s_own_answer_is_sure_and_from_stacks_alone_it_says_so(
+        recorded: Path, tmp_path: Path) -> None:
+    """The same two-lock deadlock, with and without the in-process report: the verdict names both
+    threads either way; how sure it is, and from what, differs."""
+    copy = tmp_path / "lock_order_two_threads"
+    shutil.copytree(recorded / "lock_order_two_threads", copy)
+    (with_report,) = [v for v in analyze(copy).ranks if v.certainty]
+    assert with_report.verdict == "thread-deadlock" and with_report.certainty.startswith("sure:")
+    assert "the process's own answer" in with_report.certainty
+    for f in copy.rglob("introspect*.json"):
+        f.unlink()
+    (stacks_only,) = [v for v in analyze(copy).ranks if v.certainty]
+    assert stacks_only.verdict == "thread-deadlock" and "the process's own answer" not in stacks_only.certainty
