@@ -84,6 +84,7 @@ class Metrics:
     incidents_pending: Gauge
     loop_errors: Counter
     stack_samples: Counter
+    stack_carried: Counter
     loop_cpu: Counter
     info: Info
     last_incident: Gauge
@@ -172,6 +173,10 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
                          "and timers (its own work, not waiting and not other threads').", names, registry=reg),
         stack_samples=Counter("hangwatchd_stack_samples_total", "py-spy stack samples taken of watched processes, by kind "
                               "(plain or native) and outcome (ok or failed).", labels("kind", "outcome"), registry=reg),
+        stack_carried=Counter("hangwatchd_stack_samples_carried_total", "Stack samples (counted in "
+                              "hangwatchd_stack_samples_total too) given without running py-spy: no thread of the "
+                              "process had run since its stack was last read, so it was the same.", labels("kind"),
+                              registry=reg),
         info=Info("hangwatchd_build", "Version of hangwatchd.", names, registry=reg),
         last_incident=Gauge("hangwatchd_last_incident_timestamp_seconds",
                             "Unix time of the latest incident stored for a reason and job; its id is the incident label.",

@@ -12,7 +12,7 @@ decides a process's fate, through ``Watchlist.change`` and its table of legal
 transitions). Workers get frozen records and post one frozen value back, from
 a ``finally`` (their exceptions arrive as values):
 
-    sampler (py-spy)        SampleTaken(process, native, sample | its error)
+    sampler (py-spy)        SampleTaken(process, native, sample | its error | deferred)
     capture workers         CaptureDone(capture, incident | error), ChoreDone(name, error)
     discovery thread        GpuPidsFound(pids)
     discovery's /proc scan  Discovered(registrations | error)
@@ -20,10 +20,11 @@ a ``finally`` (their exceptions arrive as values):
     flight-recorder warm-up WarmupDone(registration, outcome)
     NVML listener           GpusFound(gpus), GpuEvent (an XID)
 
-Two threads keep to themselves and decide no process's fate: retention
+Three threads keep to themselves and decide no process's fate: retention
 (``incidents/retention.py``, its own schedule, told by the store what it
-stored) and the recorder of process exits (``host/proc_exits.py``, read by the
-capture's ``exits`` step).
+stored), the recorder of process exits (``host/proc_exits.py``, read by the
+capture's ``exits`` step) and the sampler's quiet look (``detect/quiet.py``:
+when each sampled process's threads last ran, read by the sampler).
 
 ``_dispatch`` hands each to its room; the state machine (``detect.machine``)
 answers with decisions (``Declare``, ``Drop``) that ``_act`` carries out: a
@@ -223,6 +224,7 @@ class Daemon:
             raise
         try:
             self.retention.start()  # after prepare: a daemon that cannot start removes nothing
+            self.sampler.start_quiet()
             self.workers.flush_spool()
             self.rescan()
             self._scan_dumps()
@@ -425,7 +427,8 @@ class Daemon:
 
     def _sample(self, w: Watched, now: float) -> None:
         native = w.state is State.SUSPECT and w.suspicion is not None and w.suspicion.reason == "stack"
-        again = self.sampler.start(w.registration, native, now)
+        last = w.history.samples[-1] if w.history.samples and not native else None
+        again = self.sampler.start(w.registration, native, now, last)
         if again is None:
             self.watched.change(w, sampling=True)  # until its SampleTaken comes back, which it always does
         else:
