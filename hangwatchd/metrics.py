@@ -48,6 +48,7 @@ def xid_label(xid: int) -> str:
 
 STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 LOOP_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5)
+GAP_BUCKETS = (1.0, 2.0, 5.0, 5.5, 6.0, 7.5, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0)
 LAST_INCIDENT_SERIES = 64
 # The workload's job name. Never "job" (nor "instance"): Prometheus attaches its own job label, the
 # scrape config's job_name, and renames an exporter's to exported_job, so dashboards and alerts
@@ -75,6 +76,7 @@ class Metrics:
     step_duration: Histogram
     step_failures: Counter
     loop_duration: Histogram
+    sample_gap: Histogram
     registration_errors: Counter
     incidents: Counter
     gpu_exceptions: Counter
@@ -148,6 +150,9 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
                                 labels("step"), buckets=STEP_BUCKETS, registry=reg),
         step_failures=Counter("hangwatchd_capture_step_failures_total", "Capture steps that failed or timed out.",
                               labels("step"), registry=reg),
+        sample_gap=Histogram("hangwatchd_stack_sample_gap_seconds",
+                             "Seconds between two stack samples of one process watched by its stack (stack_interval "
+                             "when the sampler keeps up).", names, buckets=GAP_BUCKETS, registry=reg),
         loop_duration=Histogram("hangwatchd_loop_iteration_duration_seconds",
                                 "Time the daemon's loop spends on one wake-up (its own latency).",
                                 names, buckets=LOOP_BUCKETS, registry=reg),
@@ -210,6 +215,7 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
     for what in PASSES:
         m.passes.labels(**m.labels(what=what))
     m.loop_duration.labels(**const)
+    m.sample_gap.labels(**const)
     m.loop_cpu.labels(**const)
     m.store_write_failures.labels(**const)
     m.incidents_pending.labels(**const)

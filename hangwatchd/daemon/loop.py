@@ -53,7 +53,7 @@ from ..config import Config
 from ..cudacore import sandbox
 from ..detect import HeartbeatDetector
 from ..detect.machine import Decision, Declare, Drop, StateMachine, retry_pause
-from ..detect.sampler import Sampler, SampleTaken
+from ..detect.sampler import SampleBatch, Sampler, SampleTaken
 from ..detect.stack import BLOCKING, IDLE
 from ..fleet.agent import Agent, CaptureRequest
 from ..host import procfs
@@ -66,8 +66,9 @@ from ..incidents.retention import Retention
 from ..incidents.spool import SPOOL_DIR, Spool
 from ..incidents.store import Store, StoreWriteError
 from ..metrics import Metrics, create, serve
-from ..model import State, Suspicion
+from ..model import Registration, State, Suspicion
 from ..watch.admission import Discovered, Registrations
+from ..watch.stack_history import Sample
 from ..watch.discovery import Discovery, GpuPidsFound
 from ..watch.watched import Watched, Watchlist
 from ..workload import registration_file
@@ -128,6 +129,7 @@ class Daemon:
                                     tuple(BLOCKING) + tuple(cfg.stack_blocking_patterns), cfg.stack_idle_pattern or IDLE,
                                     capture_budget=capture_budget(cfg))
         self.sampler = Sampler(cfg.pyspy_timeout, cfg.pyspy_samples_per_uid, self.limits, post)
+        self.to_sample: list[tuple[Registration, bool, Sample | None]] = []  # due this turn (``_start_samples``)
         self.lock = InstanceLock(Path(cfg.runtime_dir))
         self.state_lock = InstanceLock(Path(cfg.state_dir), "state dir", "--state-dir", says=str(cfg.runtime_dir))
         # GPU faults (XIDs) from the NVML listener's thread; health.json written by the status writer's.
@@ -296,6 +298,7 @@ class Daemon:
             for w in self.watched.due(now):
                 if w.process in self.watched:  # not forgotten while handling an earlier one
                     self._look(w, now)
+            self._start_samples()
             if now >= self.next_dump_scan:
                 self.next_dump_scan = float("inf")
                 guard("scan_dumps", self._scan_dumps)
@@ -335,6 +338,9 @@ class Daemon:
         """The room that takes each kind of value a worker posts."""
         if isinstance(m, SampleTaken):
             self._sample_taken(m, now)
+        elif isinstance(m, SampleBatch):
+            for taken in m.taken:
+                self.guard("SampleTaken", self._sample_taken, taken, now)
         elif isinstance(m, CaptureDone):
             self._capture_done(m, now)
         elif isinstance(m, ChoreDone):
@@ -426,13 +432,27 @@ class Daemon:
         self._act(self.machine.observe(w, now), now)
 
     def _sample(self, w: Watched, now: float) -> None:
+        """Its sample is due: started with the others due this turn (``_start_samples``)."""
         native = w.state is State.SUSPECT and w.suspicion is not None and w.suspicion.reason == "stack"
         last = w.history.samples[-1] if w.history.samples and not native else None
-        again = self.sampler.start(w.registration, native, now, last)
-        if again is None:
-            self.watched.change(w, sampling=True)  # until its SampleTaken comes back, which it always does
-        else:
-            self.watched.change(w, sample_at=again)
+        self.to_sample.append((w.registration, native, last))
+        self.watched.change(w, sampling=True)  # until its SampleTaken comes back, which it always does
+
+    def _start_samples(self) -> None:
+        """The samples due this turn, handed to the sampler at once: those it carries come back together."""
+        batch, self.to_sample = self.to_sample, []
+        if not batch:
+            return
+        try:
+            self.sampler.start_many(batch)
+        except Exception as exc:  # none started: each is sampled again after a pause, never left "sampling"
+            log.exception("samples_not_started", count=len(batch), error=f"{type(exc).__name__}: {exc}")
+            now = time.monotonic()
+            for reg, _native, _last in batch:
+                w = self.watched.get(reg.process)
+                if w is not None:
+                    self.watched.change(w, sampling=False)
+                    self.machine.backoff(w, now, "sample")
 
     def _first_looks(self, now: float) -> None:
         """Processes admitted since the last turn: the detectors' first look, and the flight-recorder warm-up."""

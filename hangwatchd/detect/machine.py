@@ -90,6 +90,7 @@ class StateMachine:
         self.idle = idle
         self._out: list[Decision] = []  # what the entry point being run decided, for the loop to do
         self._looked = metrics.passes.labels(**metrics.labels(what="look"))
+        self._gap = metrics.sample_gap.labels(**metrics.const)
 
     def _decided(self) -> list[Decision]:
         out, self._out = self._out, []
@@ -211,6 +212,10 @@ class StateMachine:
         if taken.deferred is not None:  # its user's py-spy budget was spent: nothing was read, nothing to judge
             self.watched.change(w, sample_at=taken.deferred)
             return []
+        if not sample.error:
+            if w.sampled_at is not None and w.watched_by_stack:
+                self._gap.observe(now - w.sampled_at)
+            self.watched.change(w, sampled_at=now)
         if sample.refused:
             self.watched.change(w, check_at=0.0)  # looked at now: its files and owner are checked, and it is dropped
         kind = "native" if native else "plain"

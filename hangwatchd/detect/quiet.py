@@ -67,7 +67,7 @@ class Quiet:
 
     def look(self, now: float) -> None:
         """One pass over every followed process."""
-        for process, (digest, since, asked) in list(self._seen.items()):
+        for process, (digest, _since, asked) in list(self._seen.items()):
             if now - asked > FORGET_AFTER:
                 self._seen.pop(process, None)
                 continue

@@ -27,7 +27,7 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -56,6 +56,17 @@ class SampleTaken:
     deferred: float | None = None  # monotonic: sample it again then
 
 
+@dataclass(frozen=True)
+class SampleBatch:
+    """Samples taken together (the carried ones of one ``start_many``): each is one ``SampleTaken``."""
+
+    taken: tuple[SampleTaken, ...]
+
+
+def _failed(why: str) -> Sample:
+    return Sample(time.monotonic(), (), (), None, None, why)
+
+
 class Sampler:
     def __init__(self, pyspy_timeout: float, samples_per_uid: float, limits: UserLimits,
                  post: Callable[[object], None], take: TakeSample = take_sample, quiet: Quiet | None = None) -> None:
@@ -81,8 +92,15 @@ class Sampler:
         latest plain sample, which a process that has not run since is given again). None: started,
         and a ``SampleTaken`` follows, always (``deferred`` when its user's py-spy budget was spent).
         A float would say when to try again (kept for the loop's contract; nothing is refused here)."""
-        self.pool.submit(self._take, reg.process, reg.uid, native, last)
+        self.start_many([(reg, native, last)])
         return None
+
+    def start_many(self, batch: Sequence[tuple[Registration, bool, Sample | None]]) -> None:
+        """Start a sample of each (registration, native, last) as ``start`` does, together: one
+        worker looks at them all and posts those it can carry as one ``SampleBatch`` (the loop
+        wakes once for them), and hands each that needs py-spy to a worker of its own."""
+        if batch:
+            self.pool.submit(self._take_many, list(batch))
 
     def _spent(self, uid: int, now: float, wait: float) -> float:
         if self.limits.first("pyspy_rate", uid):
@@ -94,19 +112,30 @@ class Sampler:
         with self._budget:
             return self.limits.sample_wait(uid, time.monotonic())
 
-    def _take(self, process: ProcessId, uid: int, native: bool, last: Sample | None) -> None:
-        """On a worker: the sample, or the exception that stopped it, as a value on the loop's queue."""
-        sample = Sample(time.monotonic(), (), (), None, None, "the sampler stopped before it finished")
-        deferred = None
+    def _take_many(self, batch: list[tuple[Registration, bool, Sample | None]]) -> None:
+        """On a worker: each of ``batch`` carried (posted together at the end) or handed to a worker
+        that reads it; every one comes back as exactly one SampleTaken, whatever happens."""
+        out: list[SampleTaken] = []
+        done = 0
         try:
-            sample, deferred = self._sample(process, uid, native, last)
-        except Exception as exc:  # whatever it was, the loop hears of it as this sample's error
-            log.exception("stack_sample_raised", pid=process.pid, error=f"{type(exc).__name__}: {exc}")
-            sample = Sample(time.monotonic(), (), (), None, None, f"the sampler raised {type(exc).__name__}: {exc}")
+            for reg, native, last in batch:
+                try:
+                    again, act = self._carry(reg.process, native, last)
+                    if again is not None:
+                        out.append(SampleTaken(reg.process, native, again))
+                    else:
+                        self.pool.submit(self._take, reg.process, reg.uid, native, act)
+                except Exception as exc:  # this one's error, as a value; the others go on
+                    log.exception("stack_sample_raised", pid=reg.process.pid, error=f"{type(exc).__name__}: {exc}")
+                    out.append(SampleTaken(reg.process, native, _failed(f"the sampler raised {type(exc).__name__}: {exc}")))
+                done += 1
         finally:
-            self.post(SampleTaken(process, native, sample, deferred))
+            out += [SampleTaken(r.process, n, _failed("the sampler stopped before it finished")) for r, n, _ in batch[done:]]
+            if out:
+                self.post(SampleBatch(tuple(out)))
 
-    def _sample(self, process: ProcessId, uid: int, native: bool, last: Sample | None) -> tuple[Sample, float | None]:
+    def _carry(self, process: ProcessId, native: bool, last: Sample | None) -> tuple[Sample | None, activity.Activity]:
+        """(its last stack again, where no thread of it ran since; else None, and its counters read now)."""
         pid = process.pid
         act = activity.read(pid)
         read_at = time.monotonic()
@@ -116,11 +145,26 @@ class Sampler:
             if again is not None:
                 self.carried += 1
                 self.quiet.follow(process, act.ran, read_at)
-                return again, None
+                return again, act
+        return None, act
+
+    def _take(self, process: ProcessId, uid: int, native: bool, act: activity.Activity) -> None:
+        """On a worker: the sample read by py-spy, or the exception that stopped it, as a value on the loop's queue."""
+        sample = _failed("the sampler stopped before it finished")
+        deferred = None
+        try:
+            sample, deferred = self._read(process, uid, native, act)
+        except Exception as exc:  # whatever it was, the loop hears of it as this sample's error
+            log.exception("stack_sample_raised", pid=process.pid, error=f"{type(exc).__name__}: {exc}")
+            sample = _failed(f"the sampler raised {type(exc).__name__}: {exc}")
+        finally:
+            self.post(SampleTaken(process, native, sample, deferred))
+
+    def _read(self, process: ProcessId, uid: int, native: bool, act: activity.Activity) -> tuple[Sample, float | None]:
+        pid = process.pid
         wait = self._charge(uid)
         if wait:
-            return Sample(act.time, (), (), None, None, "not sampled: its user's py-spy budget is spent"), \
-                self._spent(uid, time.monotonic(), wait)
+            return _failed("not sampled: its user's py-spy budget is spent"), self._spent(uid, time.monotonic(), wait)
         settled = self.quiet.settled(process, act.ran)
         self.reads += 1
         sample = self.take(pid, self.pyspy_timeout, native, uid, act)
@@ -128,7 +172,7 @@ class Sampler:
             # No thread ran from the quiet look that first saw these counters to the end of this
             # read: the stack read is the one it had all along.
             sample = dataclasses.replace(sample, since=settled)
-        self.quiet.follow(process, act.ran, read_at)
+        self.quiet.follow(process, act.ran, time.monotonic())
         if native and not sample.error:
             if len(self._native) >= NATIVE_KEPT:
                 self._native = {p: s for p, s in self._native.items() if procfs.alive(p)}

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from hangwatchd.detect.quiet import Quiet
-from hangwatchd.detect.sampler import Sampler, SampleTaken
+from hangwatchd.detect.sampler import SampleBatch, Sampler, SampleTaken
 from hangwatchd.host import procfs
 from hangwatchd.host.pyspy_binary import find_pyspy
 from hangwatchd.host.user_limits import UserLimits
@@ -87,13 +87,13 @@ def _reg(p: subprocess.Popen[str]) -> Registration:
 
 def _round(sampler: Sampler, inbox: queue.Queue[object], regs: list[Registration],
            last: dict[int, Sample] | None = None) -> dict[int, SampleTaken]:
-    for r in regs:
-        assert sampler.start(r, False, time.monotonic(), (last or {}).get(r.process.pid)) is None
+    sampler.start_many([(r, False, (last or {}).get(r.process.pid)) for r in regs])
     out: dict[int, SampleTaken] = {}
     while len(out) < len(regs):
-        taken = inbox.get(timeout=60)
-        assert isinstance(taken, SampleTaken)
-        out[taken.process.pid] = taken
+        got = inbox.get(timeout=60)
+        for taken in got.taken if isinstance(got, SampleBatch) else (got,):
+            assert isinstance(taken, SampleTaken) and taken.process.pid not in out  # exactly one each
+            out[taken.process.pid] = taken
     return out
 
 
