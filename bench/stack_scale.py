@@ -160,6 +160,10 @@ def run_once(n: int, steady: float, tmp: Path) -> dict[str, float]:
         reads = d.metric_total("hangwatchd_stack_samples_total") - d.metric_total("hangwatchd_stack_samples_carried_total") - reads0
         carried = d.metric_total("hangwatchd_stack_samples_carried_total") - carried0
         rss = daemon.memory_info().rss / 2**20
+        failed = d.metric_total("hangwatchd_stack_samples_total", outcome="failed")
+        if os.environ.get("STACK_SCALE_DEBUG"):
+            import collections
+            print(collections.Counter((e.get("event"), e.get("error", "")[:60]) for e in d.logs()).most_common(12))
         gaps = {le: count - gaps0.get(le, 0.0) for le, count in gap_buckets(d).items()}
         total = gaps.get(float("inf"), 0.0)
         over = total - gaps.get(TARGET_GAP, 0.0)
@@ -181,7 +185,7 @@ def run_once(n: int, steady: float, tmp: Path) -> dict[str, float]:
                 pass
             p.wait()
         d.stop()
-    return {"cpu": cpu, "max_gap": max_gap, "over": over, "gaps": total, "declared": declared, "reads": reads / span,
+    return {"failed": failed, "cpu": cpu, "max_gap": max_gap, "over": over, "gaps": total, "declared": declared, "reads": reads / span,
             "carried": carried / span, "rss": rss, "per_dump": per_dump.median, "idle": idle, "periodic": periodic,
             "busy": busy, "samples_needed": n / INTERVAL}
 

@@ -273,6 +273,13 @@ class StateMachine:
             self.watched.change(w, idle_noted=False)
         if w.history.frozen_for() >= window and not w.idle_noted and self._worked(w, now):
             return
+        if w.history.frozen_for() >= window and not w.idle_noted and w.stack_timeout is None \
+                and classify(sample.frames, self.blocking, self.idle)[1]:
+            # Its Python frames wait where servers wait for work: the native look would add frames
+            # but could only find it idle too (an idle pattern wins), so none is taken.
+            log.info("stack_frozen_idle", pid=w.process.pid, why="idle pattern")
+            self.watched.change(w, idle_noted=True, sample_at=every)
+            return
         if w.history.frozen_for() >= window and not w.idle_noted:
             held = w.history.frozen_for()
             log.info("process_suspect", pid=w.process.pid, reason="stack", detail=w.history.evidence())

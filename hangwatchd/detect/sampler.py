@@ -83,6 +83,8 @@ class Sampler:
         # At most one sample per process is in flight (the loop's Watched.sampling), so the pool's
         # queue is bounded by the watchlist's size.
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="sample")
+        # The counters' looks (cheap, batched) on a thread of their own: never queued behind py-spy runs.
+        self.looks = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sample-look")
 
     def start_quiet(self) -> None:
         self.quiet.start()
@@ -100,7 +102,7 @@ class Sampler:
         worker looks at them all and posts those it can carry as one ``SampleBatch`` (the loop
         wakes once for them), and hands each that needs py-spy to a worker of its own."""
         if batch:
-            self.pool.submit(self._take_many, list(batch))
+            self.looks.submit(self._take_many, list(batch))
 
     def _spent(self, uid: int, now: float, wait: float) -> float:
         if self.limits.first("pyspy_rate", uid):
@@ -180,5 +182,6 @@ class Sampler:
         return sample, None
 
     def shutdown(self) -> None:
+        self.looks.shutdown(wait=True, cancel_futures=True)
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.quiet.stop()
