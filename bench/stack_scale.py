@@ -10,12 +10,14 @@ no beat segment), none of them beating. What they do, as on a node where most pr
 - ``busy``: a loop that computes for 5 ms in every 100 ms (read each time, its stack moves);
 - one ``freezer``: periodic until the bench asks it to freeze, then blocked on a lock for good.
 
-Measured, while they run (after one window, so that every idle process has had its one native
-look): the daemon's CPU, py-spy's included (the CPU of its reaped children), over
-``--steady`` seconds; the longest gap between two stack samples of any one process (status.json's
-``last_sample_time``, polled every 0.5 s); the freezer's freeze to ``process_hung``. The baseline
-in the same run: one py-spy dump per sample, the way before issue 33, timed here on the same
-processes (its CPU per dump) and scaled to the same number of samples a second.
+Measured once the daemon samples them all at the interval's rate (admitting them costs one
+py-spy read each, and a window later one native look at each still stack: that time is shown
+apart): the daemon's CPU, py-spy's included (the CPU of its reaped children), over ``--steady``
+seconds; the longest gap between two stack samples of any one process (the daemon's
+``hangwatchd_stack_sample_gap_seconds`` histogram over those seconds); the freezer's freeze to
+``process_hung``. The baseline in the same run: one py-spy dump per sample, the way before
+issue 33, timed here on the same processes (its CPU per dump) and scaled to the same number of
+samples a second.
 """
 
 from __future__ import annotations
@@ -97,6 +99,17 @@ def register(runtime: Path, procs: list[subprocess.Popen[bytes]]) -> None:
         path.rename(runtime / "registrations" / path.name)
 
 
+def keep_up(d: ScratchDaemon, n: int, limit: float) -> float:
+    """Seconds until the daemon samples ``n`` processes at the interval's rate (over 10 s)."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit:
+        before = d.metric_total("hangwatchd_stack_samples_total")
+        time.sleep(10.0)
+        if d.metric_total("hangwatchd_stack_samples_total") - before >= 0.95 * 10.0 * n / INTERVAL:
+            return time.monotonic() - start
+    raise SystemExit(f"the daemon did not keep up with {n} processes within {limit:g} s")
+
+
 def cpu_seconds(p: psutil.Process) -> float:
     t = p.cpu_times()
     return t.user + t.system + t.children_user + t.children_system
@@ -148,7 +161,13 @@ def run_once(n: int, steady: float, tmp: Path) -> dict[str, float]:
         register(d.runtime_dir, procs)
         wait_for(lambda: (d.metric("hangwatchd_watched_processes", state="healthy") or 0) >= n, 180,
                  f"{n} processes watched", every=1.0)
-        time.sleep(WINDOW + INTERVAL + 5)  # one window: every idle process has had its native look
+        # Admitting them costs a py-spy read each, and a window later a native look at each that
+        # stood still: measured apart (``settle``), then the steady state once the sampler keeps up.
+        t_admit = time.monotonic()
+        time.sleep(WINDOW + INTERVAL)
+        keep_up(d, n, 600.0)
+        time.sleep(INTERVAL)
+        settle_s = time.monotonic() - t_admit
         daemon = psutil.Process(d.proc.pid)
         c0, w0 = cpu_seconds(daemon), time.monotonic()
         reads0 = d.metric_total("hangwatchd_stack_samples_total") - d.metric_total("hangwatchd_stack_samples_carried_total")
@@ -185,7 +204,7 @@ def run_once(n: int, steady: float, tmp: Path) -> dict[str, float]:
                 pass
             p.wait()
         d.stop()
-    return {"failed": failed, "cpu": cpu, "max_gap": max_gap, "over": over, "gaps": total, "declared": declared, "reads": reads / span,
+    return {"settle": settle_s, "failed": failed, "cpu": cpu, "max_gap": max_gap, "over": over, "gaps": total, "declared": declared, "reads": reads / span,
             "carried": carried / span, "rss": rss, "per_dump": per_dump.median, "idle": idle, "periodic": periodic,
             "busy": busy, "samples_needed": n / INTERVAL}
 
@@ -233,13 +252,15 @@ def main() -> None:
                f"RSS {three('rss', '.0f')} MB)",
                f"one py-spy dump a sample, as before: {per_dump * 1000:.1f} ms of CPU a dump here x {needed:.0f} "
                f"samples/s = {before:.0f} % of a core", f"<= {TARGET_CPU:g} %", max(cpu) <= TARGET_CPU),
+        Figure(f"admitting the {n}: one py-spy read each, and a window later one native look at each still stack",
+               f"sampled at the interval's rate {three('settle', '.0f')} s after they were registered", "-", "", None),
         Figure("a freeze among them (a thread blocked on a lock for good), to declared hung",
                f"{three('declared', '.1f')} s", f"the window, {WINDOW:g} s", f"<= {TARGET_FREEZE:g} s",
                max(dec) <= TARGET_FREEZE),
     ], note=f"{len(runs)} runs; {r0['idle']:.0f} processes blocked in select, {r0['periodic']:.0f} waking every 2 s, "
             f"{r0['busy']:.0f} computing 5 ms in 100, 1 freezing, each a real `python3 -S`, registered with no beats "
             f"(watched by its stack, window {WINDOW:g} s); the CPU is the daemon's and its reaped children's (py-spy) "
-            "over 30 s after one window; 2 cores shared with other work",
+            "over 30 s once it keeps up; this 2-core machine, shared with other work while measured",
        command=f"python bench/stack_scale.py --processes {n} --runs {len(runs)}")
 
 

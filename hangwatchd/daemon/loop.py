@@ -68,8 +68,8 @@ from ..incidents.store import Store, StoreWriteError
 from ..metrics import Metrics, create, serve
 from ..model import Registration, State, Suspicion
 from ..watch.admission import Discovered, Registrations
-from ..watch.stack_history import Sample
 from ..watch.discovery import Discovery, GpuPidsFound
+from ..watch.stack_history import Sample
 from ..watch.watched import Watched, Watchlist
 from ..workload import registration_file
 from . import act, exception_dumps
