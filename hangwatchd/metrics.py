@@ -49,6 +49,7 @@ def xid_label(xid: int) -> str:
 
 STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 LOOP_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5)
+GAP_BUCKETS = (1.0, 2.0, 5.0, 5.5, 6.0, 7.5, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0)
 LAST_INCIDENT_SERIES = 64
 # The workload's job name. Never "job" (nor "instance"): Prometheus attaches its own job label, the
 # scrape config's job_name, and renames an exporter's to exported_job, so dashboards and alerts
@@ -76,6 +77,7 @@ class Metrics:
     step_duration: Histogram
     step_failures: Counter
     loop_duration: Histogram
+    sample_gap: Histogram
     registration_errors: Counter
     incidents: Counter
     gpu_exceptions: Counter
@@ -85,6 +87,7 @@ class Metrics:
     incidents_pending: Gauge
     loop_errors: Counter
     stack_samples: Counter
+    stack_carried: Counter
     loop_cpu: Counter
     info: Info
     last_incident: Gauge
@@ -153,6 +156,9 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
                                 labels("step"), buckets=STEP_BUCKETS, registry=reg),
         step_failures=Counter("hangwatchd_capture_step_failures_total", "Capture steps that failed or timed out.",
                               labels("step"), registry=reg),
+        sample_gap=Histogram("hangwatchd_stack_sample_gap_seconds",
+                             "Seconds between two stack samples of one process watched by its stack (stack_interval "
+                             "when the sampler keeps up).", names, buckets=GAP_BUCKETS, registry=reg),
         loop_duration=Histogram("hangwatchd_loop_iteration_duration_seconds",
                                 "Time the daemon's loop spends on one wake-up (its own latency).",
                                 names, buckets=LOOP_BUCKETS, registry=reg),
@@ -178,6 +184,10 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
                          "and timers (its own work, not waiting and not other threads').", names, registry=reg),
         stack_samples=Counter("hangwatchd_stack_samples_total", "py-spy stack samples taken of watched processes, by kind "
                               "(plain or native) and outcome (ok or failed).", labels("kind", "outcome"), registry=reg),
+        stack_carried=Counter("hangwatchd_stack_samples_carried_total", "Stack samples (counted in "
+                              "hangwatchd_stack_samples_total too) given without running py-spy: no thread of the "
+                              "process had run since its stack was last read, so it was the same.", labels("kind"),
+                              registry=reg),
         info=Info("hangwatchd_build", "Version of hangwatchd.", names, registry=reg),
         last_incident=Gauge("hangwatchd_last_incident_timestamp_seconds",
                             "Unix time of the latest incident stored for a reason and job; its id is the incident label.",
@@ -218,6 +228,7 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
     for what in PASSES:
         m.passes.labels(**m.labels(what=what))
     m.loop_duration.labels(**const)
+    m.sample_gap.labels(**const)
     m.loop_cpu.labels(**const)
     m.store_write_failures.labels(**const)
     m.incidents_pending.labels(**const)

@@ -12,7 +12,7 @@ decides a process's fate, through ``Watchlist.change`` and its table of legal
 transitions). Workers get frozen records and post one frozen value back, from
 a ``finally`` (their exceptions arrive as values):
 
-    sampler (py-spy)        SampleTaken(process, native, sample | its error)
+    sampler (py-spy)        SampleTaken(process, native, sample | its error | deferred)
     capture workers         CaptureDone(capture, incident | error), ChoreDone(name, error)
     discovery thread        GpuPidsFound(pids)
     discovery's /proc scan  Discovered(registrations | error)
@@ -22,10 +22,11 @@ a ``finally`` (their exceptions arrive as values):
     kernel log reader       GpuEvent (an NVRM Xid line, with its process)
     the store (any thread)  LedgerChanged(incident, entry) (the ledger of suspects)
 
-Two threads keep to themselves and decide no process's fate: retention
+Three threads keep to themselves and decide no process's fate: retention
 (``incidents/retention.py``, its own schedule, told by the store what it
-stored) and the recorder of process exits (``host/proc_exits.py``, read by the
-capture's ``exits`` step).
+stored), the recorder of process exits (``host/proc_exits.py``, read by the
+capture's ``exits`` step) and the sampler's quiet look (``detect/quiet.py``:
+when each sampled process's threads last ran, read by the sampler).
 
 ``_dispatch`` hands each to its room; the state machine (``detect.machine``)
 answers with decisions (``Declare``, ``Drop``) that ``_act`` carries out: a
@@ -54,7 +55,7 @@ from ..config import Config
 from ..cudacore import sandbox
 from ..detect import HeartbeatDetector
 from ..detect.machine import Decision, Declare, Drop, StateMachine, retry_pause
-from ..detect.sampler import Sampler, SampleTaken
+from ..detect.sampler import SampleBatch, Sampler, SampleTaken
 from ..detect.stack import BLOCKING, IDLE
 from ..fleet.agent import Agent, CaptureRequest
 from ..host import procfs
@@ -67,9 +68,10 @@ from ..incidents.retention import Retention
 from ..incidents.spool import SPOOL_DIR, Spool
 from ..incidents.store import Store, StoreWriteError
 from ..metrics import Metrics, create, serve
-from ..model import ProcessId, State, Suspicion
+from ..model import ProcessId, Registration, State, Suspicion
 from ..watch.admission import Discovered, Registrations
 from ..watch.discovery import Discovery, GpuPidsFound
+from ..watch.stack_history import Sample
 from ..watch.watched import Watched, Watchlist
 from ..workload import registration_file
 from . import act, exception_dumps
@@ -130,6 +132,7 @@ class Daemon:
                                     tuple(BLOCKING) + tuple(cfg.stack_blocking_patterns), cfg.stack_idle_pattern or IDLE,
                                     capture_budget=capture_budget(cfg))
         self.sampler = Sampler(cfg.pyspy_timeout, cfg.pyspy_samples_per_uid, self.limits, post)
+        self.to_sample: list[tuple[Registration, bool, Sample | None]] = []  # due this turn (``_start_samples``)
         self.lock = InstanceLock(Path(cfg.runtime_dir))
         self.state_lock = InstanceLock(Path(cfg.state_dir), "state dir", "--state-dir", says=str(cfg.runtime_dir))
         # GPU faults (XIDs) from the NVML listener's and the kernel log's threads; health.json written by the status writer's.
@@ -228,6 +231,7 @@ class Daemon:
             raise
         try:
             self.retention.start()  # after prepare: a daemon that cannot start removes nothing
+            self.sampler.start_quiet()
             self.workers.flush_spool()
             self.rescan()
             self._scan_dumps()
@@ -299,6 +303,7 @@ class Daemon:
             for w in self.watched.due(now):
                 if w.process in self.watched:  # not forgotten while handling an earlier one
                     self._look(w, now)
+            self._start_samples()
             if now >= self.next_dump_scan:
                 self.next_dump_scan = float("inf")
                 guard("scan_dumps", self._scan_dumps)
@@ -338,6 +343,9 @@ class Daemon:
         """The room that takes each kind of value a worker posts."""
         if isinstance(m, SampleTaken):
             self._sample_taken(m, now)
+        elif isinstance(m, SampleBatch):
+            for taken in m.taken:
+                self.guard("SampleTaken", self._sample_taken, taken, now)
         elif isinstance(m, CaptureDone):
             self._capture_done(m, now)
         elif isinstance(m, ChoreDone):
@@ -438,12 +446,27 @@ class Daemon:
         self._act(self.machine.observe(w, now), now)
 
     def _sample(self, w: Watched, now: float) -> None:
+        """Its sample is due: started with the others due this turn (``_start_samples``)."""
         native = w.state is State.SUSPECT and w.suspicion is not None and w.suspicion.reason == "stack"
-        again = self.sampler.start(w.registration, native, now)
-        if again is None:
-            self.watched.change(w, sampling=True)  # until its SampleTaken comes back, which it always does
-        else:
-            self.watched.change(w, sample_at=again)
+        last = w.history.samples[-1] if w.history.samples and not native else None
+        self.to_sample.append((w.registration, native, last))
+        self.watched.change(w, sampling=True)  # until its SampleTaken comes back, which it always does
+
+    def _start_samples(self) -> None:
+        """The samples due this turn, handed to the sampler at once: those it carries come back together."""
+        batch, self.to_sample = self.to_sample, []
+        if not batch:
+            return
+        try:
+            self.sampler.start_many(batch)
+        except Exception as exc:  # none started: each is sampled again after a pause, never left "sampling"
+            log.exception("samples_not_started", count=len(batch), error=f"{type(exc).__name__}: {exc}")
+            now = time.monotonic()
+            for reg, _native, _last in batch:
+                w = self.watched.get(reg.process)
+                if w is not None:
+                    self.watched.change(w, sampling=False)
+                    self.machine.backoff(w, now, "sample")
 
     def _first_looks(self, now: float) -> None:
         """Processes admitted since the last turn: the detectors' first look, and the flight-recorder warm-up."""
