@@ -66,7 +66,7 @@ from ..host.user_limits import Budgets, UserLimits
 from ..incidents import heal
 from ..incidents.retention import Retention
 from ..incidents.spool import SPOOL_DIR, Spool
-from ..incidents.store import Store, StoreWriteError
+from ..incidents.store import Store, StoreError, StoreWriteError
 from ..metrics import Metrics, create, serve
 from ..model import ProcessId, Registration, State, Suspicion
 from ..watch.admission import Discovered, Registrations
@@ -187,6 +187,11 @@ class Daemon:
         except OSError:
             present = set()
         self.workers.remember_ingested(self.store.ingested() & present)
+        # The hangs this node stored that still hang: adopted as captured when their processes register.
+        try:
+            self.registrations.captured_before = self.store.captured(procfs.boot_time(), procfs.alive)
+        except StoreError as exc:
+            log.error("captured_not_read", error=str(exc))
         self.spool.clear_partials()
         if self.fleet:
             self.fleet.start()

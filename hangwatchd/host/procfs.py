@@ -75,6 +75,18 @@ def identify(pid: int) -> ProcessId | None:
     return ProcessId(pid, st) if st is not None else None
 
 
+def boot_time() -> float:
+    """When this machine booted (Unix time, /proc/stat's btime): a (pid, start time) pair names one
+    process only since then. 0 when it cannot be read (every incident is then looked at)."""
+    try:
+        for line in read_capped(PROC / "stat", 1 << 20).decode("ascii", "replace").splitlines():
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
+
+
 def alive(proc: ProcessId) -> bool:
     """True while this very process lives (not a later one given the same pid)."""
     return running(proc.pid, proc.start_time)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..host.atomic import write_atomic
+from ..model import ProcessId
 from . import ledger, permissions
 from .index import INCIDENTS, INDEX, REBUILT_AT_START, SCHEMA, Index, Page, StoreError, corrupt, unreadable
 
@@ -29,6 +30,10 @@ if TYPE_CHECKING:
     from ..model import Incident
 
 __all__ = ["COMING", "LATE_DIR", "REMOVING", "Draft", "Store", "StoreError", "StoreWriteError", "new_id"]
+
+
+ADOPT_MAX = 1000  # newest incidents a restarted daemon looks through for processes it captured
+MAX_INCIDENT_JSON = 16 << 20
 
 
 class StoreWriteError(StoreError):
@@ -448,6 +453,42 @@ class Store:
              before: str | None = None) -> Page:
         return Index(self.root).page(limit, since, job, before)
 
+    def captured(self, since: float, alive: Callable[[ProcessId], bool], limit: int = ADOPT_MAX) -> dict[ProcessId, str]:
+        """The processes still running (``alive``) that an incident stored since ``since`` captured,
+        each with its newest incident: what a restarted daemon adopts as captured instead of
+        declaring the same hang again. Reads the index, then only the incidents naming a pid that
+        runs (their incident.json, written by the daemon); StoreError when the index cannot be read."""
+        found: dict[ProcessId, str] = {}
+        for row in self.list(limit, since):
+            pids = [p for p in row.get("processes") or [] if isinstance(p, int) and os.path.exists(f"/proc/{p}")]
+            if not pids:
+                continue
+            for key in _processes(Path(row["dir"]), pids):
+                if key not in found and alive(key):
+                    found[key] = str(row["id"])
+        return found
+
     def path_of(self, incident_id: str) -> Path | None:
         """The directory of a listed incident, by id or unique prefix."""
         return Index(self.root).find(incident_id)
+
+
+def _processes(incident: Path, pids: list[int]) -> list[ProcessId]:
+    """Which of ``pids`` an incident captured, with their start times: from its incident.json, or, for
+    one a stop interrupted (its incident.json says nothing of them), from each one's proc.json."""
+    def start_times(path: Path) -> Any:
+        try:
+            return json.loads(path.read_bytes()[:MAX_INCIDENT_JSON])
+        except (OSError, ValueError):
+            return None
+
+    data = start_times(incident / "incident.json")
+    listed = data.get("processes") if isinstance(data, dict) else None
+    if not isinstance(listed, list):
+        listed = [start_times(incident / str(pid) / "proc.json") for pid in pids]
+    found = []
+    for p in listed:
+        pid, start = (p.get("pid"), p.get("start_time")) if isinstance(p, dict) else (None, None)
+        if isinstance(pid, int) and isinstance(start, int) and pid in pids:
+            found.append(ProcessId(pid, start))
+    return found
