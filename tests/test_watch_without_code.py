@@ -148,16 +148,23 @@ def test_a_learned_timeout_catches_a_fast_loop_within_seconds(tmp_path: Path) ->
 
 
 def test_a_phase_without_beats_whose_stack_moves_is_not_a_hang(tmp_path: Path) -> None:
-    code = ("import time, hangwatchd\n"
-            "for _ in range(80): hangwatchd.beat(); time.sleep(0.05)\n"
+    """Beats every 50 ms until the daemon has learned them, then 9 s of computing without a beat:
+    a new phase, let be, and its longer gap learned."""
+    go = tmp_path / "go"
+    code = ("import os, sys, time, hangwatchd\n"
+            "while not os.path.exists(sys.argv[1]): hangwatchd.beat(); time.sleep(0.05)\n"
             "def checkpoint(t):\n    end = time.time() + t\n    n = 0\n    while time.time() < end:\n        n += sum(range(n % 5000))\n"
             "checkpoint(9)\n"
             "while True: hangwatchd.beat(); time.sleep(0.05)\n")
     with ScratchDaemon(tmp_path, config={**FAST, "heartbeat_timeout": 120.0}) as d:
-        work = d.run([sys.executable, "-c", code])
+        work = d.run([sys.executable, "-c", code, str(go)])
         try:
-            wait_for(lambda: any(e.get("event") == "suspicion_dropped" and e.get("why") in
-                                 ("the stack moved", "busy on the CPU, blocked on nothing") for e in d.logs()),
+            def learned() -> bool:
+                st = json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)
+                return any(p.get("timeout_source") == "learned" for p in st["processes"])
+            wait_for(learned, 60, "the beat to be learned", every=0.5)
+            go.touch()
+            wait_for(lambda: any(e.get("event") == "suspicion_dropped" and str(e.get("why")).startswith(("the stack moved", "working:")) for e in d.logs()),
                      30, "the checkpoint phase to be let be")
             time.sleep(6)
             assert d.store().list() == []
