@@ -18,7 +18,7 @@ from .cli_parser import DEFAULT_LIMIT, build_parser, show_target
 # pays for the others' imports (`symbolize` must not load structlog, prometheus_client or the store).
 USAGE_ERRORS = (("hangwatchd.cudacore.errors", "CoreDumpError"), ("hangwatchd.config", "ConfigError"),
                 ("hangwatchd.metrics", "AddressError"))
-FAILURES = (("hangwatchd.incidents.index", "StoreError"),)
+FAILURES = (("hangwatchd.incidents.index", "StoreError"), ("hangwatchd.incidents.ledger", "LedgerError"))
 SPOOL = ("spool", ".row.json")  # the daemon's spool dir and its rows (incidents.spool), looked at before importing it
 
 
@@ -474,9 +474,43 @@ def cmd_health(args: argparse.Namespace) -> int:
     return health.code
 
 
+def cmd_suspects(args: argparse.Namespace) -> int:
+    """The ledger of suspects: this node's, or every node's in the shared store."""
+    from .incidents import ledger
+    from .report import tables
+
+    if args.store:
+        from . import log
+        from .fleet.reader import ReadError, ledger_entries
+
+        log.configure("console", "warning")  # an entry refused is said on stderr; stdout stays the answer
+        url = _store_url(args)
+        try:
+            entries = ledger_entries(url)
+        except ReadError as exc:
+            raise Failure(str(exc)) from None
+        where = str(url)
+    else:
+        root = _index(args).root  # the state dir asked for, checked as `incidents` checks it
+        try:
+            entries = ledger.read(root, args.since)
+        except ledger.LedgerError as exc:
+            raise Failure(str(exc)) from None
+        where = str(ledger.directory(root))
+    found = ledger.suspects(entries, args.since)
+    if args.json:
+        _print_json(found)
+        return 0
+    if not found["gpus"] and not found["nodes"]:
+        print(f"no incident in {where} blames a GPU" + (" in that time" if args.since is not None else ""))
+        return 0
+    sys.stdout.write(tables.suspects(found))
+    return 0
+
+
 COMMANDS = {"daemon": cmd_daemon, "run": cmd_run, "status": cmd_status, "incidents": cmd_incidents, "show": cmd_show,
             "capture": cmd_capture, "analyze": cmd_analyze, "check": cmd_check, "symbolize": cmd_symbolize,
-            "health": cmd_health}
+            "health": cmd_health, "suspects": cmd_suspects}
 
 
 def _reader_gone() -> bool:

@@ -260,6 +260,12 @@ class Config:
     introspect_timeout: float = key(2.0, _seconds, "seconds to wait for the report of a process's in-process reporter "
         "(what each thread waits on and holds; hangwatchd run installs it)")
     nvml_timeout: float = key(10.0, _seconds, "seconds the NVML probe may take before it is killed")
+    kernel_log: str = key("/dev/kmsg", _optional_path, "the kernel log the daemon follows for NVRM Xid lines, which name "
+        "the process behind each GPU fault (reading /dev/kmsg needs root); \"\" reads none: XIDs then come from NVML alone, "
+        "without their process, and an application's XID is never taken for another process's fault")
+    suspect_jobs: int = key(2, _count, "different jobs whose incidents implicate one GPU of this node, within suspect_window, "
+        "that make hangwatchd health report a node problem (the ledger of suspects: hangwatchd suspects)")
+    suspect_window: float = key(86400.0, _seconds, "seconds back that the incidents implicating a GPU count towards suspect_jobs")
     nccl_ras_timeout: float = key(3.0, _seconds, "seconds to wait for the answer of the job's NCCL RAS service (it answers in ms)")
     flight_recorder_timeout: float = key(20.0, _seconds, "seconds to wait for PyTorch's flight recorder dump")
     flight_recorder_warmup: bool = key(True, _bool, "ask each rank's flight recorder as it starts (again while its trace is empty), so "

@@ -297,7 +297,8 @@ class CaptureWorkers:
         if deadline.passed():
             raise TimeoutError(f"its deadline passed while it waited for a worker ({time.monotonic() - deadline.at:.1f} s ago)")
         incident_id = make_incident(self.store, self.steps, targets, suspicion, deadline, self.metrics, gate,
-                                    notify, self.spool, gone, self.config.node, job_incident)
+                                    notify, self.spool, gone, self.config.node, job_incident,
+                                    Path(self.config.runtime_dir))
         if self.fleet and incident_id and self.spool.find(incident_id) is None:
             self.fleet.stored(incident_id, self.store.dir / incident_id, next((t.job for t in targets if t.job), None),
                               job_incident)

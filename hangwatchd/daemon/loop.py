@@ -12,18 +12,21 @@ decides a process's fate, through ``Watchlist.change`` and its table of legal
 transitions). Workers get frozen records and post one frozen value back, from
 a ``finally`` (their exceptions arrive as values):
 
-    sampler (py-spy)        SampleTaken(process, native, sample | its error)
+    sampler (py-spy)        SampleTaken(process, native, sample | its error | deferred)
     capture workers         CaptureDone(capture, incident | error), ChoreDone(name, error)
     discovery thread        GpuPidsFound(pids)
     discovery's /proc scan  Discovered(registrations | error)
     fleet poller            CaptureRequest (another node's request for a job's ranks)
     flight-recorder warm-up WarmupDone(registration, outcome)
     NVML listener           GpusFound(gpus), GpuEvent (an XID)
+    kernel log reader       GpuEvent (an NVRM Xid line, with its process)
+    the store (any thread)  LedgerChanged(incident, entry) (the ledger of suspects)
 
-Two threads keep to themselves and decide no process's fate: retention
+Three threads keep to themselves and decide no process's fate: retention
 (``incidents/retention.py``, its own schedule, told by the store what it
-stored) and the recorder of process exits (``host/proc_exits.py``, read by the
-capture's ``exits`` step).
+stored), the recorder of process exits (``host/proc_exits.py``, read by the
+capture's ``exits`` step) and the sampler's quiet look (``detect/quiet.py``:
+when each sampled process's threads last ran, read by the sampler).
 
 ``_dispatch`` hands each to its room; the state machine (``detect.machine``)
 answers with decisions (``Declare``, ``Drop``) that ``_act`` carries out: a
@@ -52,7 +55,7 @@ from ..config import Config
 from ..cudacore import sandbox
 from ..detect import HeartbeatDetector
 from ..detect.machine import Decision, Declare, Drop, StateMachine, retry_pause
-from ..detect.sampler import Sampler, SampleTaken
+from ..detect.sampler import SampleBatch, Sampler, SampleTaken
 from ..detect.stack import BLOCKING, IDLE
 from ..fleet.agent import Agent, CaptureRequest
 from ..host import dump_fifos, procfs
@@ -64,11 +67,12 @@ from ..host.user_limits import Budgets, UserLimits
 from ..incidents import heal
 from ..incidents.retention import Retention
 from ..incidents.spool import SPOOL_DIR, Spool
-from ..incidents.store import Store, StoreWriteError
+from ..incidents.store import Store, StoreError, StoreWriteError
 from ..metrics import Metrics, create, serve
-from ..model import Registration, State, Suspicion
+from ..model import ProcessId, Registration, State, Suspicion
 from ..watch.admission import Discovered, Registrations
 from ..watch.discovery import Discovery, GpuPidsFound
+from ..watch.stack_history import Sample
 from ..watch.watched import LIVE, Watched, Watchlist
 from ..workload import registration_file
 from . import act, exception_dumps
@@ -78,7 +82,7 @@ from .fr_warmup import Warmup, WarmupDone
 from .inbox import Inbox
 from .instance_lock import AlreadyRunning, InstanceLock, LockDirError
 from .loop_guard import Guard
-from .node_health import NodeHealth
+from .node_health import LedgerChanged, NodeHealth, Suspicions
 from .status_file import STATUS_EVERY, WRITE_GAP, StatusFile
 
 log = structlog.get_logger("hangwatchd.daemon")
@@ -103,7 +107,8 @@ class Daemon:
         self.retention = Retention(cfg)  # its own thread and schedule; the store tells it what it stored
         self.inbox = Inbox()  # every worker's result comes back here, as a value
         post = self.inbox.post
-        self.store = Store(cfg.state_dir, on_stored=self.retention.stored)
+        self.store = Store(cfg.state_dir, on_stored=self.retention.stored,
+                           on_ledger=lambda incident, entry: post(LedgerChanged(incident, entry)))
         self.fleet = Agent(cfg.store, cfg.node, Path(cfg.state_dir), cfg.store_poll_interval, cfg.job_incident_window,
                            cfg.store_spool_max, post, self._count_sends) if cfg.store else None
         self.status = StatusFile(Path(cfg.runtime_dir))
@@ -135,10 +140,13 @@ class Daemon:
                                     tuple(BLOCKING) + tuple(cfg.stack_blocking_patterns), cfg.stack_idle_pattern or IDLE,
                                     capture_budget=capture_budget(cfg))
         self.sampler = Sampler(cfg.pyspy_timeout, cfg.pyspy_samples_per_uid, self.limits, post)
+        self.to_sample: list[tuple[Registration, bool, Sample | None]] = []  # due this turn (``_start_samples``)
         self.lock = InstanceLock(Path(cfg.runtime_dir))
         self.state_lock = InstanceLock(Path(cfg.state_dir), "state dir", "--state-dir", says=str(cfg.runtime_dir))
-        # GPU faults (XIDs) from the NVML listener's thread; health.json written by the status writer's.
-        self.node_health = NodeHealth(Path(cfg.runtime_dir), self.metrics, post, self.status.post_file)
+        # GPU faults (XIDs) from the NVML listener's and the kernel log's threads; health.json written by the status writer's.
+        self.node_health = NodeHealth(Path(cfg.runtime_dir), self.metrics, post, self.status.post_file,
+                                      kernel_log=cfg.kernel_log, node=cfg.node, state_dir=Path(cfg.state_dir),
+                                      suspicions=Suspicions(cfg.suspect_jobs, cfg.suspect_window))
         # New GPU processes within seconds, found on a thread of its own (watch/discovery.py).
         self.discovery = Discovery(cfg.discover_devices, cfg.discover_interval, post) if cfg.discover else None
         # Each rank's flight recorder asked as it starts, until PyTorch has named a trace's frames (fr_warmup.py).
@@ -187,6 +195,11 @@ class Daemon:
         except OSError:
             present = set()
         self.workers.remember_ingested(self.store.ingested() & present)
+        # The hangs this node stored that still hang: adopted as captured when their processes register.
+        try:
+            self.registrations.captured_before = self.store.captured(procfs.boot_time(), procfs.alive)
+        except StoreError as exc:
+            log.error("captured_not_read", error=str(exc))
         self.spool.clear_partials()
         if self.fleet:
             self.fleet.start()
@@ -234,6 +247,7 @@ class Daemon:
             raise
         try:
             self.retention.start()  # after prepare: a daemon that cannot start removes nothing
+            self.sampler.start_quiet()
             self.workers.flush_spool()
             self.rescan()
             self._scan_dumps()
@@ -309,6 +323,7 @@ class Daemon:
             for w in self.watched.due(now):
                 if w.process in self.watched:  # not forgotten while handling an earlier one
                     self._look(w, now)
+            self._start_samples()
             if now >= self.next_dump_scan:
                 self.next_dump_scan = float("inf")
                 guard("scan_dumps", self._scan_dumps)
@@ -348,6 +363,9 @@ class Daemon:
         """The room that takes each kind of value a worker posts."""
         if isinstance(m, SampleTaken):
             self._sample_taken(m, now)
+        elif isinstance(m, SampleBatch):
+            for taken in m.taken:
+                self.guard("SampleTaken", self._sample_taken, taken, now)
         elif isinstance(m, CaptureDone):
             self._capture_done(m, now)
         elif isinstance(m, ChoreDone):
@@ -365,7 +383,9 @@ class Daemon:
         elif isinstance(m, GpusFound):
             self.node_health.gpus_found(m)
         elif isinstance(m, GpuEvent):
-            self.node_health.gpu_event(m)
+            self.node_health.gpu_event(m, *self._job_of(m))
+        elif isinstance(m, LedgerChanged):
+            self.node_health.ledger_changed(m)
         elif isinstance(m, ProgramStarted):
             self._program_started(m)
         elif isinstance(m, ExceptionBegun):
@@ -378,6 +398,13 @@ class Daemon:
             self.workers.exception_drained(m)
         else:  # a worker posted what nobody takes: a bug, never a silent loss
             raise TypeError(f"no room takes {type(m).__name__}")
+
+    def _job_of(self, event: GpuEvent) -> tuple[str | None, int | None]:
+        """The job and rank of the watched process an XID names (pid and start time), if it is one."""
+        if event.pid is None or event.start_time is None:
+            return None, None
+        w = self.watched.get(ProcessId(event.pid, event.start_time))
+        return (w.registration.job, w.registration.rank) if w is not None else (None, None)
 
     def _sample_taken(self, taken: SampleTaken, now: float) -> None:
         w = self.watched.get(taken.process)
@@ -474,12 +501,27 @@ class Daemon:
         self._act(self.machine.observe(w, now), now)
 
     def _sample(self, w: Watched, now: float) -> None:
+        """Its sample is due: started with the others due this turn (``_start_samples``)."""
         native = w.state is State.SUSPECT and w.suspicion is not None and w.suspicion.reason == "stack"
-        again = self.sampler.start(w.registration, native, now)
-        if again is None:
-            self.watched.change(w, sampling=True)  # until its SampleTaken comes back, which it always does
-        else:
-            self.watched.change(w, sample_at=again)
+        last = w.history.samples[-1] if w.history.samples and not native else None
+        self.to_sample.append((w.registration, native, last))
+        self.watched.change(w, sampling=True)  # until its SampleTaken comes back, which it always does
+
+    def _start_samples(self) -> None:
+        """The samples due this turn, handed to the sampler at once: those it carries come back together."""
+        batch, self.to_sample = self.to_sample, []
+        if not batch:
+            return
+        try:
+            self.sampler.start_many(batch)
+        except Exception as exc:  # none started: each is sampled again after a pause, never left "sampling"
+            log.exception("samples_not_started", count=len(batch), error=f"{type(exc).__name__}: {exc}")
+            now = time.monotonic()
+            for reg, _native, _last in batch:
+                w = self.watched.get(reg.process)
+                if w is not None:
+                    self.watched.change(w, sampling=False)
+                    self.machine.backoff(w, now, "sample")
 
     def _first_looks(self, now: float) -> None:
         """Processes admitted since the last turn: the detectors' first look, and the flight-recorder warm-up."""
@@ -524,6 +566,7 @@ class Daemon:
         self.status_posted = now
         wall = time.time()
         self.status.post([(w.status_row(now, wall), w.registration) for w in self.watched.values()])
+        self.node_health.expire(wall)  # the ledger's window moves on: a GPU implicated a day ago is cleared
 
     def _scan_dumps(self) -> None:
         """Dumps that appeared while nobody watched (the daemon down, an inotify overflow)."""
