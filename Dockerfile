@@ -6,8 +6,11 @@
 #   podman build --build-arg BASE=IMAGE -t hangwatchd:0.1.0 .
 # BASE is any Debian bookworm (or newer) image with python3 and python3-venv; ./dev image makes
 # one from Debian's package archive with mmdebstrap, so no container registry is needed.
-#   podman run --pid=host --cap-add SYS_PTRACE -v /run/hangwatchd:/run/hangwatchd \
+#   podman run --pid=host --cap-add SYS_PTRACE,SYSLOG --device /dev/kmsg:/dev/kmsg:r -v /run/hangwatchd:/run/hangwatchd \
 #     -v /var/lib/hangwatchd:/var/lib/hangwatchd -p 9842:9842 hangwatchd:0.1.0
+# SYSLOG and the host's /dev/kmsg let the daemon read the driver's NVRM Xid lines, which name the process
+# behind each GPU fault (config kernel_log; the pids are the host's: with --pid=host they are the daemon's
+# too). Without them it says so once and takes XIDs from NVML alone, without their process.
 ARG BASE=localhost/hangwatchd-base:bookworm
 FROM ${BASE}
 # ./dev image prunes the superseded (dangling) builds carrying this label, and only those.

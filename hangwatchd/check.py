@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import subprocess
@@ -84,6 +85,22 @@ def _nvml() -> Check:
     data = json.loads(res.stdout)
     names = ", ".join(f"{d['index']}: {d['name']}" for d in data.get("devices", []))
     return Check("NVML", True, f"driver {data.get('driver')}, GPUs {names or 'none'}", False)
+
+
+def _kernel_log(path: str) -> Check:
+    """Whether the NVRM Xid lines can be read (they name the process behind each GPU fault); optional:
+    without them XIDs come from NVML alone, and an application's XID is never blamed on anyone."""
+    if not path:
+        return Check("kernel log", True, "not read (kernel_log = \"\"): XIDs from NVML alone, without their process", False)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError as exc:
+        hint = ("; run as root (CAP_SYSLOG where kernel.dmesg_restrict = 1; the systemd unit and the DaemonSet allow it)"
+                if exc.errno in (errno.EACCES, errno.EPERM) else "")
+        return Check("kernel log", False, f"cannot read {path}: {exc.strerror}{hint}; XIDs then come from NVML alone, "
+                     "without the process that caused them", False)
+    os.close(fd)
+    return Check("kernel log", True, f"{path} is readable: each XID is told with its process", False)
 
 
 def _cuda_gdb() -> Check:
@@ -173,7 +190,7 @@ def run_checks(config: Config, daemon: dict[str, Any] | None = None) -> list[Che
     """Every check, looking only: nothing is created or changed. ``daemon``: the running daemon's
     daemon.json, whose dirs and metrics address ``config`` holds already (see the CLI)."""
     return [
-        _ptrace(), _pyspy(), _nvdisasm(), _nvml(), _cuda_gdb(),
+        _ptrace(), _pyspy(), _nvdisasm(), _nvml(), _kernel_log(config.kernel_log), _cuda_gdb(),
         _writable("state dir", Path(config.state_dir)), _writable("runtime dir", Path(config.runtime_dir)),
         _writable("dump dir", config.dumps), _port(config.metrics_address, Path(config.runtime_dir), daemon), _inotify(),
     ]

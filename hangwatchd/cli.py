@@ -18,7 +18,7 @@ from .cli_parser import DEFAULT_LIMIT, build_parser, show_target
 # pays for the others' imports (`symbolize` must not load structlog, prometheus_client or the store).
 USAGE_ERRORS = (("hangwatchd.cudacore.errors", "CoreDumpError"), ("hangwatchd.config", "ConfigError"),
                 ("hangwatchd.metrics", "AddressError"))
-FAILURES = (("hangwatchd.incidents.index", "StoreError"),)
+FAILURES = (("hangwatchd.incidents.index", "StoreError"), ("hangwatchd.incidents.ledger", "LedgerError"))
 SPOOL = ("spool", ".row.json")  # the daemon's spool dir and its rows (incidents.spool), looked at before importing it
 
 
@@ -167,12 +167,22 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     if not (path / "incident.json").exists() and not process_dirs(path):
         raise UsageError(f"analyze: {path} is no incident: it has no incident.json and no process subdirectory "
                          "with proc.json, pyspy.json, symbolized.json, ...; give an incident directory")
-    result = analyze(path)
+    result = analyze(path, raw_dumps=_symbolize_limits())
     if args.json:
         _print_json(result.to_dict())
     else:
         sys.stdout.write(render_analysis(result.to_dict()))
     return 0
+
+
+def _symbolize_limits() -> Any:
+    """The limits a raw GPU dump in a directory is symbolised under (an untrusted dump, as in the
+    daemon: the config's defaults), in the sandbox's child."""
+    from .config import Config
+    from .cudacore import sandbox
+
+    cfg = Config()
+    return sandbox.Limits(cfg.symbolize_cpu_seconds, int(cfg.symbolize_memory_mb), cfg.symbolize_timeout)
 
 
 def _store_url(args: argparse.Namespace) -> Any:
@@ -208,7 +218,7 @@ def _analyze_store(args: argparse.Namespace) -> int:
             with tempfile.TemporaryDirectory(prefix="hangwatchd-job-") as tmp:
                 merged = fetch(url, found[0], Path(tmp) / found[0].job_incident)
                 job = {k: v for k, v in found[0].to_dict().items() if k != "ranks"}  # the analysis's ranks say more
-                result = {**analyze(merged).to_dict(), **job}
+                result = {**analyze(merged, raw_dumps=_symbolize_limits()).to_dict(), **job}
         if pace is not None:
             result["pace"] = pace
     except ReadError as exc:
@@ -493,9 +503,43 @@ def cmd_health(args: argparse.Namespace) -> int:
     return health.code
 
 
+def cmd_suspects(args: argparse.Namespace) -> int:
+    """The ledger of suspects: this node's, or every node's in the shared store."""
+    from .incidents import ledger
+    from .report import tables
+
+    if args.store:
+        from . import log
+        from .fleet.reader import ReadError, ledger_entries
+
+        log.configure("console", "warning")  # an entry refused is said on stderr; stdout stays the answer
+        url = _store_url(args)
+        try:
+            entries = ledger_entries(url)
+        except ReadError as exc:
+            raise Failure(str(exc)) from None
+        where = str(url)
+    else:
+        root = _index(args).root  # the state dir asked for, checked as `incidents` checks it
+        try:
+            entries = ledger.read(root, args.since)
+        except ledger.LedgerError as exc:
+            raise Failure(str(exc)) from None
+        where = str(ledger.directory(root))
+    found = ledger.suspects(entries, args.since)
+    if args.json:
+        _print_json(found)
+        return 0
+    if not found["gpus"] and not found["nodes"]:
+        print(f"no incident in {where} blames a GPU" + (" in that time" if args.since is not None else ""))
+        return 0
+    sys.stdout.write(tables.suspects(found))
+    return 0
+
+
 COMMANDS = {"daemon": cmd_daemon, "run": cmd_run, "status": cmd_status, "incidents": cmd_incidents, "show": cmd_show,
             "capture": cmd_capture, "analyze": cmd_analyze, "check": cmd_check, "symbolize": cmd_symbolize,
-            "health": cmd_health}
+            "health": cmd_health, "suspects": cmd_suspects}
 
 
 def _reader_gone() -> bool:

@@ -292,14 +292,30 @@ def build_parser(commands: Mapping[str, Command], only: str | None = None) -> ar
 
     h = command("health", commands["health"], "is the node at fault? Node Problem Detector's custom plugin contract",
                  "One line on stdout and the exit status NPD's custom plugins use: 0 the node is fine, 1 the node is at "
-                 "fault (a GPU that needs a reset or is lost, or hangwatchd cannot watch: not running, its loop stalled, "
-                 "py-spy or ptrace unusable), 3 unknown. A job's own hang is never the node's fault: it is 0 here, and "
-                 "surfaces through the GPUProcessHung alert and its incident.",
+                 "fault (a GPU that needs a reset or is lost, a GPU that suspect_jobs different jobs' incidents "
+                 "implicated within suspect_window, or hangwatchd cannot watch: not running, its loop stalled, "
+                 "py-spy or ptrace unusable), 3 unknown. A job's own hang, or a program's own GPU fault (XID 13, "
+                 "31), is never the node's fault: it is 0 here, and surfaces through its alert and its incident.",
                  ["hangwatchd health", "hangwatchd health --runtime-dir /run/hangwatchd"])
     h.add_argument("--stalled-after", type=_duration, default=30.0, metavar="DURATION",
                    help="the daemon's loop is stalled when it has not written its status for this long (default: 30 s)")
     h.add_argument("--runtime-dir", help="the daemon's runtime dir (default: $HANGWATCHD_RUNTIME_DIR, "
                                          f"else {_default('runtime_dir')})")
+
+    su = command("suspects", commands["suspects"], "GPUs and nodes that incidents keep blaming, most suspect first",
+                  "List the GPUs (by UUID, with their serial and node) and the nodes that the incidents' verdicts "
+                  "implicate: a fault of the GPU or its node, or a program's own GPU fault there. Each with the "
+                  "incidents, jobs and users behind it, and a score that grows with different jobs and users, not "
+                  "with one job's repeats (jobs + users - 1). This node's ledger (root's: it names every user's "
+                  "jobs), or with --store every node's.",
+                  ["hangwatchd suspects", "hangwatchd suspects --since 7d --json",
+                   "hangwatchd suspects --store s3://hangwatchd-incidents/prod"],
+                  [dirs, as_json])
+    su.add_argument("--store", metavar="s3://BUCKET/PREFIX",
+                    help="read every node's ledger from this shared store (default: this node's state dir)")
+    su.add_argument("--since", type=_since, metavar="TIME",
+                    help="only incidents from TIME on: a time (2026-11-29T19:00, UTC unless it names a zone) or an "
+                         "age (90m, 2h, 7d) (default: every entry kept)")
 
     s = command("symbolize", commands["symbolize"], "explain a CUDA coredump: kernels, warps, exceptions, inline chains",
                  "Read a CUDA coredump (.nvcudmp) in pure Python: every kernel, every warp's PC grouped, each "

@@ -271,6 +271,12 @@ class Config:
     introspect_timeout: float = key(2.0, _seconds, "seconds to wait for the report of a process's in-process reporter "
         "(what each thread waits on and holds; hangwatchd run installs it)")
     nvml_timeout: float = key(10.0, _seconds, "seconds the NVML probe may take before it is killed")
+    kernel_log: str = key("/dev/kmsg", _optional_path, "the kernel log the daemon follows for NVRM Xid lines, which name "
+        "the process behind each GPU fault (reading /dev/kmsg needs root); \"\" reads none: XIDs then come from NVML alone, "
+        "without their process, and an application's XID is never taken for another process's fault")
+    suspect_jobs: int = key(2, _count, "different jobs whose incidents implicate one GPU of this node, within suspect_window, "
+        "that make hangwatchd health report a node problem (the ledger of suspects: hangwatchd suspects)")
+    suspect_window: float = key(86400.0, _seconds, "seconds back that the incidents implicating a GPU count towards suspect_jobs")
     nccl_ras_timeout: float = key(3.0, _seconds, "seconds to wait for the answer of the job's NCCL RAS service (it answers in ms)")
     flight_recorder_timeout: float = key(20.0, _seconds, "seconds to wait for PyTorch's flight recorder dump")
     flight_recorder_warmup: bool = key(True, _bool, "ask each rank's flight recorder as it starts (again while its trace is empty), so "
@@ -281,6 +287,11 @@ class Config:
         "always, never (keeps hung processes running), or when confirmed (the heartbeat and the stack "
         "agree, or its native stack waits on the GPU or a collective), whatever on_hang says")
     gpu_dump_timeout: float = key(120.0, _seconds, "seconds to wait for the driver to finish writing a CUDA coredump")
+    exception_fifos: bool = key(True, _bool, "hangwatchd run points the driver's GPU exception dumps at a FIFO the daemon makes for "
+        "each process (DUMP_DIR/exceptions/UID/), so the process's stacks are taken while it still waits where the error "
+        "surfaced, before the dump is read; false: the dumps are files in dump_dir, found after the process is gone")
+    exception_dump_max_bytes: int = key(8 << 30, parse_size, "bytes of one GPU exception dump read from its FIFO "
+        "(\"8GiB\"); past it the reading stops, the incident says so, and the driver's write fails")
     symbolize_cpu_seconds: float = key(30.0, _seconds, "CPU seconds the child that symbolises one GPU dump may use before it is killed")
     symbolize_memory_mb: int = key(4096, _megabytes, "address space, in MB, of the child that symbolises one GPU dump (the dump is mapped into it)")
     symbolize_timeout: float = key(60.0, _seconds, "seconds the child that symbolises one GPU dump may take before it is killed")

@@ -31,10 +31,11 @@ HANG_REASONS = ("heartbeat", "stack")  # the detectors that declare a hang (dete
 # The CUDA driver's exception types (CUDBGException_t names), what a dump that cannot be read counts
 # as, and OTHER for a code this table does not know: a closed set, so the label cannot grow.
 EXCEPTION_TYPES = tuple(dict.fromkeys((*EXCEPTIONS.values(), "UNREADABLE", "OTHER")))
-# The XIDs the daemon listens for (NVML's critical error events), by number; any other is "other".
 INDEX_REBUILD_REASONS = ("corrupt", "missing")  # why an incident index was rebuilt at start (incidents/heal.py)
 PASSES = ("look", "discovery", "rescan")  # what a pass of the loop is (hangwatchd_loop_passes_total)
-XID_LABELS = ("13", "31", "43", "48", "63", "64", "74", "79", "94", "95", "109", "119", "other")
+# The XIDs counted by number (host/xid.py's catalogue: the common ones of both kinds); any other is "other".
+XID_LABELS = ("13", "31", "43", "45", "46", "48", "62", "63", "64", "74", "79", "92", "94", "95", "109", "119", "120",
+              "154", "other")
 
 
 def exception_type(name: str) -> str:
@@ -48,6 +49,7 @@ def xid_label(xid: int) -> str:
 
 STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 LOOP_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5)
+GAP_BUCKETS = (1.0, 2.0, 5.0, 5.5, 6.0, 7.5, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0)
 LAST_INCIDENT_SERIES = 64
 # The workload's job name. Never "job" (nor "instance"): Prometheus attaches its own job label, the
 # scrape config's job_name, and renames an exporter's to exported_job, so dashboards and alerts
@@ -75,6 +77,7 @@ class Metrics:
     step_duration: Histogram
     step_failures: Counter
     loop_duration: Histogram
+    sample_gap: Histogram
     registration_errors: Counter
     incidents: Counter
     gpu_exceptions: Counter
@@ -84,11 +87,14 @@ class Metrics:
     incidents_pending: Gauge
     loop_errors: Counter
     stack_samples: Counter
+    stack_carried: Counter
     loop_cpu: Counter
     info: Info
     last_incident: Gauge
     jobs_aborted: Counter
     xid_errors: Counter
+    gpu_implicating_jobs: Gauge
+    gpu_suspect: Gauge
     index_rebuilds: Counter
     passes: Counter
     job_step: Gauge
@@ -104,11 +110,14 @@ class Metrics:
         """The constant labels plus these, for ``metric.labels(**m.labels(step="pyspy"))``."""
         return {**self.const, **labels}
 
-    def gpus_seen(self, gpus: list[int]) -> None:
-        """The node's GPUs, found at start: their XID series made at 0, for the same reason as above."""
+    def gpus_seen(self, gpus: list[int], uuids: dict[int, str] | None = None) -> None:
+        """The node's GPUs, found at start: their XID and suspect series made at 0, for the same reason as above."""
         for gpu in gpus:
             for xid in XID_LABELS:
                 self.xid_errors.labels(**self.labels(gpu=str(gpu), xid=xid))
+            uuid = (uuids or {}).get(gpu) or ""
+            self.gpu_implicating_jobs.labels(**self.labels(gpu=str(gpu), UUID=uuid))
+            self.gpu_suspect.labels(**self.labels(gpu=str(gpu), UUID=uuid))
 
     def incident_stored(self, incident: str, reason: str, job: str | None, when: float) -> None:
         """Point the latest-incident series of (reason, job) at this incident, so an alert can name it.
@@ -152,6 +161,9 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
                                 labels("step"), buckets=STEP_BUCKETS, registry=reg),
         step_failures=Counter("hangwatchd_capture_step_failures_total", "Capture steps that failed or timed out.",
                               labels("step"), registry=reg),
+        sample_gap=Histogram("hangwatchd_stack_sample_gap_seconds",
+                             "Seconds between two stack samples of one process watched by its stack (stack_interval "
+                             "when the sampler keeps up).", names, buckets=GAP_BUCKETS, registry=reg),
         loop_duration=Histogram("hangwatchd_loop_iteration_duration_seconds",
                                 "Time the daemon's loop spends on one wake-up (its own latency).",
                                 names, buckets=LOOP_BUCKETS, registry=reg),
@@ -177,6 +189,10 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
                          "and timers (its own work, not waiting and not other threads').", names, registry=reg),
         stack_samples=Counter("hangwatchd_stack_samples_total", "py-spy stack samples taken of watched processes, by kind "
                               "(plain or native) and outcome (ok or failed).", labels("kind", "outcome"), registry=reg),
+        stack_carried=Counter("hangwatchd_stack_samples_carried_total", "Stack samples (counted in "
+                              "hangwatchd_stack_samples_total too) given without running py-spy: no thread of the "
+                              "process had run since its stack was last read, so it was the same.", labels("kind"),
+                              registry=reg),
         info=Info("hangwatchd_build", "Version of hangwatchd.", names, registry=reg),
         last_incident=Gauge("hangwatchd_last_incident_timestamp_seconds",
                             "Unix time of the latest incident stored for a reason and job; its id is the incident label.",
@@ -184,8 +200,15 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
         jobs_aborted=Counter("hangwatchd_jobs_aborted_total",
                              "Jobs whose ranks on this node the daemon ended after storing their incident (on_hang = abort).",
                              names, registry=reg),
-        xid_errors=Counter("hangwatchd_gpu_xid_errors_total", "XID errors NVML reported, by GPU index and XID "
-                           "(\"other\": one outside the critical set).", labels("gpu", "xid"), registry=reg),
+        xid_errors=Counter("hangwatchd_gpu_xid_errors_total", "XID errors the GPUs reported (NVML's events and the "
+                           "kernel log's NVRM Xid lines, one each), by GPU index and XID (\"other\": one outside the "
+                           "set counted by number).", labels("gpu", "xid"), registry=reg),
+        gpu_implicating_jobs=Gauge("hangwatchd_gpu_implicating_jobs", "Different jobs whose incidents on this node "
+                                   "implicated the GPU (a fault of the GPU, or a program's own fault on it) within "
+                                   "suspect_window.", labels("gpu", "UUID"), registry=reg),
+        gpu_suspect=Gauge("hangwatchd_gpu_suspect", "1 while the GPU is implicated by at least suspect_jobs different "
+                          "jobs within suspect_window: hangwatchd health reports a node problem.",
+                          labels("gpu", "UUID"), registry=reg),
         index_rebuilds=Counter("hangwatchd_index_rebuilds_total", "Incident indexes rebuilt from the incident "
                                "directories as the daemon started, by why: corrupt (moved aside and kept) or missing "
                                "(lost while incidents were stored).", labels("reason"), registry=reg),
@@ -225,6 +248,7 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
     for what in PASSES:
         m.passes.labels(**m.labels(what=what))
     m.loop_duration.labels(**const)
+    m.sample_gap.labels(**const)
     m.loop_cpu.labels(**const)
     m.store_write_failures.labels(**const)
     m.incidents_pending.labels(**const)

@@ -233,22 +233,32 @@ def test_the_listener_records_nvml_xid_events_on_its_own_thread(tmp_path: Path, 
     listener.start()
     seen: list[GpuEvent] = []
     try:
-        assert listener.ready.wait(10) and posted == [GpusFound((0, 1, 2, 3))]
+        assert listener.ready.wait(10)
+        (found,) = posted
+        assert isinstance(found, GpusFound) and found.gpus == (0, 1, 2, 3)
+        # Each GPU as the kernel log and an RMA name it too: its PCI address and its board's serial.
+        assert [(g.index, g.uuid, g.serial, g.pci) for g in found.infos][3] == (3, "GPU-fake-3", "1650000003", "0000:1b:00")
         before = time.time()
-        for gpu, code in ((1, 13), (3, 79), (0, 48), (3, 31)):
-            xid(d, gpu=gpu, xid=code)
+        for gpu, code, recovery in ((1, 13, None), (3, 79, None), (0, 48, None), (3, 31, None), (2, 94, 1)):
+            xid(d, gpu=gpu, xid=code, **({"recovery": recovery} if recovery is not None else {}))
             wait_for(lambda: not list((d / "events").iterdir()), 10, "the event taken")
         xid(d, lost=2)
-        wait_for(lambda: len(posted) == 6, 10, "five events")
+        wait_for(lambda: len(posted) == 7, 10, "six events")
         seen = [e for e in posted if isinstance(e, GpuEvent)]
     finally:
         listener.stop()
         listener.join(5)
     assert not listener.is_alive()  # it looks at its stop flag between waits: the daemon's stop is never held up
-    assert [(e.gpu, e.xid, e.lost) for e in seen] == [(1, 13, False), (3, 79, False), (0, 48, False), (3, 31, False), (2, 0, True)]
+    assert [(e.gpu, e.xid, e.lost) for e in seen] == [(1, 13, False), (3, 79, False), (0, 48, False), (3, 31, False),
+                                                      (2, 94, False), (2, 0, True)]
     assert all(e.time >= before for e in seen) and seen[1].uuid == "GPU-fake-3" and seen[1].what == "fell off the bus"
-    assert [e.node_fault for e in seen] == [False, True, True, False, True]  # 13 and 31 are a job's own errors
-    assert [(e.gpu, e.xid) for e in rec.events()] == [(0, 48), (3, 31), (2, 0)]  # bounded: the newest kept
+    assert seen[1].pci == "0000:1b:00" and seen[1].serial == "1650000003"
+    # 13 and 31 are a job's own errors; 94 (a contained ECC error) is not one the catalogue resets the GPU
+    # for, but NVML reported a GPU reset as its recovery action: the node's fault then.
+    assert [e.kind for e in seen] == ["application", "gpu", "gpu", "application", "gpu", "gpu"]
+    assert [e.node_fault for e in seen] == [False, True, True, False, True, True]
+    assert seen[4].recovery == 1 and seen[4].to_json()["recovery_action"] == "GPU reset" and seen[0].recovery == 0
+    assert [(e.gpu, e.xid) for e in rec.events()] == [(3, 31), (2, 94), (2, 0)]  # bounded: the newest kept
 
 
 def test_without_nvml_the_listener_says_why_and_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

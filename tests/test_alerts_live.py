@@ -245,3 +245,31 @@ def test_a_slow_job_fires_its_alert_naming_the_rank_the_cause_and_the_incident(t
         job.stop()
         prom.stop()
         d.stop()
+def test_a_gpu_that_different_jobs_fail_on_fires_gpu_suspect_and_an_applications_xid_fires_no_gpu_alert(tmp_path: Path) -> None:
+    """Two jobs each hit their own illegal address (XID 31, named by the kernel log) on GPU 1, then hang:
+    their incidents implicate the GPU, and GPUSuspect fires for it, as the ledger's health says; the
+    XIDs themselves, an application's faults, fire no GPUXidError."""
+    from .gpu_node import MMU_FAULT, Node
+
+    node = Node(tmp_path / "node", env={"NODE_NAME": "node-suspect"})
+    prom = Prometheus(tmp_path / "prom", [node.d.info["metrics_address"]])
+    try:
+        wait_for(lambda: prom.query('hangwatchd_gpu_suspect{gpu="1"}'), 30, "the fresh daemon's GPU series scraped")
+        assert prom.firing("GPUSuspect") == []
+        first = node.rank("first", gpu=1)
+        node.kernel_log(f"NVRM: Xid (PCI:0000:19:00): 31, pid={first.pid}, name=python3, {MMU_FAULT}")
+        first.stop_beating()
+        node.incident("first")
+        time.sleep(3)  # scraped and evaluated a few times: one job's own faults are the job's
+        assert prom.firing("GPUSuspect") == [] and node.health()[0] == 0
+        second = node.rank("second", gpu=1)
+        node.kernel_log(f"NVRM: Xid (PCI:0000:19:00): 31, pid={second.pid}, name=python3, {MMU_FAULT}")
+        second.stop_beating()
+        node.incident("second")
+        fired = wait_for(lambda: prom.firing("GPUSuspect", Hostname="node-suspect"), 45, "GPUSuspect")
+        assert (fired[0]["labels"]["gpu"], fired[0]["labels"]["UUID"]) == ("1", "GPU-fake-1")
+        assert node.health()[0] == 1
+        assert prom.firing("GPUXidError") == []
+    finally:
+        prom.stop()
+        node.stop()

@@ -371,3 +371,107 @@ def test_a_launch_blocked_behind_a_stream_that_never_moves_names_cu_launch_kerne
                                             .replace('"cudaStreamSynchronize"', '"cudaLaunchKernel"'))
     (v,) = analyze(tmp_path).ranks
     assert v.verdict == "stream-deadlock" and v.detail.startswith("host blocked in cuLaunchKernel while")
+
+
+# -- a raw GPU dump in a directory put together by hand -------------------------------------------
+
+def recompress(src: Path, dst: Path) -> None:
+    """A fixture dump (.xz) as the suffix of ``dst`` says: raw, .zst, .gz or .xz."""
+    import gzip
+    import lzma
+
+    import zstandard
+
+    raw = lzma.decompress(src.read_bytes())
+    packed = {".zst": lambda b: zstandard.ZstdCompressor().compress(b), ".gz": gzip.compress, ".xz": lzma.compress,
+              ".nvcudmp": lambda b: b}[dst.suffix]
+    dst.write_bytes(packed(raw))
+
+
+@pytest.mark.parametrize("name", ["coredump.nvcudmp", "coredump.nvcudmp.zst", "coredump.nvcudmp.gz", "coredump.nvcudmp.xz"])
+def test_analyze_symbolises_a_raw_dump_found_without_symbolized_json(tmp_path: Path, name: str) -> None:
+    pdir = tmp_path / "77"
+    pdir.mkdir()
+    recompress(FIXTURES / "cpp_ima" / "coredump.nvcudmp.xz", pdir / name)
+    out = json.loads(hangwatchd("analyze", str(tmp_path), "--json").stdout)
+    assert out["summary"] == ("pid 77: WARP_ILLEGAL_ADDRESS in faulty_epilogue_kernel(int*, long) at store_at(int*, long, int) "
+                              "(inlined.cu:9) ← epilogue(int*, long, int) (inlined.cu:13) ← faulty_epilogue_kernel(int*, long) "
+                              "(inlined.cu:17)."), out["summary"]
+    assert out["rests_on"] == ["pid 77: GPU dump"]
+    assert not (pdir / "symbolized.json").exists()  # read, never written into
+
+
+def test_analyze_tells_a_stream_wait_from_a_raw_dump_as_the_daemon_does(tmp_path: Path) -> None:
+    """The hung Triton job's dump, raw beside its native stack: no kernel runs on the process's GPU 1."""
+    stream_incident(tmp_path, [1], 0, dump=False)
+    shutil.copy(FIXTURES / "triton_hang" / "coredump.nvcudmp.xz", tmp_path / "1110")
+    out = json.loads(hangwatchd("analyze", str(tmp_path), "--json").stdout)
+    (v,) = out["ranks"]
+    assert v["verdict"] == "stream-deadlock"
+    assert "host blocked in cuStreamSynchronize while the GPU dump shows no kernel running on GPU 1" in v["detail"]
+    # With the process on GPU 0 the same dump shows its kernel spinning there.
+    (tmp_path / "1110" / "nvml.json").write_text(json.dumps({"devices": [{"index": 0, "utilization_percent": 100}],
+                                                             "process_gpus": [0]}))
+    out = json.loads(hangwatchd("analyze", str(tmp_path), "--json").stdout)
+    assert out["ranks"][0]["verdict"] == "gpu-kernel-spinning" and "conditional_hang_kernel" in out["ranks"][0]["detail"]
+
+
+def test_a_raw_dump_that_is_junk_or_a_link_is_one_line_never_an_error(tmp_path: Path) -> None:
+    """Read as any untrusted dump (the sandbox's limits bound its time and memory: tests/cudacore)."""
+    import zstandard
+
+    cases = {
+        "junk": ("coredump.nvcudmp", b"\x7fELF" + b"\0" * 4000, "not a 64-bit little-endian ELF file"),
+        "inflated": ("coredump.nvcudmp.zst", zstandard.ZstdCompressor().compress(b"\0" * (64 << 20)), "not symbolised"),
+        "link": ("coredump.nvcudmp", None, "symlinks are refused"),
+    }
+    for pid, (name, data, _said) in enumerate(cases.values(), 100):
+        pdir = tmp_path / str(pid)
+        pdir.mkdir()
+        if data is None:
+            (pdir / name).symlink_to(FIXTURES / "cpp_ima" / "coredump.nvcudmp.xz")
+        else:
+            (pdir / name).write_bytes(data)
+    res = hangwatchd("analyze", str(tmp_path), "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    for pid, (name, _data, said) in enumerate(cases.values(), 100):
+        line = next((p for p in out["unreadable"] if p.startswith(f"{pid}/{name}")), "")
+        assert said in line, (pid, out["unreadable"])
+
+
+def test_an_exception_caught_alive_names_the_line_where_it_surfaced_from_real_stacks(tmp_path: Path) -> None:
+    """A real native stack from an H200 (the host in cuStreamSynchronize under main, conditional_hang.py:34)
+    beside the real dump of PyTorch's faulting indexing kernel: the verdict names both, the kernel's
+    long template name cut to what a person reads."""
+    pdir = tmp_path / "1303"
+    pdir.mkdir()
+    (pdir / "proc.json").write_text(json.dumps({"pid": 1303}))
+    shutil.copy(FIXTURES / "triton_hang" / "pyspy-native.json", pdir)
+    shutil.copy(FIXTURES / "torch_ima" / "coredump.nvcudmp.xz", pdir)
+    (v,) = json.loads(hangwatchd("analyze", str(tmp_path), "--json").stdout)["ranks"]
+    assert v["verdict"] == "gpu-exception"
+    assert v["detail"].startswith("WARP_ILLEGAL_ADDRESS in at::native::index_elementwise_kernel<…>(…) (no source lines in its cubin), "
+                                  "surfaced in main (conditional_hang.py:34); with asynchronous launches"), v["detail"]
+    assert v["location"] == "main (/srv/gpuapp/conditional_hang.py:34)"
+
+
+def test_the_thread_in_the_gpu_call_is_where_it_surfaced_not_the_main_thread_or_a_helper() -> None:
+    from hangwatchd.analyze import surfaced
+
+    def frame(name: str, file: str, line: int = 1) -> dict[str, object]:
+        return {"name": name, "filename": file, "line": line}
+
+    threads = [
+        {"thread_name": "MainThread", "os_thread_id": 1, "frames": [frame("Queue.get", "/usr/lib/python3.11/queue.py"),
+                                                                     frame("<module>", "/app/serve.py", 20)]},
+        {"thread_name": "pt_autograd_0", "os_thread_id": 2, "frames": [frame("cudaStreamSynchronize", "libtorch_cuda.so")]},
+        {"thread_name": "model-runner", "os_thread_id": 3,
+         "frames": [{"name": "cudaStreamSynchronize", "filename": "libtorch_cuda.so", "module": "libtorch_cuda.so", "line": 0},
+                    frame("Tensor.item", "/x/site-packages/torch/_tensor.py", 9), frame("run_model", "/app/serve.py", 12)]},
+    ]
+    found = surfaced.find(threads)
+    assert found is not None and found.thread == "model-runner" and found.call == "cudaStreamSynchronize"
+    assert found.text() == "thread model-runner at run_model (serve.py:12)"
+    assert surfaced.find(threads[:2]) is None  # nobody in a call that waits for the GPU: no line is claimed
+    assert surfaced.short_name("faulty_epilogue_kernel(int*, long)") == "faulty_epilogue_kernel(int*, long)"

@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -203,6 +204,63 @@ def test_sigkill_during_a_capture_leaves_an_incomplete_incident_found_at_restart
             d2.stop()
     finally:
         stop(work)
+        d.stop()
+
+
+def _status_of(d: ScratchDaemon, pid: int) -> dict[str, Any]:
+    st = json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)
+    (p,) = [p for p in st["processes"] if p["pid"] == pid]
+    return p
+
+
+@pytest.mark.parametrize("how", ["a clean stop after the capture", "kill -9 during the capture"])
+def test_a_restarted_daemon_adopts_a_hang_it_stored_and_never_declares_it_again(tmp_path: Path, how: str) -> None:
+    """The process still hangs after the restart: it is watched as captured (by its incident), no
+    second incident and no second hang are counted; when it beats again it is healthy, and a new
+    hang after that is a new incident."""
+    base = tmp_path / "d"
+    stalls = tmp_path / "stall"
+    code = ("import os, time, hangwatchd\n"
+            f"stall = {str(stalls)!r}\n"
+            "while True:\n"
+            "    hangwatchd.beat()\n"
+            "    time.sleep(0.05)\n"
+            "    while os.path.exists(stall):\n"
+            "        time.sleep(0.05)\n")
+    env, slow = {}, None
+    if how.startswith("kill"):
+        fake = tmp_path / "bin"  # a py-spy that hangs: the capture is under way when the daemon is killed
+        fake.mkdir()
+        (fake / "py-spy").write_text("#!/bin/sh\nexec sleep 3600\n")
+        (fake / "py-spy").chmod(0o755)
+        env, slow = {"PATH": f"{fake}:{os.environ['PATH']}"}, {"pyspy_timeout": 30.0}
+    d = ScratchDaemon(base, env=env, config={"gpu_dump": "never", **(slow or {})})
+    stalls.touch()
+    work = d.run([sys.executable, "-c", code], "--heartbeat-timeout", "1")
+    d2 = None
+    try:
+        if slow:
+            wait_for(lambda: list((d.state_dir / "incidents").glob(".partial-*/*/proc.json")), 20, "capture under way")
+            d.stop(signal.SIGKILL)
+        else:
+            wait_for(d.settled, 20, "the incident")
+            d.stop()
+        d2 = ScratchDaemon(base, config={"gpu_dump": "never"})
+        (first,) = wait_for(d2.store().list, 10, "the first incident, recovered or stored")
+        workload_pid = first["processes"][0]
+        wait_for(lambda: _status_of(d2, workload_pid)["state"] == "captured", 10, "the hang adopted as captured")
+        assert _status_of(d2, workload_pid)["incident"] == first["id"]
+        d2.looked(3, after=time.time() + 3)  # three times its timeout, looked at again and again
+        assert [i["id"] for i in d2.store().list()] == [first["id"]]
+        assert not d2.metric("hangwatchd_hangs_total", reason="heartbeat")
+        stalls.unlink()  # it beats again: healthy
+        wait_for(lambda: _status_of(d2, workload_pid)["state"] == "healthy", 10, "its recovery")
+        stalls.touch()  # and a new hang is a new incident
+        wait_for(lambda: len(d2.store().list()) == 2, 20, "the second hang's incident")
+    finally:
+        stop(work)
+        if d2 is not None:
+            d2.stop()
         d.stop()
 
 

@@ -254,6 +254,41 @@ def test_an_exit_record_is_believed_only_as_a_small_regular_file_of_its_process(
         assert exits.read(tmp_path, me, os.getuid() or 1000) is None
 
 
+def test_a_rank_that_exits_between_the_declaration_and_its_capture_is_said_to_have_exited(tmp_path: Path) -> None:
+    """The loop had not yet heard that rank 1 left when rank 0 was declared hung (a loaded node), so
+    rank 1 is one of the capture's targets: found gone, it is written as an exited rank with its
+    launcher's record, and the verdict leads with it, not with "nothing was captured"."""
+    from hangwatchd.analyze.verdict import analyze
+    from hangwatchd.capture import ProcStep
+    from hangwatchd.daemon.make_incident import make_incident
+    from hangwatchd.host import procfs
+    from hangwatchd.host.deadline import Deadline
+    from hangwatchd.incidents.store import Store
+    from hangwatchd.model import Registration, Suspicion
+    from hangwatchd.workload import exits
+
+    (tmp_path / "run" / "exits").mkdir(parents=True)
+    waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    left = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        ranks = [wait_for(lambda: procfs.identify(waiting.pid), 5, "rank 0"), wait_for(lambda: procfs.identify(left.pid), 5, "rank 1")]
+        left.communicate(timeout=10)  # rank 1 leaves (its data ran out) once both are known
+        assert left.returncode == 0
+        exits.write(tmp_path / "run", ranks[1], 0, time.time())  # what hangwatchd run, its parent, leaves
+        regs = [Registration(process=p, uid=os.getuid(), job="train", rank=r, world_size=2, cmdline=("python",))
+                for r, p in enumerate(ranks)]
+        store = Store(tmp_path / "state")
+        store.open()
+        make_incident(store, [(ProcStep(), 5.0)], regs, Suspicion("heartbeat", "no beat for 3 s", time.time() - 3),
+                      Deadline.after(30.0), runtime_dir=tmp_path / "run")
+        (inc,) = store.list()
+        record = json.loads((Path(inc["dir"]) / str(left.pid) / "exit.json").read_text())
+        assert (record["rank"], record["status"], record["time_source"]) == (1, 0, "hangwatchd run (the parent)")
+        assert analyze(Path(inc["dir"])).summary.startswith("Rank 1 exited with status 0")
+    finally:
+        stop(waiting, sig=signal.SIGKILL)
+
+
 _json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
                             lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
                             max_leaves=20)

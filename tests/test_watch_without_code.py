@@ -57,8 +57,10 @@ def test_healthy_and_idle_processes_raise_nothing_under_sampling(tmp_path: Path,
                      10, "both discovered")
             time.sleep(10)
             assert d.store().list() == []
-            # The idle one was seen and let be: a server with nothing waiting in its listening socket.
-            assert any(e.get("event") == "stack_frozen_working" and str(e.get("why")).startswith("idle:") for e in d.logs())
+            # The idle one was seen and let be: it waits where servers wait for work (undeclared, that is
+            # enough; see the declared test below for the sockets' word).
+            assert any(e.get("pid") == procs[1].pid and (e.get("event") == "stack_frozen_idle" or (
+                e.get("event") == "stack_frozen_working" and str(e.get("why")).startswith("idle:"))) for e in d.logs())
         finally:
             for p in procs:
                 stop(p, sig=signal.SIGKILL)
@@ -73,6 +75,54 @@ def test_a_declared_stack_timeout_catches_a_process_that_merely_stopped_moving(t
             assert inc["reason"] == "stack" and "declared --stack-timeout" in inc["summary"]
         finally:
             stop(work, sig=signal.SIGKILL)
+
+
+SERVER = """
+import os, selectors, socket, sys, threading
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(16)
+print(s.getsockname()[1], os.getpid(), flush=True)
+def serve_forever():
+    sel = selectors.DefaultSelector(); sel.register(s, selectors.EVENT_READ)
+    while True:
+        sel.select()
+        conn, _ = s.accept()
+        handle(conn)
+model_lock = threading.Lock()
+model_lock.acquire()  # as if a request before had left it taken
+def handle(conn):
+    with model_lock:
+        conn.sendall(b"ok")
+serve_forever()
+"""
+
+
+def test_a_declared_server_with_nothing_waiting_is_idle_and_with_requests_waiting_is_hung(tmp_path: Path) -> None:
+    """Both servers keep one stack: the quiet one waits in select with an empty backlog and is let
+    be; the other's handler waits for a lock while requests queue behind it: hung, and the incident
+    says how many wait."""
+    import socket
+    with ScratchDaemon(tmp_path, config=FAST) as d:
+        quiet, stuck = (d.run([sys.executable, "-c", SERVER], "--stack-timeout", "2", "--heartbeat-timeout", "3600",
+                              stdout=subprocess.PIPE) for _ in range(2))
+        clients = []
+        try:
+            assert quiet.stdout is not None and stuck.stdout is not None
+            (quiet_port, quiet_pid), (port, stuck_pid) = (map(int, p.stdout.readline().split()) for p in (quiet, stuck)
+                                                          if p.stdout is not None)
+            assert quiet_port != port
+            for _ in range(4):  # the first is accepted and stuck in handle(); three wait in the backlog
+                clients.append(socket.create_connection(("127.0.0.1", port)))
+            (inc,) = wait_for(d.settled, 30, "the stuck server's incident")
+            assert inc["processes"] == [stuck_pid] and "3 connections waiting to be accepted" in inc["summary"]
+            d.looked(2, after=time.time() + 4)  # the quiet one held still for twice its timeout
+            assert [i["processes"] for i in d.store().list()] == [[stuck_pid]]
+            assert any(e.get("event") == "stack_frozen_working" and e.get("pid") == quiet_pid
+                       and str(e.get("why")).startswith("idle: it waits for work and has none") for e in d.logs())
+        finally:
+            for c in clients:
+                c.close()
+            for p in (quiet, stuck):
+                stop(p, sig=signal.SIGKILL)
 
 
 def test_a_learned_timeout_catches_a_fast_loop_within_seconds(tmp_path: Path) -> None:
@@ -98,16 +148,23 @@ def test_a_learned_timeout_catches_a_fast_loop_within_seconds(tmp_path: Path) ->
 
 
 def test_a_phase_without_beats_whose_stack_moves_is_not_a_hang(tmp_path: Path) -> None:
-    code = ("import time, hangwatchd\n"
-            "for _ in range(80): hangwatchd.beat(); time.sleep(0.05)\n"
+    """Beats every 50 ms until the daemon has learned them, then 9 s of computing without a beat:
+    a new phase, let be, and its longer gap learned."""
+    go = tmp_path / "go"
+    code = ("import os, sys, time, hangwatchd\n"
+            "while not os.path.exists(sys.argv[1]): hangwatchd.beat(); time.sleep(0.05)\n"
             "def checkpoint(t):\n    end = time.time() + t\n    n = 0\n    while time.time() < end:\n        n += sum(range(n % 5000))\n"
             "checkpoint(9)\n"
             "while True: hangwatchd.beat(); time.sleep(0.05)\n")
     with ScratchDaemon(tmp_path, config={**FAST, "heartbeat_timeout": 120.0}) as d:
-        work = d.run([sys.executable, "-c", code])
+        work = d.run([sys.executable, "-c", code, str(go)])
         try:
-            wait_for(lambda: any(e.get("event") == "suspicion_dropped" and e.get("why") in
-                                 ("the stack moved", "busy on the CPU, blocked on nothing") for e in d.logs()),
+            def learned() -> bool:
+                st = json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)
+                return any(p.get("timeout_source") == "learned" for p in st["processes"])
+            wait_for(learned, 60, "the beat to be learned", every=0.5)
+            go.touch()
+            wait_for(lambda: any(e.get("event") == "suspicion_dropped" and str(e.get("why")).startswith(("the stack moved", "working:")) for e in d.logs()),
                      30, "the checkpoint phase to be let be")
             time.sleep(6)
             assert d.store().list() == []

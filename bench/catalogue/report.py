@@ -73,17 +73,21 @@ def _cell(text: str) -> str:
 
 
 def markdown(outcomes: list[Outcome], summary: Summary, command: str, elapsed_s: float) -> str:
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = ["| class | expected | result | s to incident | verdict (first sentence in bold) |",
              "| --- | --- | --- | --- | --- |"]
     for o in outcomes:
         secs = f"{o.seconds:.1f}" if o.seconds is not None else "-"
         shown = _verdict_cell(o)
         lines.append(f"| {_cell(o.case.name)} | {_cell(expected(o))} | {o.result} | {secs} | {shown} |")
-    lines += ["", summary.line(), "",
-              f"`{command}`, commit {commit()}, {when}, {os.cpu_count()} cores ({platform.machine()}); "
-              f"{len(outcomes)} classes under one daemon in {elapsed_s:.0f} s."]
+    lines += ["", summary.line(), "", provenance(command, len(outcomes), elapsed_s)]
     return "\n".join(lines) + "\n"
+
+
+def provenance(command: str, classes: int, elapsed_s: float) -> str:
+    """What ran, on which commit and machine, when: the last line of every table the catalogue writes."""
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"`{command}`, commit {commit()}, {when}, {os.cpu_count()} cores ({platform.machine()}); "
+            f"{classes} classes under one daemon in {elapsed_s:.0f} s.")
 
 
 def _verdict_cell(o: Outcome) -> str:
@@ -93,7 +97,7 @@ def _verdict_cell(o: Outcome) -> str:
     return f"**{_cell(o.first)}**" + (f" {_cell(rest)}" if rest else "") + (f" ({_cell(o.note)})" if o.note else "")
 
 
-def verdict_table(outcomes: list[Outcome], summary: Summary) -> str:
+def verdict_table(outcomes: list[Outcome], summary: Summary, command: str, elapsed_s: float) -> str:
     """The README's table of verdicts: one row per kind the catalogue's right answers gave, each with
     the class it came from and the verdict as printed (its first sentence)."""
     rows: dict[str, Outcome] = {}
@@ -107,7 +111,7 @@ def verdict_table(outcomes: list[Outcome], summary: Summary) -> str:
     if healthy:
         lines.append(f"| {len(healthy)} healthy look-alikes ({', '.join(o.case.name.removeprefix('healthy_') for o in healthy)}) "
                      "| - | no incident |")
-    return "\n".join(lines + ["", summary.line()]) + "\n"
+    return "\n".join(lines + ["", summary.line(), "", provenance(command, len(outcomes), elapsed_s)]) + "\n"
 
 
 def write(text: str, name: str = "catalogue") -> Path:

@@ -140,9 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         path = report.write(report.markdown(outcomes, summary, command, elapsed), "catalogue_gpu" if args.gpu else "catalogue")
         print(f"catalogue: table written to {path}", flush=True)
-        if not args.pattern and not args.gpu:  # the README's table of verdicts comes from a whole CPU run only
-            print(f"catalogue: verdicts written to {report.write(report.verdict_table(outcomes, summary), 'verdicts')}",
-                  flush=True)
+        # The README's tables of verdicts: from a whole CPU run, and from a run of the GPU classes alone.
+        table = "verdicts" if not args.pattern and not args.gpu else "verdicts_gpu" if all(c.gpu for c in cases) else None
+        if table:
+            print(f"catalogue: verdicts written to {report.write(report.verdict_table(outcomes, summary, command, elapsed), table)}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"summary": {**summary.counts, "right_pct": summary.right_pct,
                                                      "median_s": summary.median_s, "passed": summary.passed,

@@ -16,6 +16,7 @@ from .score import SKIPPED, Score, score
 
 HANG_LIMIT_S = 60.0  # after the case is hung, how long its incident may take before it is MISSED
 POLL_S = 0.25
+EXCEPTION_FILING_S = 60.0  # after its process ended, how long a GPU exception caught alive may take to be filed
 
 
 @dataclass(frozen=True)
@@ -110,12 +111,20 @@ def _wait_for_incident(d: ScratchDaemon, run: procs.Running, job: str) -> dict[s
         if found:
             return found[-1]  # the oldest: the first the daemon stored for this job
         if not run.alive():
-            # Every rank is gone: nothing is left to hang. Give a capture in flight a moment.
-            time.sleep(2.0)
-            found = incidents_of(d, job)
+            # Every rank is gone: nothing is left to hang. Give a capture in flight a moment; an exception
+            # caught alive (the driver ends the process once its dump is read) is still being filed.
+            end = time.time() + (EXCEPTION_FILING_S if _exception_caught(d, job) else 2.0)
+            while not (found := incidents_of(d, job)) and time.time() < end:
+                time.sleep(POLL_S)
             return found[-1] if found else None
         time.sleep(POLL_S)
     return None
+
+
+def _exception_caught(d: ScratchDaemon, job: str) -> bool:
+    """Whether the daemon caught a GPU exception of the job alive (its log says so): its incident comes
+    once the dump is read and symbolised, after the process has ended."""
+    return any(e.get("event") == "exception_begun" and e.get("job") == job for e in d.logs())
 
 
 def _watch_healthy(d: ScratchDaemon, run: procs.Running, job: str) -> dict[str, Any] | None:

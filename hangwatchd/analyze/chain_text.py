@@ -106,6 +106,23 @@ def tell(chain: Chain) -> Told:
     return Told("unknown-wait", lead + _back(chain.steps[:-1], last), last, last.location, False, how)
 
 
+def certainty(chain: Chain, told: Told) -> str:
+    """How sure the chain's verdict is, and why: ``sure: ...`` when every link was read (the process's
+    own answer, the kernel's tables, a frame that names the object), ``inferred: ...`` naming the
+    first link guessed (by elimination, by a name), ``unknown: ...`` where the evidence stops."""
+    how = ", ".join(told.how) or "its stacks"
+    if told.kind == "unknown-wait" and chain.last is not None:
+        return f"unknown: who could end the wait for {chain.last.what} ({chain.last.unknown or 'the evidence does not say'})"
+    if chain.end == ENDS_IDLE:
+        return "unknown: nothing the evidence holds says what would wake it"
+    guessed = next(((p, e) for p, e in chain.steps if not e.sure), None)
+    if guessed is not None:
+        p, e = guessed
+        holder = f", {_named(chain.root)}" if chain.root is not None and e.holder == chain.root.key else ""
+        return f"inferred: that {p.label} waits for {e.what}{holder} is inferred ({e.how or 'by elimination'})"
+    return f"sure: each link read from {how}"
+
+
 def _live_kind(doing: str) -> str:
     if "GIL" in doing:
         return "gil-held"

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import flight, ras
+from ..cudacore import sandbox
+from . import flight, ras, raw_dump
 from .jsonfile import Unreadable, read_json
 from .stacks import read_threads
 
@@ -48,16 +49,24 @@ def read_json_object(path: Path, problems: list[str]) -> dict[str, Any] | None:
     return data
 
 
-def read(pdir: Path, known: dict[str, Any] | None = None) -> Evidence:
+def read(pdir: Path, known: dict[str, Any] | None = None, raw_dumps: sandbox.Limits | None = None) -> Evidence:
+    """``raw_dumps``: symbolise a raw dump found without symbolized.json (``raw_dump``), in the
+    sandbox under these limits (``hangwatchd analyze``); the daemon's own analyses never do."""
     problems: list[str] = []
     used: list[str] = []
     proc = read_json_object(pdir / "proc.json", problems)
     if proc is None:
         proc = known if isinstance(known, dict) else {}
     sym = read_json_object(pdir / "symbolized.json", problems) or {}
+    if not sym and raw_dumps is not None and not (pdir / "symbolized.json").exists():
+        from_raw, why_raw = raw_dump.symbolized(pdir, raw_dumps)
+        sym = from_raw or {}
+        problems += [why_raw] if why_raw else []
     nvml = read_json_object(pdir / "nvml.json", problems) or {}
     threads, why = read_threads(pdir)
     problems += why
+    if threads:
+        _quote_code(pdir, threads, problems)
     record, why_fr = flight.read(pdir / "flight-recorder.pkl")
     if why_fr:
         problems.append(f"{pdir.name}/flight-recorder.pkl: {why_fr}")
@@ -86,6 +95,20 @@ def read(pdir: Path, known: dict[str, Any] | None = None) -> Evidence:
 
 
 MAX_EXITS = 1024
+CODE_FILE = "code.json"  # lines of the program's frames, read at the capture as the process's user
+
+
+def _quote_code(pdir: Path, threads: list[dict[str, Any]], problems: list[str]) -> None:
+    """code.json's lines put on the frames they belong to (``code``), where the capture read them."""
+    data = read_json_object(pdir / CODE_FILE, problems)
+    if data is None:
+        return
+    code = {(x.get("file"), x.get("line")): x["code"] for x in dicts(data.get("lines"))
+            if isinstance(x.get("code"), str) and isinstance(x.get("line"), int)}
+    for t in threads:
+        for f in t.get("frames") or []:
+            if isinstance(f, dict) and (f.get("filename"), f.get("line")) in code:
+                f["code"] = code[(f.get("filename"), f.get("line"))][:200]
 
 
 def _exits(pdir: Path, problems: list[str]) -> list[dict[str, Any]]:

@@ -34,6 +34,7 @@ class RankVerdict:
     node: str | None = None  # the node it ran on (proc.json), for a job merged from many nodes
     parent: int | None = None  # a child captured with its hung parent: the parent's pid
     role: str | None = None  # and what it is to the job ("DataLoader worker 1")
+    certainty: str = ""  # "sure: ...", "inferred: ...", "unknown: ...": how sure the verdict is, and why
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,27 @@ class Collective:
 
 
 @dataclass(frozen=True)
+class Blame:
+    """A GPU fault an incident's verdict rests on, recorded against the GPU it happened on (and its
+    node) in the ledger of suspects (``incidents/ledger.py``). ``kind``: "gpu" when the GPU (or its
+    node) is at fault and explains the hang; "application" when it was the program's own fault
+    (NVIDIA's catalogue: restart the application) on that GPU: the job's, and the GPU's only if
+    other jobs meet the same there."""
+
+    kind: str
+    why: str  # the sentence of the verdict that says so
+    pid: int | None
+    rank: int | None
+    node: str | None
+    gpu: int | None  # NVML's index on that node
+    uuid: str | None
+    serial: str | None
+    pci: str | None
+    xid: int | None  # None: the GPU was lost (stopped answering)
+    time: float | None  # when the GPU reported it
+
+
+@dataclass(frozen=True)
 class Analysis:
     summary: str
     culprits: tuple[Culprit, ...]
@@ -67,6 +89,7 @@ class Analysis:
     unreadable: tuple[str, ...] = ()  # each piece of evidence that could not be read, and why
     children: tuple[RankVerdict, ...] = ()  # the hung processes' children (workers, subprocesses), each judged
     pace: dict[str, Any] | None = None  # a slow job's figures: step, baseline, the rank, its node, the cause (analyze/slow.py)
+    blame: tuple[Blame, ...] = ()  # the GPU faults the verdict rests on, each with its GPU and node
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

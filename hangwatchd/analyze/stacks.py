@@ -87,7 +87,11 @@ def _thread(t: dict[str, Any]) -> dict[str, Any]:
         if "locals" in f:
             f["locals"] = _locals(f["locals"])
         clean.append(f)
-    return {**t, "frames": clean, "thread_name": t.get("thread_name") if isinstance(t.get("thread_name"), str) else None}
+    ids = {k: v if isinstance(v, int) and not isinstance(v, bool) else None
+           for k, v in ((k, t.get(k)) for k in ("thread_id", "os_thread_id"))}
+    flags: dict[str, bool] = {k: t.get(k) is True for k in ("owns_gil", "active", "idle") if k in t}
+    return {**t, **ids, **flags, "frames": clean,
+            "thread_name": t.get("thread_name") if isinstance(t.get("thread_name"), str) else None}
 
 
 MAX_LOCALS = 64

@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..cudacore import sandbox
 from ..detect import patterns
 from ..detect.patterns import is_user_frame
 from . import (
@@ -26,8 +27,10 @@ from . import (
     process_tree,
     ras,
     ras_blame,
+    raw_dump,
     slow,
     stream_deadlock,
+    surfaced,
     waitfor,
 )
 from . import threads as th
@@ -52,7 +55,7 @@ def _user_location(threads: list[dict[str, Any]]) -> str | None:
 
 def process_dirs(incident: Path) -> list[Path]:
     wanted = ("proc.json", "pyspy.json", "pyspy-native.json", "symbolized.json", "flight-recorder.pkl", "nvml.json",
-              "nccl-ras.txt", "nccl-ras.json")
+              "nccl-ras.txt", "nccl-ras.json", *raw_dump.NAMES)
     try:
         subdirs = [p for p in incident.iterdir() if p.is_dir() and not p.is_symlink()]
     except OSError:
@@ -68,14 +71,20 @@ def judge(pdir: Path, known: dict[str, Any] | None = None) -> RankVerdict:
     return judge_evidence(pdir, ev, known, graph)
 
 
-def graph_verdict(graph: Graph, pid: int, child: bool = False) -> tuple[str, str, str | None] | None:
-    """(kind, detail, location) from the root of the chain that starts at ``pid``'s main thread
-    (``child``: a child captured with its hung parent, whose own verdict says only where it is)."""
+def graph_verdict(graph: Graph, pid: int, child: bool = False) -> tuple[str, str, str | None, str] | None:
+    """(kind, detail, location, certainty) from the root of the chain that starts at ``pid``'s main
+    thread (``child``: a child captured with its hung parent, whose own verdict says only where it is)."""
     found = waitfor.chains(graph, process_graph.key(pid))
     if not found:
         return None
     chain = found[0]
     told = chain_text.tell(chain)
+    sure = chain_text.certainty(chain, told)
+    kind, detail, location = _graph_kind(graph, pid, child, chain, told)
+    return kind, detail, location, sure
+
+
+def _graph_kind(graph: Graph, pid: int, child: bool, chain: waitfor.Chain, told: chain_text.Told) -> tuple[str, str, str | None]:
     kind, sentence = told.kind, told.sentence
     root = told.culprit
     mine = process_graph.key(pid)
@@ -145,30 +154,42 @@ def judge_evidence(pdir: Path, ev: evidence.Evidence, known: dict[str, Any] | No
     gpus = stream_deadlock.process_gpus(nvml)
     gpu_busy = stream_deadlock.busy_text(nvml, gpus, pid)
 
-    def verdict(kind: str, detail: str, loc: str | None = location, coll: str | None = None) -> RankVerdict:
-        return RankVerdict(rank, pid, kind, detail, loc, coll, last, proc.get("node"))
+    def verdict(kind: str, detail: str, loc: str | None = location, coll: str | None = None, sure: str = "") -> RankVerdict:
+        return RankVerdict(rank, pid, kind, detail, loc, coll, last, proc.get("node"), certainty=sure)
 
     def full(f: dict[str, Any] | None) -> str | None:
         return _where(f) if f else None
 
     for exc in evidence.dicts(sym.get("exceptions")):
-        frame = next((f for f in evidence.dicts(exc.get("frames")) if f.get("file")), None)
+        frames = evidence.dicts(exc.get("frames"))
+        frame = next((f for f in frames if f.get("file")), None)
         loc = f"{frame.get('function')} ({frame.get('file')}:{frame.get('line')})" if frame else exc.get("kernel")
-        return verdict("gpu-exception", f"{exc.get('type', 'an exception')} in {exc.get('kernel')}", loc)
+        detail = f"{exc.get('type', 'an exception')} in {surfaced.short_name(str(exc.get('kernel')))}"
+        chain = surfaced.kernel_chain(frames)
+        detail += f" at {chain}" if chain else " (no source lines in its cubin)" if frames else ""
+        at = surfaced.find(threads)
+        if at is None:
+            return verdict("gpu-exception", detail, loc, sure="sure: the GPU dump names the exception and the kernel")
+        return verdict("gpu-exception", f"{detail}, surfaced in {at.text()}; {surfaced.ASYNC_NOTE}", at.location,
+                       sure="sure: the GPU dump names the exception and the kernel; the line is where the host learned of it")
     kernels = [str(k["name"]) for k in stream_deadlock.kernels_on(sym, gpus)]
     nccl = [k for k in kernels if "nccl" in k.lower()]
     if nccl:
-        return verdict("in-collective", f"NCCL kernel {nccl[0]} running{gpu_busy}", location, pending or nccl[0])
+        return verdict("in-collective", f"NCCL kernel {nccl[0]} running{gpu_busy}", location, pending or nccl[0],
+                       sure="sure: the GPU dump shows the NCCL kernel running")
     pcs = [p for p in evidence.dicts(sym.get("pcs")) if not gpus or p.get("device") in gpus]
     if kernels and pcs:
         p = pcs[0]
         frame = next((f for f in evidence.dicts(p.get("frames")) if f.get("file")), None)
         loc = f"{frame.get('function')} ({frame.get('file')}:{frame.get('line')})" if frame else kernels[0]
-        return verdict("gpu-kernel-spinning", f"kernel {kernels[0]} still running, {p.get('warps')} warps at {p.get('pc')}{gpu_busy}", loc)
+        return verdict("gpu-kernel-spinning", f"kernel {kernels[0]} still running, {p.get('warps')} warps at {p.get('pc')}{gpu_busy}", loc,
+                       sure="sure: the GPU dump shows its warps on the SMs")
     names = [str(f.get("name") or "") for t in threads for f in t.get("frames") or []]
     coll = patterns.first(names, patterns.COLLECTIVE)
     if pending or coll:
-        return verdict("in-collective", f"waiting in {pending or coll}", location, pending or coll)
+        return verdict("in-collective", f"waiting in {pending or coll}", location, pending or coll,
+                       sure="sure: the flight recorder has it enqueued and not completed" if pending else
+                       "inferred: a collective's frame in its stacks (no flight recorder)")
     gpu = patterns.first(names, patterns.GPU)
     in_driver = bool(library_frames(threads))
     if gpu or in_driver:
@@ -176,23 +197,29 @@ def judge_evidence(pdir: Path, ev: evidence.Evidence, known: dict[str, Any] | No
         idle = stream_deadlock.idle_gpu(sym, nvml, pid) if in_driver or ev.native else None
         if idle:
             return verdict("stream-deadlock", f"host blocked in {call} while {idle}: it waits for GPU work that never "
-                                              f"runs; {stream_deadlock.WHAT_TO_LOOK_AT}")
-        return verdict("waiting-on-gpu", f"host blocked in {call}{gpu_busy}")
+                                              f"runs; {stream_deadlock.WHAT_TO_LOOK_AT}",
+                           sure="sure: the GPU dump shows no kernel of it running" if sym.get("kernels") is not None or
+                           sym.get("pcs") is not None else "inferred: NVML's per-process samples (5 s) show nothing of it running")
+        return verdict("waiting-on-gpu", f"host blocked in {call}{gpu_busy}",
+                       sure="unknown: nothing read says whether its GPU work still completes")
     if graph is not None and pid is not None:
         told = graph_verdict(graph, pid, child=bool(proc.get("role")) and proc.get("parent") is not None)
         if told is not None:
-            kind, detail, where = told
-            return verdict(kind, detail, where or location)
+            kind, detail, where, sure = told
+            return verdict(kind, detail, where or location, sure=sure)
     if threads:
-        return verdict("idle-python", "in Python, waiting on nothing known" if location else "in Python")
+        return verdict("idle-python", "in Python, waiting on nothing known" if location else "in Python",
+                       sure="unknown: its stacks name no wait")
     steps = (known or {}).get("steps") if isinstance((known or {}).get("steps"), list) else []
     gone = any("is gone" in str(s.get("error")) for s in evidence.dicts(steps))
     if gone or str(proc.get("state", "")).startswith(("Z", "X")):
-        return verdict("dead", "the process had exited before it could be read")
-    return verdict("unknown", "nothing was captured that says what it was doing")
+        return verdict("dead", "the process had exited before it could be read", sure="sure: /proc had no such process")
+    return verdict("unknown", "nothing was captured that says what it was doing", sure="unknown: nothing was captured")
 
 
-def analyze(incident: Path) -> Analysis:
+def analyze(incident: Path, raw_dumps: sandbox.Limits | None = None) -> Analysis:
+    """The verdict on an incident directory. ``raw_dumps``: a process directory's raw GPU dump without
+    symbolized.json is symbolised, in the sandbox under these limits (``hangwatchd analyze``)."""
     paced = slow.analyze_dir(incident)  # a slow job's incident: its ranks are not hung, their pace says who and why
     if paced is not None:
         return paced
@@ -200,7 +227,7 @@ def analyze(incident: Path) -> Analysis:
     meta = evidence.read_json_object(incident / "incident.json", problems) or {}
     known = {str(p.get("dir") or p.get("pid")): p for p in evidence.dicts(meta.get("processes"))}
     all_dirs = process_dirs(incident)
-    everyone = process_tree.members(all_dirs, [evidence.read(p, known.get(p.name)) for p in all_dirs])
+    everyone = process_tree.members(all_dirs, [evidence.read(p, known.get(p.name), raw_dumps) for p in all_dirs])
     pids = {m.pid for m in everyone}
     kids = [m for m in everyone if process_tree.is_child(m, pids)]
     tops = [m for m in everyone if m not in kids]
@@ -271,12 +298,13 @@ def analyze(incident: Path) -> Analysis:
     nodes = {(v.rank, v.pid): v.node for v in ranks}
     culprits = [replace(c, node=nodes.get((c.rank, c.pid)) or c.node) for c in culprits]
     rests_on = tuple(f"{_who(v).lower() if v.rank is None else _who(v)}: {', '.join(ev.used) or 'nothing readable'}"
-                     for v, ev in zip(ranks, found))
+                     + (f"; {v.certainty}" if v.certainty else "") for v, ev in zip(ranks, found))
     rests_on += tuple(f"{k.role} (pid {k.pid}): {', '.join(k.ev.used) or 'nothing readable'}" for k in kids)
     unreadable = tuple(problems) + tuple(p for ev in found for p in ev.problems) + tuple(p for k in kids for p in k.ev.problems)
-    summary = gpu_events.explain(incident, ranks, summary, meta)  # an XID on a rank's GPU near its stop comes first
+    # A GPU fault near a rank's stop comes first; another process's fault on its GPU is said after.
+    summary, blame = gpu_events.judge(list(zip(dirs, ranks)), summary, meta)
     return account(incident, meta, Analysis(summary, tuple(culprits), tuple(ranks), tuple(collectives), rests_on, unreadable,
-                                            tuple(kid_verdicts)))
+                                            tuple(kid_verdicts), blame=blame))
 
 
 def _apart(ranks: list[RankVerdict], found: list[evidence.Evidence]) -> tuple[str, list[Culprit]] | None:

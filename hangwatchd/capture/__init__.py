@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..config import Config
+from ..host.dump_fifos import ExceptionFifos
 from ..host.proc_exits import ProcExits
 from .base import Step, StepFailed, StepNotApplicable
 from .children import ChildrenStep
@@ -20,9 +21,10 @@ from .progress import ProgressStep
 from .pyspy import PySpyStep
 
 
-def make_steps(config: Config, exits: ProcExits | None = None) -> list[tuple[Step, float]]:
+def make_steps(config: Config, exits: ProcExits | None = None, fifos: ExceptionFifos | None = None) -> list[tuple[Step, float]]:
     """The configured steps with their timeouts: cheapest and least destructive first, the GPU dump last.
-    ``exits``: the daemon's listener for process exits, which the exits step reads."""
+    ``exits``: the daemon's listener for process exits, which the exits step reads; ``fifos``: the
+    daemon's exception FIFOs, through which the GPU dump comes where the process's driver writes there."""
     factories: dict[str, Callable[[], tuple[Step, float]]] = {
         "proc": lambda: (ProcStep(node=config.node), 5.0),
         "progress": lambda: (ProgressStep(), 5.0),
@@ -33,7 +35,7 @@ def make_steps(config: Config, exits: ProcExits | None = None) -> list[tuple[Ste
         "nvml": lambda: (NvmlStep(), config.nvml_timeout),
         "nccl_ras": lambda: (NcclRasStep(), config.nccl_ras_timeout),
         "flight_recorder": lambda: (FlightRecorderStep(), config.flight_recorder_timeout),
-        "cuda_dump": lambda: (CudaDumpStep(config.driver_logs, config.discover_devices), config.gpu_dump_timeout),
+        "cuda_dump": lambda: (CudaDumpStep(config.driver_logs, config.discover_devices, fifos), config.gpu_dump_timeout),
     }
     names = [n for n in config.capture_steps if n != "cuda_dump"]
     if "cuda_dump" in config.capture_steps:

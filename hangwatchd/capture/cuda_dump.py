@@ -4,6 +4,11 @@ The pipe is found among the FIFOs the process holds open (its default name
 lies in the process's working directory), checked to belong to the process's
 user, and written to without blocking. A GPU dump ends the process, so this
 runs after every other step, and only when the policy allows.
+
+Where the driver writes the dump: into the daemon's exception FIFO of the
+process (``host.dump_fifos``; what ``hangwatchd run`` sets ``CUDA_COREDUMP_FILE``
+to), claimed from its watcher first and read here; else into the file the
+process's ``CUDA_COREDUMP_FILE`` names, watched for in its directory.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from ..host import procfs, untrusted
+from ..host import dump_fifos, procfs, untrusted
 from ..host.deadline import Deadline
 from ..model import Registration
 from ..workload import dump_names
@@ -34,6 +39,7 @@ KEYS = frozenset({"CUDA_COREDUMP_PIPE", "CUDA_COREDUMP_FILE", "CUDA_ENABLE_USER_
 # per GPU is triggered: its turn lasts until the driver has begun writing the dump file (past
 # collecting the GPU's state), or TURN seconds.
 TURN = 2.0
+LAST_LINES = 2.0  # seconds a dump read whole from the FIFO waits for its process to end (the driver's last lines)
 _turns: dict[str, threading.Lock] = {}  # one per GPU device file: bounded by the node's GPUs
 _turns_guard = threading.Lock()
 
@@ -60,6 +66,7 @@ def turn(gpus: list[str], until: float) -> Iterator[None]:
 class CudaDumpStep:
     driver_logs: Path | None = None  # RUNTIME_DIR/driver-logs, where hangwatchd run keeps coredump: lines
     devices: str = "/dev/nvidia"  # the GPU device files' prefix: a dump waits for its GPU's turn
+    fifos: dump_fifos.ExceptionFifos | None = None  # the daemon's exception FIFOs, where it keeps them
     name: str = "cuda_dump"
     phase: ClassVar[Phase] = Phase.DESTRUCTIVE  # the dump ends the process
 
@@ -80,6 +87,11 @@ class CudaDumpStep:
         if not pipes:
             raise StepNotApplicable(f"pid {pid} holds no CUDA coredump pipe: not started by hangwatchd run "
                                     "(no CUDA_ENABLE_USER_TRIGGERED_COREDUMP=1), or CUDA not initialised")
+        if self.fifos is not None and self.fifos.on and env.get("CUDA_COREDUMP_FILE"):
+            mine = self.fifos.path_for(target)
+            if env["CUDA_COREDUMP_FILE"].replace("%p", str(dump_fifos.own_pid(pid))) == str(mine):
+                stored = self._from_fifo(target, pipes[0], owner, outdir, deadline)
+                return self._kept(stored, pid, owner, outdir)
         pattern = env.get("CUDA_COREDUMP_FILE") or f"core_%t_{socket.gethostname()}_%p.nvcudmp"
         target_glob = Path(dump_names.expand(pattern, pid))
         if not target_glob.is_absolute():
@@ -112,6 +124,10 @@ class CudaDumpStep:
                 os.close(fd)
         finally:
             watch.close()
+        return self._kept(stored, pid, owner, outdir)
+
+    def _kept(self, stored: dump_artifacts.Stored, pid: int, owner: int, outdir: Path) -> tuple[str, ...]:
+        """The files a dump became, with the driver's lines; StepFailed where nothing was kept."""
         files = list(stored.files)
         if self.driver_logs is not None and dump_artifacts.copy_text(self.driver_logs / f"{pid}.log", outdir / "driver.log", owner):
             files.append("driver.log")
@@ -121,3 +137,56 @@ class CudaDumpStep:
             (outdir / "cuda_dump-notes.txt").write_text(stored.note + "\n")
             files.append("cuda_dump-notes.txt")
         return tuple(files)
+
+    def _from_fifo(self, target: Registration, pipe: tuple[int, str, os.stat_result], owner: int, outdir: Path,
+                   deadline: Deadline) -> dump_artifacts.Stored:
+        """The dump through the daemon's FIFO of the process: claimed from its watcher (so it is not
+        taken for an exception of the process's own), triggered, read here until whole or the deadline."""
+        assert self.fifos is not None
+        end, timeout = deadline.at, deadline.left()
+        proc = target.process
+        gone = lambda: not procfs.alive(proc)  # noqa: E731 - a closure named where it is used
+        try:
+            fd, fifo = self.fifos.claim(target)
+        except OSError as exc:
+            raise StepFailed(f"the dump's FIFO of pid {proc.pid} cannot be had: {exc.strerror or exc}") from None
+        raw = outdir / "coredump.nvcudmp"
+        out = os.open(raw, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        drain = dump_fifos.Drain(out, self.fifos.cap)
+        try:
+            with turn(procfs.gpu_device_files(proc.pid, self.devices), end):
+                poke_held_fifo(proc.pid, pipe, b"\0", owner)
+                begun_by = min(end, time.monotonic() + TURN)
+                while not drain.size and time.monotonic() < begun_by and not gone():
+                    dump_fifos.wait_readable(fd, 0.05)
+                    drain.feed(fd, budget=dump_fifos.HEADER)
+            by = min(end, time.monotonic() + TURN)
+            while drain.size < dump_fifos.HEADER and drain.ended is None and time.monotonic() < by and not gone():
+                dump_fifos.wait_readable(fd, 0.05)
+                drain.feed(fd, budget=dump_fifos.HEADER)
+            if drain.size >= dump_fifos.HEADER:
+                drain.expect(os.pread(out, dump_fifos.HEADER, 0))
+            note = dump_fifos.read_blocking(fd, drain, end, fifo, gone) if drain.size else None
+            # The driver's last lines ("All done") come as it closes and ends the process: a moment for them.
+            last_lines_by = min(end, time.monotonic() + LAST_LINES)
+            while drain.ended == "whole" and not gone() and time.monotonic() < last_lines_by:
+                time.sleep(0.05)
+        finally:
+            os.close(fd)
+            os.close(out)
+            self.fifos.release(proc)
+        if drain.size == 0:
+            raw.unlink(missing_ok=True)
+            raise StepFailed(f"no dump appeared in {fifo} within {timeout:g} s")
+        if drain.ended != "whole":
+            raw.unlink(missing_ok=True)
+            raise StepFailed(f"the driver wrote {drain.size} bytes into {fifo} and did not finish within {timeout:g} s"
+                             + (f" ({note})" if note and drain.ended != "short" else ""))
+        fd = os.open(raw, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            return dump_artifacts.store_fd(fd, raw, outdir, remove_source=True, on_symbolized=lambda: late.publish(outdir),
+                                           deadline=end)
+        except untrusted.Refused as exc:
+            raise StepFailed(f"refusing to read the dump: {exc}") from None
+        finally:
+            os.close(fd)

@@ -28,6 +28,8 @@ def probe(pid: int) -> dict[str, Any]:
             h = nv.nvmlDeviceGetHandleByIndex(i)
             dev: dict[str, Any] = {"index": i, "name": _s(nv.nvmlDeviceGetName(h)), "uuid": _s(nv.nvmlDeviceGetUUID(h))}
             for key, fn in (
+                ("serial", lambda h=h: _s(nv.nvmlDeviceGetSerial(h))),  # the board's: what a vendor's RMA asks for
+                ("pci_bus_id", lambda h=h: _s(nv.nvmlDeviceGetPciInfo(h).busId)),  # how the kernel log names the GPU
                 ("utilization_percent", lambda h=h: nv.nvmlDeviceGetUtilizationRates(h).gpu),
                 ("memory_used_bytes", lambda h=h: nv.nvmlDeviceGetMemoryInfo(h).used),
                 ("memory_total_bytes", lambda h=h: nv.nvmlDeviceGetMemoryInfo(h).total),
@@ -58,7 +60,7 @@ def probe(pid: int) -> dict[str, Any]:
         out["process_sm_percent"] = {
             str(d["index"]): max((s["sm_percent"] for s in d["process_utilization"]["samples"] if s["pid"] == pid), default=0)
             for d in out["devices"] if d["index"] in out["process_gpus"] and d["process_utilization"] is not None}
-        out["xid"] = "not collected: XID events need a listener running before the error"
+        out["xid"] = "not collected here: the daemon's listeners (NVML's events, the kernel log) write gpu-events.json"
         return out
     finally:
         nv.nvmlShutdown()

@@ -42,14 +42,15 @@ from ..detect.machine import Declare
 from ..detect.pace_machine import DeclareSlow
 from ..fleet.agent import Agent, CaptureRequest
 from ..host.deadline import Deadline
+from ..host.dump_fifos import ExceptionBegun, ExceptionDrained, ExceptionFifos
 from ..incidents.spool import Spool
 from ..incidents.store import Store
 from ..metrics import Metrics
-from ..model import Registration, State, Suspicion, in_job, pace_to_dict
+from ..model import ProcessId, Registration, State, Suspicion, in_job, pace_to_dict
 from ..watch.admission import Registrations
 from ..watch.watched import Watched, Watchlist, notify_status
 from ..workload import dump_names, exits
-from . import exception_dumps
+from . import exception_capture, exception_dumps
 from .act import Acting
 from .gpu_dump_gate import gpu_dump_veto
 from .make_incident import make_incident
@@ -95,12 +96,14 @@ class _Capture:
     requested: str | None = None  # the action another node's capture request carried
     uid: int | None = None  # whose budget it is charged to
     pace: tuple[int, str] | None = None  # a slow job's capture: its (uid, job); nobody's fate waits on it
+    begun: ExceptionBegun | None = None  # an exception caught alive: what its FIFO gave first
+    looked: exception_capture.ExceptionLooked | None = None  # its stacks taken, its draft
 
 
 class CaptureWorkers:
     def __init__(self, config: Config, store: Store, spool: Spool, steps: list[tuple[Step, float]], metrics: Metrics,
                  watched: Watchlist, registrations: Registrations, fleet: Agent | None, post: Callable[[object], None],
-                 act: Acting | None = None) -> None:
+                 act: Acting | None = None, fifos: ExceptionFifos | None = None) -> None:
         self.config = config
         self.store = store
         self.spool = spool
@@ -112,6 +115,8 @@ class CaptureWorkers:
         self.fleet = fleet
         self.post = post  # the loop's queue: each worker's CaptureDone or ChoreDone
         self.act = act  # what follows a stored incident (on_hang)
+        self.fifos = fifos  # the exception FIFOs, where the daemon keeps them
+        self.exceptions: dict[ProcessId, int] = {}  # process -> the capture of the exception caught in it
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="capture")
         self.captures: dict[int, _Capture] = {}
         self._ids = itertools.count(1)
@@ -340,7 +345,8 @@ class CaptureWorkers:
         if deadline.passed():
             raise TimeoutError(f"its deadline passed while it waited for a worker ({time.monotonic() - deadline.at:.1f} s ago)")
         incident_id = make_incident(self.store, self.steps, targets, suspicion, deadline, self.metrics, gate,
-                                    notify, self.spool, gone, self.config.node, job_incident)
+                                    notify, self.spool, gone, self.config.node, job_incident,
+                                    runtime_dir=Path(self.config.runtime_dir))
         if self.fleet and incident_id and self.spool.find(incident_id) is None:
             self.fleet.stored(incident_id, self.store.dir / incident_id, next((t.job for t in targets if t.job), None),
                               job_incident)
@@ -353,6 +359,8 @@ class CaptureWorkers:
         if c is None:
             return []
         self._release(c)
+        if c.begun is not None and self.exceptions.get(c.begun.registration.process) == c.id:
+            del self.exceptions[c.begun.registration.process]
         reason = c.suspicion.reason
         pids = [r.process.pid for r in c.registrations]
         for pid in pids:
@@ -380,7 +388,7 @@ class CaptureWorkers:
     # -- GPU dumps nobody asked for: exceptions ---------------------------
 
     def dump_appeared(self, name: str) -> None:
-        if not (name.endswith(".nvcudmp") or name.endswith(dump_names.DRIVER_LOG_SUFFIX)) or name in self.ingested:
+        if not exception_dumps.is_dump_name(name) or name in self.ingested:
             return
         pid = dump_names.pid_of(name)
         if pid is not None and pid in self.dumping:
@@ -433,6 +441,98 @@ class CaptureWorkers:
             done = CaptureDone(capture, filed.incident if filed else None, filed.linked if filed else True)
         except Exception as exc:  # noqa: BLE001 - the loop hears of it as this dump's error
             done = CaptureDone(capture, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            self.post(done)
+
+    # -- GPU exceptions caught alive, through the daemon's FIFOs --------------
+
+    def start_exception(self, begun: ExceptionBegun, group: list[Watched]) -> str | None:
+        """The driver began an exception's dump in a process's FIFO (on the loop): its capture started,
+        or queued behind the user's capture in flight (the driver waits meanwhile; the deadline starts
+        when the capture does). Past the user's budget, or with too many captures, the FIFO is let go
+        (the driver's write fails, as with no daemon) and the reason returned; None when started or queued."""
+        assert self.fifos is not None
+        reg = begun.registration
+        uid, now = reg.uid, time.monotonic()
+        why = None
+        if reg.process in self.exceptions:
+            why = "an exception of this process is being captured already"
+        elif len(self.captures) >= CAPTURES_MAX:
+            why = f"{len(self.captures)} captures queued or running (CAPTURES_MAX)"
+        elif not self.budgets.allow("dump", uid, now):
+            why = f"uid {uid} is past dumps_per_uid_per_minute = {self.budgets.per_minute['dump']:g}"
+        outcome = "refused" if why else self._admit(uid, lambda: self._start_exception(begun, group))
+        if outcome == "deferred":
+            why = f"uid {uid}'s capture budget is spent"
+        if why:
+            self.fifos.drain(reg.process, None, 0.0, f"not captured: {why}")
+            self.metrics.registration_errors.labels(**self.metrics.labels(reason="dump_budget")).inc()
+            if self.budgets.allow("log", uid, now):
+                log.warning("exception_refused", pid=reg.process.pid, uid=uid, error=why)
+            return why
+        if outcome == "start":
+            self._start_exception(begun, group)
+        else:
+            self.exceptions[reg.process] = 0  # queued: no second one meanwhile
+        return None
+
+    def _start_exception(self, begun: ExceptionBegun, group: list[Watched]) -> None:
+        reg = begun.registration
+        deadline = Deadline.after(self.config.capture_timeout + self.config.gpu_dump_timeout)
+        why = Suspicion("gpu-exception", f"the driver began writing a GPU exception's dump into {begun.fifo}", begun.since)
+        c = _Capture(group, [reg], why, time.monotonic(), deadline, next(self._ids), uid=reg.uid, begun=begun)
+        self.captures[c.id] = c
+        self.exceptions[reg.process] = c.id
+        log.warning("exception_begun", pid=reg.process.pid, job=reg.job, fifo=begun.fifo, coredump=begun.coredump)
+        c.future = self.pool.submit(self._exception_look, c.id, begun, deadline)
+
+    def _exception_look(self, capture: int, begun: ExceptionBegun, deadline: Deadline) -> None:
+        """On a worker: the stacks, then one ExceptionLooked on the loop's queue, whatever happened."""
+        looked = exception_capture.ExceptionLooked(capture, None, None, "the worker stopped before it finished")
+        try:
+            looked = exception_capture.look(capture, begun, list(self.steps), deadline, self.store, self.spool,
+                                            self.metrics)
+        except Exception as exc:  # the loop hears of it as this capture's error
+            looked = exception_capture.ExceptionLooked(capture, None, None, f"{type(exc).__name__}: {exc}")
+            log.error("capture_failed", pids=[begun.registration.process.pid], error=looked.error, exc_info=exc)
+        finally:
+            self.post(looked)
+
+    def exception_looked(self, looked: exception_capture.ExceptionLooked) -> CaptureDone | None:
+        """On the loop: the stacks are in; the dump is asked of the FIFO's thread. A CaptureDone to
+        hand on where the capture ends here (its stacks could not be taken)."""
+        c = self.captures.get(looked.capture)
+        if c is None or c.begun is None:
+            return None
+        assert self.fifos is not None
+        c.looked = looked
+        exception_capture.drain_into(self.fifos, c.begun, looked, c.deadline)
+        if looked.error or looked.draft is None:
+            return CaptureDone(c.id, error=looked.error or "no draft")
+        return None
+
+    def exception_drained(self, drained: ExceptionDrained) -> None:
+        """On the loop: the dump is read (or as much as came): filed by a worker."""
+        cid = self.exceptions.get(drained.registration.process)
+        c = self.captures.get(cid) if cid else None
+        if c is None or c.begun is None or c.looked is None or c.looked.draft is None or c.looked.captured is None:
+            if drained.path:  # its capture ended without it (an error said so): the bytes go
+                Path(drained.path).unlink(missing_ok=True)
+            return
+        looked, begun = c.looked, c.begun
+        c.future = self.pool.submit(self._exception_file, c.id, begun, drained, looked, c.deadline)
+
+    def _exception_file(self, capture: int, begun: ExceptionBegun, drained: ExceptionDrained,
+                        looked: exception_capture.ExceptionLooked, deadline: Deadline) -> None:
+        done = CaptureDone(capture, error="the worker stopped before it finished")
+        assert looked.draft is not None and looked.captured is not None
+        try:
+            done = CaptureDone(capture, exception_capture.file(begun, drained, looked.draft, looked.captured, deadline,
+                                                               self.store, self.spool, self.config.driver_logs,
+                                                               self.metrics, self.config.node))
+        except Exception as exc:  # the loop hears of it as this capture's error
+            done = CaptureDone(capture, error=f"{type(exc).__name__}: {exc}")
+            log.error("capture_failed", pids=[begun.registration.process.pid], error=done.error, exc_info=exc)
         finally:
             self.post(done)
 

@@ -10,6 +10,7 @@ not count as that process's GPU exception.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -112,11 +113,17 @@ def ingest(store: Store, path: Path, pid: int | None, claimed: Registration | No
         detail = f"{detail} ({who.note})" if who.note else detail
     incident = Incident(id=draft.id, time=draft.time, host=socket.gethostname(), reason="gpu-exception",
                         detail=detail, job=reg.job, processes=(ProcessCapture(reg, (step,)),))
+    analysis = None
     try:
-        write_pages(draft.path, incident, analyze(draft.path).to_dict())
+        result = analyze(draft.path)
+        analysis = result.to_dict()
+        # The dump's verdict where it was read; else the driver's own report says more than "nothing was captured".
+        told = any(r.verdict == "gpu-exception" for r in result.ranks)
+        incident = dataclasses.replace(incident, verdict=result.summary if told else detail)
+        write_pages(draft.path, incident, analysis)
     except Exception as exc:  # the page is a convenience; the dump's report is stored all the same
         log.error("analysis_failed", incident=draft.id, error=f"{type(exc).__name__}: {exc}", exc_info=True)
-    finish_draft(store, spool, draft, incident, f"gpu-exception: {detail}", metrics=metrics)
+    finish_draft(store, spool, draft, incident, f"gpu-exception: {detail}", analysis, metrics=metrics)
     try:
         store.mark_ingested(path.name)
     except Exception:  # noqa: BLE001 - remembered in the daemon's memory for this run; a full index forgets it
@@ -174,6 +181,11 @@ class Scan:
     busy: bool  # some are still changing: look again in QUIET_S
 
 
+def is_dump_name(name: str) -> bool:
+    """A name the driver (or ``hangwatchd run``, for a lost dump's lines) gives what it leaves in the dump dir."""
+    return name.endswith(".nvcudmp") or name.endswith(dump_names.DRIVER_LOG_SUFFIX)
+
+
 def scan(directory: Path, ingested: Container[str], now: float | None = None) -> Scan:
     """The names in ``directory`` not yet ingested, split into whole and maybe still being written.
 
@@ -181,8 +193,8 @@ def scan(directory: Path, ingested: Container[str], now: float | None = None) ->
     now = time.time() if now is None else now
     ready, busy = [], False
     for path in sorted(directory.iterdir()):
-        if path.name.startswith(".") or path.name in ingested:
-            continue
+        if path.name.startswith(".") or path.name in ingested or not is_dump_name(path.name):
+            continue  # a flight-recorder trace, the exception FIFOs' directory: never a dump, never "busy"
         try:
             quiet = now - path.lstat().st_mtime >= QUIET_S
         except OSError:

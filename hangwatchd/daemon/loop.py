@@ -12,7 +12,7 @@ decides a process's fate, through ``Watchlist.change`` and its table of legal
 transitions). Workers get frozen records and post one frozen value back, from
 a ``finally`` (their exceptions arrive as values):
 
-    sampler (py-spy)        SampleTaken(process, native, sample | its error), PaceSampled(process, sample)
+    sampler (py-spy)        SampleTaken(process, native, sample | its error | deferred), PaceSampled(process, sample)
     pace's NVML look        GpusLooked(job, NVML's answer | its error)
     capture workers         CaptureDone(capture, incident | error), ChoreDone(name, error)
     discovery thread        GpuPidsFound(pids)
@@ -20,11 +20,14 @@ a ``finally`` (their exceptions arrive as values):
     fleet poller            CaptureRequest (another node's request for a job's ranks), PacesRead (other nodes' paces)
     flight-recorder warm-up WarmupDone(registration, outcome)
     NVML listener           GpusFound(gpus), GpuEvent (an XID)
+    kernel log reader       GpuEvent (an NVRM Xid line, with its process)
+    the store (any thread)  LedgerChanged(incident, entry) (the ledger of suspects)
 
-Two threads keep to themselves and decide no process's fate: retention
+Three threads keep to themselves and decide no process's fate: retention
 (``incidents/retention.py``, its own schedule, told by the store what it
-stored) and the recorder of process exits (``host/proc_exits.py``, read by the
-capture's ``exits`` step).
+stored), the recorder of process exits (``host/proc_exits.py``, read by the
+capture's ``exits`` step) and the sampler's quiet look (``detect/quiet.py``:
+when each sampled process's threads last ran, read by the sampler).
 
 ``_dispatch`` hands each to its room; the state machine (``detect.machine``)
 answers with decisions (``Declare``, ``Drop``) that ``_act`` carries out: a
@@ -55,32 +58,35 @@ from ..cudacore import sandbox
 from ..detect import HeartbeatDetector
 from ..detect.machine import Decision, Declare, Drop, StateMachine, retry_pause
 from ..detect.pace_machine import DeclareSlow
-from ..detect.sampler import PaceSampled, Sampler, SampleTaken
+from ..detect.sampler import PaceSampled, SampleBatch, Sampler, SampleTaken
 from ..detect.stack import BLOCKING, IDLE
 from ..fleet.agent import Agent, CaptureRequest
 from ..fleet.paces import PacesRead
-from ..host import procfs
+from ..host import dump_fifos, procfs
+from ..host.dump_fifos import ExceptionBegun, ExceptionDrained, ExceptionFifos
 from ..host.gpu_events import GpuEvent, GpusFound
 from ..host.notify import notify, watchdog_interval
-from ..host.proc_exits import ProcExits
+from ..host.proc_exits import ProcExits, ProgramStarted
 from ..host.user_limits import Budgets, UserLimits
 from ..incidents import heal
 from ..incidents.retention import Retention
 from ..incidents.spool import SPOOL_DIR, Spool
-from ..incidents.store import Store, StoreWriteError
+from ..incidents.store import Store, StoreError, StoreWriteError
 from ..metrics import Metrics, create, serve
-from ..model import State, Suspicion
+from ..model import ProcessId, Registration, State, Suspicion
 from ..watch.admission import Discovered, Registrations
 from ..watch.discovery import Discovery, GpuPidsFound
-from ..watch.watched import Watched, Watchlist
+from ..watch.stack_history import Sample
+from ..watch.watched import LIVE, Watched, Watchlist
 from ..workload import registration_file
 from . import act, exception_dumps
 from .capture_workers import CaptureDone, CaptureWorkers, ChoreDone
+from .exception_capture import ExceptionLooked
 from .fr_warmup import Warmup, WarmupDone
 from .inbox import Inbox
 from .instance_lock import AlreadyRunning, InstanceLock, LockDirError
 from .loop_guard import Guard
-from .node_health import NodeHealth
+from .node_health import LedgerChanged, NodeHealth, Suspicions
 from .pace_room import GpusLooked, PaceRoom
 from .status_file import STATUS_EVERY, WRITE_GAP, StatusFile
 
@@ -106,7 +112,8 @@ class Daemon:
         self.retention = Retention(cfg)  # its own thread and schedule; the store tells it what it stored
         self.inbox = Inbox()  # every worker's result comes back here, as a value
         post = self.inbox.post
-        self.store = Store(cfg.state_dir, on_stored=self.retention.stored)
+        self.store = Store(cfg.state_dir, on_stored=self.retention.stored,
+                           on_ledger=lambda incident, entry: post(LedgerChanged(incident, entry)))
         self.fleet = Agent(cfg.store, cfg.node, Path(cfg.state_dir), cfg.store_poll_interval, cfg.job_incident_window,
                            cfg.store_spool_max, post, self._count_sends, cfg.slow_publish_interval) if cfg.store else None
         self.status = StatusFile(Path(cfg.runtime_dir))
@@ -121,11 +128,17 @@ class Daemon:
         self.guard = Guard(self.metrics)
         self.registrations = Registrations(cfg, self.watched, self.metrics, self.limits, self.selector, self.guard, post)
         self.spool = Spool(Path(cfg.runtime_dir) / SPOOL_DIR, cfg.spool_bytes_per_uid)  # reports kept while the state dir is full
-        self.exits = ProcExits(listen="exits" in cfg.capture_steps)  # processes that end, with their signal
-        self.workers = CaptureWorkers(cfg, self.store, self.spool, make_steps(cfg, self.exits), self.metrics, self.watched,
-                                      self.registrations, self.fleet, post,
+        # Processes that end, with their signal; and programs started below a workload of hangwatchd run's,
+        # each given its exception FIFO before its CUDA can fault (a torchrun rank, an engine's worker).
+        self.exits = ProcExits(listen="exits" in cfg.capture_steps or cfg.exception_fifos,
+                               on_exec=lambda pid, root: post(ProgramStarted(pid, root)))
+        self.followed: dict[int, Registration] = {}  # pid -> the workload whose new programs get FIFOs
+        # GPU exception dumps through a FIFO per process, the stacks taken while the driver waits (host/dump_fifos.py).
+        self.fifos = ExceptionFifos(cfg.dumps, post, cfg.exception_dump_max_bytes) if cfg.exception_fifos else None
+        self.workers = CaptureWorkers(cfg, self.store, self.spool, make_steps(cfg, self.exits, self.fifos), self.metrics,
+                                      self.watched, self.registrations, self.fleet, post,
                                       act.Acting(Path(cfg.runtime_dir), cfg.on_hang, cfg.abort_grace, self.metrics,
-                                                 cfg.abort_on_request))
+                                                 cfg.abort_on_request), self.fifos)
         detector = HeartbeatDetector(cfg.startup_grace, cfg.learn_timeouts, cfg.learned_timeout_factor,
                                      cfg.learned_timeout_min, cfg.learned_timeout_max, int(cfg.learn_min_beats))
         self.machine = StateMachine(cfg, detector, self.watched, self.metrics,
@@ -134,10 +147,13 @@ class Daemon:
         self.sampler = Sampler(cfg.pyspy_timeout, cfg.pyspy_samples_per_uid, self.limits, post)
         # Each job's pace, from its ranks' beats and low-rate samples: slow episodes (pace_room.py).
         self.pace = PaceRoom(cfg, self.watched, self.metrics, self.sampler, post, self.fleet) if cfg.slow_jobs else None
+        self.to_sample: list[tuple[Registration, bool, Sample | None]] = []  # due this turn (``_start_samples``)
         self.lock = InstanceLock(Path(cfg.runtime_dir))
         self.state_lock = InstanceLock(Path(cfg.state_dir), "state dir", "--state-dir", says=str(cfg.runtime_dir))
-        # GPU faults (XIDs) from the NVML listener's thread; health.json written by the status writer's.
-        self.node_health = NodeHealth(Path(cfg.runtime_dir), self.metrics, post, self.status.post_file)
+        # GPU faults (XIDs) from the NVML listener's and the kernel log's threads; health.json written by the status writer's.
+        self.node_health = NodeHealth(Path(cfg.runtime_dir), self.metrics, post, self.status.post_file,
+                                      kernel_log=cfg.kernel_log, node=cfg.node, state_dir=Path(cfg.state_dir),
+                                      suspicions=Suspicions(cfg.suspect_jobs, cfg.suspect_window))
         # New GPU processes within seconds, found on a thread of its own (watch/discovery.py).
         self.discovery = Discovery(cfg.discover_devices, cfg.discover_interval, post) if cfg.discover else None
         # Each rank's flight recorder asked as it starts, until PyTorch has named a trace's frames (fr_warmup.py).
@@ -186,6 +202,11 @@ class Daemon:
         except OSError:
             present = set()
         self.workers.remember_ingested(self.store.ingested() & present)
+        # The hangs this node stored that still hang: adopted as captured when their processes register.
+        try:
+            self.registrations.captured_before = self.store.captured(procfs.boot_time(), procfs.alive)
+        except StoreError as exc:
+            log.error("captured_not_read", error=str(exc))
         self.spool.clear_partials()
         if self.fleet:
             self.fleet.start()
@@ -197,6 +218,8 @@ class Daemon:
         cfg.driver_logs.mkdir(exist_ok=True)
         if os.stat(cfg.driver_logs).st_uid == os.geteuid():
             os.chmod(cfg.driver_logs, 0o1777)
+        if self.fifos is not None:
+            self.fifos.start()  # off (with one line logged) where the directory cannot be the daemon's
         self.inotify = INotify()
         self.reg_wd = self.inotify.add_watch(cfg.registrations, inflags.CLOSE_WRITE | inflags.MOVED_TO | inflags.CREATE
                                              | inflags.DELETE | inflags.MOVED_FROM)
@@ -210,7 +233,8 @@ class Daemon:
         self.exits.start()  # as root on the host; elsewhere off, with one line saying why
         self.status.metrics_address = self.metrics_address
         self.status.write([])  # status.json exists whenever daemon.json does; its writer thread keeps it from here
-        self.status.write_daemon(cfg.state_dir, cfg.dumps, self.metrics_address)  # last: clients find the daemon by it
+        fifo = dump_fifos.pattern_for(self.fifos.root, "{uid}") if self.fifos is not None and self.fifos.on else None
+        self.status.write_daemon(cfg.state_dir, cfg.dumps, self.metrics_address, fifo)  # last: clients find the daemon by it
         self.status.start()
 
     def stop(self, *_: object) -> None:
@@ -230,6 +254,7 @@ class Daemon:
             raise
         try:
             self.retention.start()  # after prepare: a daemon that cannot start removes nothing
+            self.sampler.start_quiet()
             self.workers.flush_spool()
             self.rescan()
             self._scan_dumps()
@@ -267,6 +292,8 @@ class Daemon:
             self.status.remove()
             self.node_health.stop()
             self.exits.stop()
+            if self.fifos is not None and self.fifos.on:
+                self.fifos.stop()  # after the captures: none reads a FIFO any more
             self.state_lock.release()
             self.lock.release()
         return 0
@@ -299,6 +326,8 @@ class Daemon:
                     guard("inotify", self._on_inotify)
                 elif isinstance(key.data, registration_file.ProcessId):
                     guard("exit", self.registrations.exited, key.data)
+                    if self.followed.pop(key.data.pid, None) is not None:
+                        self.exits.unfollow(key.data.pid)
             now = time.monotonic()
             self._dispatch(now)  # what the workers sent back
             self.workers.tell_fleet(now)
@@ -307,6 +336,7 @@ class Daemon:
                     self._look(w, now)
             if self.pace is not None:
                 guard("pace", self._pace, now)
+            self._start_samples()
             if now >= self.next_dump_scan:
                 self.next_dump_scan = float("inf")
                 guard("scan_dumps", self._scan_dumps)
@@ -346,6 +376,9 @@ class Daemon:
         """The room that takes each kind of value a worker posts."""
         if isinstance(m, SampleTaken):
             self._sample_taken(m, now)
+        elif isinstance(m, SampleBatch):
+            for taken in m.taken:
+                self.guard("SampleTaken", self._sample_taken, taken, now)
         elif isinstance(m, CaptureDone):
             self._capture_done(m, now)
         elif isinstance(m, ChoreDone):
@@ -363,7 +396,7 @@ class Daemon:
         elif isinstance(m, GpusFound):
             self.node_health.gpus_found(m)
         elif isinstance(m, GpuEvent):
-            self.node_health.gpu_event(m)
+            self.node_health.gpu_event(m, *self._job_of(m))
         elif isinstance(m, PaceSampled):
             if self.pace is not None:
                 self.pace.sampled(m)
@@ -373,8 +406,27 @@ class Daemon:
         elif isinstance(m, PacesRead):
             if self.pace is not None:
                 self.pace.paces_read(m)
+        elif isinstance(m, LedgerChanged):
+            self.node_health.ledger_changed(m)
+        elif isinstance(m, ProgramStarted):
+            self._program_started(m)
+        elif isinstance(m, ExceptionBegun):
+            self._exception_begun(m, now)
+        elif isinstance(m, ExceptionLooked):
+            done = self.workers.exception_looked(m)
+            if done is not None:
+                self._capture_done(done, now)
+        elif isinstance(m, ExceptionDrained):
+            self.workers.exception_drained(m)
         else:  # a worker posted what nobody takes: a bug, never a silent loss
             raise TypeError(f"no room takes {type(m).__name__}")
+
+    def _job_of(self, event: GpuEvent) -> tuple[str | None, int | None]:
+        """The job and rank of the watched process an XID names (pid and start time), if it is one."""
+        if event.pid is None or event.start_time is None:
+            return None, None
+        w = self.watched.get(ProcessId(event.pid, event.start_time))
+        return (w.registration.job, w.registration.rank) if w is not None else (None, None)
 
     def _sample_taken(self, taken: SampleTaken, now: float) -> None:
         w = self.watched.get(taken.process)
@@ -409,6 +461,31 @@ class Daemon:
         if group:
             why = Suspicion("job-request", f"node {req.node} declared job {req.job} hung ({req.reason}: {req.detail})", req.time)
             self._act(self.machine.declare(group, why, now, req.job_incident, requested=req.on_hang), now)
+
+    def _program_started(self, started: ProgramStarted) -> None:
+        """A program started below a workload of hangwatchd run's (a rank under torchrun, a worker process):
+        its exception FIFO, as the workload's job's, unless it runs as another user (a setuid helper)."""
+        root = self.followed.get(started.root)
+        if root is None or self.watched.get(root.process) is None:
+            self.followed.pop(started.root, None)
+            self.exits.unfollow(started.root)
+            return
+        process, uid = procfs.identify(started.pid), procfs.uid(started.pid)
+        if self.fifos is None or process is None or uid != root.uid or process in self.watched:
+            return
+        self.fifos.add(Registration(process, uid, job=root.job, source="below", registered_at=time.time()))
+
+    def _exception_begun(self, begun: ExceptionBegun, now: float) -> None:
+        """The driver began an exception's dump in a process's FIFO: captured now, alive. The process is
+        HUNG from here (its beats have stopped: the exception is its one incident, never a second hang)."""
+        w = self.watched.get(begun.registration.process)
+        # Bytes that are no dump (its owner wrote into the FIFO) say nothing of the process's state.
+        group = [w] if w is not None and w.state in LIVE and begun.coredump else []
+        if self.workers.start_exception(begun, group) is None and group:
+            why = Suspicion("gpu-exception", f"GPU exception: the driver began writing its dump into {begun.fifo}", begun.since)
+            for d in self.machine.declare(group, why, now):
+                if isinstance(d, Declare):
+                    self.machine.handed_over(d, None, now)
 
     @staticmethod
     def _warmup_done(done: WarmupDone) -> None:
@@ -459,12 +536,27 @@ class Daemon:
         self._act(self.machine.observe(w, now), now)
 
     def _sample(self, w: Watched, now: float) -> None:
+        """Its sample is due: started with the others due this turn (``_start_samples``)."""
         native = w.state is State.SUSPECT and w.suspicion is not None and w.suspicion.reason == "stack"
-        again = self.sampler.start(w.registration, native, now)
-        if again is None:
-            self.watched.change(w, sampling=True)  # until its SampleTaken comes back, which it always does
-        else:
-            self.watched.change(w, sample_at=again)
+        last = w.history.samples[-1] if w.history.samples and not native else None
+        self.to_sample.append((w.registration, native, last))
+        self.watched.change(w, sampling=True)  # until its SampleTaken comes back, which it always does
+
+    def _start_samples(self) -> None:
+        """The samples due this turn, handed to the sampler at once: those it carries come back together."""
+        batch, self.to_sample = self.to_sample, []
+        if not batch:
+            return
+        try:
+            self.sampler.start_many(batch)
+        except Exception as exc:  # none started: each is sampled again after a pause, never left "sampling"
+            log.exception("samples_not_started", count=len(batch), error=f"{type(exc).__name__}: {exc}")
+            now = time.monotonic()
+            for reg, _native, _last in batch:
+                w = self.watched.get(reg.process)
+                if w is not None:
+                    self.watched.change(w, sampling=False)
+                    self.machine.backoff(w, now, "sample")
 
     def _first_looks(self, now: float) -> None:
         """Processes admitted since the last turn: the detectors' first look, and the flight-recorder warm-up."""
@@ -475,6 +567,11 @@ class Daemon:
                 self.machine.backoff(w, now, "observe")
             if self.warmup is not None:
                 self.warmup.add(w.registration)
+            if self.fifos is not None and self.fifos.on and w.registration.source != "discovered":
+                self.fifos.add(w.registration)  # before CUDA can fault: hangwatchd run's child waits for it
+                if w.registration.source == "run" and self.exits.on:
+                    self.followed[w.process.pid] = w.registration
+                    self.exits.follow(w.process.pid)
 
     def rescan(self) -> None:
         self.registrations.rescan()
@@ -504,6 +601,7 @@ class Daemon:
         self.status_posted = now
         wall = time.time()
         self.status.post([(w.status_row(now, wall), w.registration) for w in self.watched.values()])
+        self.node_health.expire(wall)  # the ledger's window moves on: a GPU implicated a day ago is cleared
 
     def _scan_dumps(self) -> None:
         """Dumps that appeared while nobody watched (the daemon down, an inotify overflow)."""

@@ -58,6 +58,7 @@ def make_incident(
     node: str | None = None,
     job_incident: str | None = None,
     beside: Mapping[str, bytes] | None = None,
+    runtime_dir: Path | None = None,
 ) -> str:
     """Capture every target into one new incident and store it, by ``deadline`` (the capture's one,
     set when the hang was declared, handed to every step unchanged); return the incident's id.
@@ -67,7 +68,8 @@ def make_incident(
     rank's arrives, each under its own deadline, and the report says what is still
     coming until then. Returns when everything has come or passed its deadline.
 
-    ``gone``: job-mates that had exited, each written as ``PID/exit.json`` for the verdict.
+    ``gone``: job-mates that had exited, each written as ``PID/exit.json`` for the verdict; with
+    ``runtime_dir``, so is a target found gone when it was captured (with its launcher's exit record).
     ``beside``: files of the job as a whole (a slow job's ``slow.json``), written beside the
     processes' directories before the analysis reads them.
     With a ``spool``, a state dir without room costs the GPU dump, never the
@@ -95,8 +97,12 @@ def make_incident(
         lane.start()
     try:
         captures = capture_all(first, targets, draft.path, deadline, metrics, gate)
-        exits.write_into(draft.path, list(gone), targets[0] if targets else None, suspicion.since)
-        gpu_events.attach(draft.path, pids, suspicion.since)  # the GPU faults (XIDs) of the GPUs these ran on
+        known = {d.registration.process for d in gone}
+        late_gone = [d for d in (exits.vanished(runtime_dir, t) for t in targets if t.process not in known)
+                     if d is not None] if runtime_dir is not None else []
+        exits.write_into(draft.path, [*gone, *late_gone], targets[0] if targets else None, suspicion.since)
+        # The GPU faults (XIDs) of the GPUs these ran on, and those that name them.
+        gpu_events.attach(draft.path, [t.process for t in targets], suspicion.since)
         for name, data in (beside or {}).items():
             write_atomic(draft.path / name, data)
         # A GPU dump the policy refuses is not coming: said at once, in the incident as first stored.

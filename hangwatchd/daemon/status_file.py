@@ -96,14 +96,19 @@ class StatusFile:
                 log.exception("status_write_failed", file=str(self.runtime_dir / STATUS_FILE), error=f"{type(exc).__name__}: {exc}")
             self.written += 1
 
-    def write_daemon(self, state_dir: str, dump_dir: Path, metrics_address: str) -> None:
-        """daemon.json: who the daemon is and where it keeps things (what clients look for)."""
+    def write_daemon(self, state_dir: str, dump_dir: Path, metrics_address: str, exception_fifo: str | None = None) -> None:
+        """daemon.json: who the daemon is and where it keeps things (what clients look for).
+        ``exception_fifo``: the CUDA_COREDUMP_FILE its launchers set, ``{uid}`` for the user's (where
+        the daemon makes exception FIFOs)."""
         self.metrics_address = metrics_address
         me = procfs.identify(os.getpid())
-        self._write_json(self.runtime_dir / DAEMON_FILE, {
+        info = {
             "pid": os.getpid(), "start_time": me.start_time if me else None, "version": __version__,
             "state_dir": state_dir, "dump_dir": str(dump_dir), "metrics_address": metrics_address,
-        })
+        }
+        if exception_fifo:
+            info["exception_fifo"] = exception_fifo
+        self._write_json(self.runtime_dir / DAEMON_FILE, info)
 
     def write(self, rows: Iterable[Row]) -> None:
         """status.json (every watched process) and the matching STATUS= line."""

@@ -48,6 +48,7 @@ ERROR_BACKOFF = 5.0  # a process whose handling failed is looked at again after 
 RETRY_FIRST = 5.0  # a failed capture of a hang is tried again after this, doubling each time ...
 RETRY_MAX = 300.0  # ... up to this
 HUNG_LOOK = 5.0  # a hung or captured process is looked at this often (for progress, for a retry)
+MIN_GAP = 0.2  # seconds: the soonest a plain sample follows the last
 
 @dataclass(frozen=True)
 class Declare:
@@ -89,6 +90,7 @@ class StateMachine:
         self.idle = idle
         self._out: list[Decision] = []  # what the entry point being run decided, for the loop to do
         self._looked = metrics.passes.labels(**metrics.labels(what="look"))
+        self._gap = metrics.sample_gap.labels(**metrics.const)
 
     def _decided(self) -> list[Decision]:
         out, self._out = self._out, []
@@ -207,10 +209,19 @@ class StateMachine:
         sample, native = taken.sample, taken.native
         self._looked.inc()
         self.watched.change(w, sampling=False)
+        if taken.deferred is not None:  # its user's py-spy budget was spent: nothing was read, nothing to judge
+            self.watched.change(w, sample_at=taken.deferred)
+            return []
+        if not sample.error:
+            if w.sampled_at is not None and w.watched_by_stack:
+                self._gap.observe(now - w.sampled_at)
+            self.watched.change(w, sampled_at=now)
         if sample.refused:
             self.watched.change(w, check_at=0.0)  # looked at now: its files and owner are checked, and it is dropped
-        self.metrics.stack_samples.labels(**self.metrics.labels(kind="native" if native else "plain",
-                                                                outcome="failed" if sample.error else "ok")).inc()
+        kind = "native" if native else "plain"
+        self.metrics.stack_samples.labels(**self.metrics.labels(kind=kind, outcome="failed" if sample.error else "ok")).inc()
+        if not sample.error and not sample.read:
+            self.metrics.stack_carried.labels(**self.metrics.labels(kind=kind)).inc()
         if sample.error:
             log.warning("stack_sample_failed", pid=w.process.pid, error=sample.error)
         try:
@@ -260,6 +271,15 @@ class StateMachine:
         window = w.stack_timeout or self.cfg.stack_window
         if w.history.count == 1 and w.idle_noted:
             self.watched.change(w, idle_noted=False)
+        if w.history.frozen_for() >= window and not w.idle_noted and self._worked(w, now):
+            return
+        if w.history.frozen_for() >= window and not w.idle_noted and w.stack_timeout is None \
+                and classify(sample.frames, self.blocking, self.idle)[1]:
+            # Its Python frames wait where servers wait for work: the native look would add frames
+            # but could only find it idle too (an idle pattern wins), so none is taken.
+            log.info("stack_frozen_idle", pid=w.process.pid, why="idle pattern")
+            self.watched.change(w, idle_noted=True, sample_at=every)
+            return
         if w.history.frozen_for() >= window and not w.idle_noted:
             held = w.history.frozen_for()
             log.info("process_suspect", pid=w.process.pid, reason="stack", detail=w.history.evidence())
@@ -267,7 +287,21 @@ class StateMachine:
                                 suspicion=Suspicion("stack", f"the same stack for {held:.0f} s", time.time() - held, ("stack",)),
                                 confirm_by=now + self.cfg.pyspy_timeout + 5, sample_at=now)  # now: the native look
         else:
-            self.watched.change(w, sample_at=every)
+            # Sampled again after an interval, or when the run reaches its window if sooner: a run
+            # known to have held since the process stopped (``Sample.since``) is judged on time.
+            frozen_from = w.history.frozen_from()
+            due = frozen_from + window if frozen_from is not None and not w.idle_noted else every
+            self.watched.change(w, sample_at=min(every, max(now + MIN_GAP, due)))
+
+    def _worked(self, w: Watched, now: float) -> bool:
+        """A still stack whose plain samples already show work (bytes moved, children computed, locals
+        rebound): healthy again for another window, without the native look that would say the same."""
+        why = self._working(w, None, False)
+        if why is None or not why.startswith("working"):
+            return False
+        log.info("stack_frozen_working", pid=w.process.pid, why=why)
+        self.watched.change(w, history=StackHistory(), idle_noted=False, sample_at=now + self.cfg.stack_interval)
+        return True
 
     def _judge_native(self, w: Watched, sample: Sample, now: float) -> None:
         """The one native look at a frozen stack: does it work or wait for work (then it is healthy,

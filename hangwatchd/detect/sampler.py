@@ -1,8 +1,18 @@
 """Stack samples taken on worker threads, handed back to the loop as values: the frozen-stack detector's eyes.
 
-A py-spy run takes up to ``pyspy_timeout``; the loop never waits for one. Each
-user's processes share a sampling budget (``pyspy_samples_per_uid``), so one
-user's thousand processes cannot keep py-spy busy for everyone.
+A py-spy run takes up to ``pyspy_timeout``; the loop never waits for one. A sample
+reads the process's counters first (``host.activity``: each thread's CPU time, one
+``schedstat`` a thread) and runs py-spy only where a thread ran since the stack was
+last read: a process that stood still has the same stack, carried forward
+(``stack.carried``). On a node of a thousand processes, most waiting, most samples
+cost a few reads of /proc instead of a py-spy's start (9 ms of CPU each). The native
+look at a frozen stack is carried likewise from the last one (its sockets read anew).
+``quiet.Quiet`` follows, every second, when each process's threads last ran, so a
+stack read after a freeze is known to have held since then.
+
+Each user's processes share a budget of py-spy runs (``pyspy_samples_per_uid``), so
+one user's thousand processes cannot keep py-spy busy for everyone; a carried sample
+spends none of it.
 
 Every sample started comes back as one ``SampleTaken`` on the loop's queue,
 whatever happened: a py-spy that failed, or a worker that raised (``Popen``
@@ -14,29 +24,47 @@ loop alone marks a process as being sampled and clears the mark when its
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
 
+from ..host import activity, procfs
 from ..host.user_limits import UserLimits
 from ..model import ProcessId, Registration
 from ..watch.stack_history import Sample
-from .stack import take_sample
+from .quiet import Quiet
+from .stack import carried, sockets, take_sample
 
 log = structlog.get_logger("hangwatchd.daemon")
 
-TakeSample = Callable[..., Sample]  # take_sample's signature: (pid, timeout, native, uid, locals=True)
+TakeSample = Callable[..., Sample]  # take_sample's signature: (pid, timeout, native, uid, act, locals=True)
+NATIVE_KEPT = 10_000  # last native looks kept (one a process, as many as the daemon watches)
 
 
 @dataclass(frozen=True)
 class SampleTaken:
-    """One stack sample of ``process``, or why there is none (``sample.error``)."""
+    """One stack sample of ``process``, or why there is none (``sample.error``), or when to try
+    again (``deferred``: its user's py-spy budget was spent, nothing was read)."""
 
     process: ProcessId
     native: bool  # the one native look at a frozen stack (not a plain sample)
     sample: Sample
+    deferred: float | None = None  # monotonic: sample it again then
+
+
+@dataclass(frozen=True)
+class SampleBatch:
+    """Samples taken together (the carried ones of one ``start_many``): each is one ``SampleTaken``."""
+
+    taken: tuple[SampleTaken, ...]
+
+
+def _failed(why: str) -> Sample:
+    return Sample(time.monotonic(), (), (), None, None, why)
 
 
 @dataclass(frozen=True)
@@ -49,57 +77,139 @@ class PaceSampled:
 
 class Sampler:
     def __init__(self, pyspy_timeout: float, samples_per_uid: float, limits: UserLimits,
-                 post: Callable[[object], None], take: TakeSample = take_sample) -> None:
+                 post: Callable[[object], None], take: TakeSample = take_sample, quiet: Quiet | None = None) -> None:
         self.pyspy_timeout = pyspy_timeout
         self.samples_per_uid = samples_per_uid
         self.limits = limits
         self.post = post  # the loop's queue
         self.take = take
+        self.quiet = quiet if quiet is not None else Quiet()
+        self.reads = 0  # py-spy runs started (plain and native)
+        self.carried = 0  # samples carried forward without one
+        self._budget = threading.Lock()  # the user's py-spy budget is spent from the workers
+        self._native: dict[ProcessId, Sample] = {}  # the last native look at each process
         # At most one sample per process is in flight (the loop's Watched.sampling), so the pool's
         # queue is bounded by the watchlist's size.
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="sample")
+        # The counters' looks (cheap, batched) on a thread of their own: never queued behind py-spy runs.
+        self.looks = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sample-look")
 
-    def start(self, reg: Registration, native: bool, now: float) -> float | None:
-        """Start one sample of ``reg``'s process (native: the one look at a frozen stack); None when
-        started (a ``SampleTaken`` follows, always), or, when its user's budget is spent, when to try again."""
-        wait = self.limits.sample_wait(reg.uid, now)
-        if wait:
-            if self.limits.first("pyspy_rate", reg.uid):
-                log.warning("stack_sampling_limited", uid=reg.uid, limit=f"pyspy_samples_per_uid = {self.samples_per_uid:g}")
-            return now + wait
-        self.pool.submit(self._take, reg.process, reg.uid, native)
+    def start_quiet(self) -> None:
+        self.quiet.start()
+
+    def start(self, reg: Registration, native: bool, now: float, last: Sample | None = None) -> float | None:
+        """Start one sample of ``reg``'s process (native: the one look at a frozen stack; ``last``: its
+        latest plain sample, which a process that has not run since is given again). None: started,
+        and a ``SampleTaken`` follows, always (``deferred`` when its user's py-spy budget was spent).
+        A float would say when to try again (kept for the loop's contract; nothing is refused here)."""
+        self.start_many([(reg, native, last)])
         return None
 
     def pace(self, reg: Registration, now: float) -> float | None:
         """Start one pace sample of ``reg``'s process (plain, no local variables: only what its main
         thread does); None when started (a ``PaceSampled`` follows, always), else when to try again.
         The same budget per user as the stack samples."""
-        wait = self.limits.sample_wait(reg.uid, now)
+        wait = self._charge(reg.uid)
         if wait:
             return now + wait
         self.pool.submit(self._take_pace, reg.process, reg.uid)
         return None
 
     def _take_pace(self, process: ProcessId, uid: int) -> None:
-        sample = Sample(time.monotonic(), (), (), None, None, "the sampler stopped before it finished")
+        sample = _failed("the sampler stopped before it finished")
         try:
-            sample = self.take(process.pid, self.pyspy_timeout, False, uid, False)
+            sample = self.take(process.pid, self.pyspy_timeout, False, uid, None, False)
         except Exception as exc:  # whatever it was, the loop hears of it as this sample's error
             log.exception("stack_sample_raised", pid=process.pid, error=f"{type(exc).__name__}: {exc}")
-            sample = Sample(time.monotonic(), (), (), None, None, f"the sampler raised {type(exc).__name__}: {exc}")
+            sample = _failed(f"the sampler raised {type(exc).__name__}: {exc}")
         finally:
             self.post(PaceSampled(process, sample))
 
-    def _take(self, process: ProcessId, uid: int, native: bool) -> None:
-        """On a worker: the sample, or the exception that stopped it, as a value on the loop's queue."""
-        sample = Sample(time.monotonic(), (), (), None, None, "the sampler stopped before it finished")
+    def start_many(self, batch: Sequence[tuple[Registration, bool, Sample | None]]) -> None:
+        """Start a sample of each (registration, native, last) as ``start`` does, together: one
+        worker looks at them all and posts those it can carry as one ``SampleBatch`` (the loop
+        wakes once for them), and hands each that needs py-spy to a worker of its own."""
+        if batch:
+            self.looks.submit(self._take_many, list(batch))
+
+    def _spent(self, uid: int, now: float, wait: float) -> float:
+        if self.limits.first("pyspy_rate", uid):
+            log.warning("stack_sampling_limited", uid=uid, limit=f"pyspy_samples_per_uid = {self.samples_per_uid:g}")
+        return now + wait
+
+    def _charge(self, uid: int) -> float:
+        """0.0 when ``uid`` may run py-spy now (its budget spent by one); else seconds until it may."""
+        with self._budget:
+            return self.limits.sample_wait(uid, time.monotonic())
+
+    def _take_many(self, batch: list[tuple[Registration, bool, Sample | None]]) -> None:
+        """On a worker: each of ``batch`` carried (posted together at the end) or handed to a worker
+        that reads it; every one comes back as exactly one SampleTaken, whatever happens."""
+        out: list[SampleTaken] = []
+        done = 0
         try:
-            sample = self.take(process.pid, self.pyspy_timeout, native, uid)
+            for reg, native, last in batch:
+                try:
+                    again, act = self._carry(reg.process, native, last)
+                    if again is not None:
+                        out.append(SampleTaken(reg.process, native, again))
+                    else:
+                        self.pool.submit(self._take, reg.process, reg.uid, native, act)
+                except Exception as exc:  # this one's error, as a value; the others go on
+                    log.exception("stack_sample_raised", pid=reg.process.pid, error=f"{type(exc).__name__}: {exc}")
+                    out.append(SampleTaken(reg.process, native, _failed(f"the sampler raised {type(exc).__name__}: {exc}")))
+                done += 1
+        finally:
+            out += [SampleTaken(r.process, n, _failed("the sampler stopped before it finished")) for r, n, _ in batch[done:]]
+            if out:
+                self.post(SampleBatch(tuple(out)))
+
+    def _carry(self, process: ProcessId, native: bool, last: Sample | None) -> tuple[Sample | None, activity.Activity]:
+        """(its last stack again, where no thread of it ran since; else None, and its counters read now)."""
+        pid = process.pid
+        act = activity.read(pid)
+        read_at = time.monotonic()
+        before = self._native.get(process) if native else last
+        if before is not None:
+            again = carried(before, act, sockets(pid, min(1.0, self.pyspy_timeout)) if native else None)
+            if again is not None:
+                self.carried += 1
+                self.quiet.follow(process, act.ran, read_at)
+                return again, act
+        return None, act
+
+    def _take(self, process: ProcessId, uid: int, native: bool, act: activity.Activity) -> None:
+        """On a worker: the sample read by py-spy, or the exception that stopped it, as a value on the loop's queue."""
+        sample = _failed("the sampler stopped before it finished")
+        deferred = None
+        try:
+            sample, deferred = self._read(process, uid, native, act)
         except Exception as exc:  # whatever it was, the loop hears of it as this sample's error
             log.exception("stack_sample_raised", pid=process.pid, error=f"{type(exc).__name__}: {exc}")
-            sample = Sample(time.monotonic(), (), (), None, None, f"the sampler raised {type(exc).__name__}: {exc}")
+            sample = _failed(f"the sampler raised {type(exc).__name__}: {exc}")
         finally:
-            self.post(SampleTaken(process, native, sample))
+            self.post(SampleTaken(process, native, sample, deferred))
+
+    def _read(self, process: ProcessId, uid: int, native: bool, act: activity.Activity) -> tuple[Sample, float | None]:
+        pid = process.pid
+        wait = self._charge(uid)
+        if wait:
+            return _failed("not sampled: its user's py-spy budget is spent"), self._spent(uid, time.monotonic(), wait)
+        settled = self.quiet.settled(process, act.ran)
+        self.reads += 1
+        sample = self.take(pid, self.pyspy_timeout, native, uid, act)
+        if settled is not None and not sample.error and activity.ran(pid) == act.ran:
+            # No thread ran from the quiet look that first saw these counters to the end of this
+            # read: the stack read is the one it had all along.
+            sample = dataclasses.replace(sample, since=settled)
+        self.quiet.follow(process, act.ran, time.monotonic())
+        if native and not sample.error:
+            if len(self._native) >= NATIVE_KEPT:
+                self._native = {p: s for p, s in self._native.items() if procfs.alive(p)}
+            self._native[process] = sample
+        return sample, None
 
     def shutdown(self) -> None:
+        self.looks.shutdown(wait=True, cancel_futures=True)
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.quiet.stop()

@@ -17,6 +17,7 @@ for requests) - or where the user declared the process must keep moving
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -49,15 +50,17 @@ def _cpu_and_ctx(pid: int) -> tuple[float | None, int | None]:
     return times.user + times.system, ctx.voluntary + ctx.involuntary
 
 
-def take_sample(pid: int, timeout: float, native: bool = False, uid: int | None = None, locals: bool = True) -> Sample:
+def take_sample(pid: int, timeout: float, native: bool = False, uid: int | None = None,
+                act: activity.Activity | None = None, locals: bool = True) -> Sample:
     """One py-spy dump of ``pid``; never raises (an error is in the sample). With ``uid``, only
     while the process still runs as that user alone (checked right before py-spy attaches).
-    Beside the stack: its counters (``host.activity``), whether a Python thread ran, a hash of its
-    local variables (``locals``: read them), what its main thread was doing (``pace.main_thread``);
-    and, for the native look at a frozen stack, what its sockets hold."""
-    now = time.monotonic()
+    Beside the stack: its counters (``host.activity``; ``act`` where they were read just before),
+    whether a Python thread ran, a hash of its local variables (``locals``: read them), what its
+    main thread was doing (``pace.main_thread``); and, for the native look at a frozen stack, what
+    its sockets hold."""
+    now = act.time if act is not None else time.monotonic()
     cpu, ctx = _cpu_and_ctx(pid)
-    act = activity.read(pid)
+    act = act if act is not None else activity.read(pid)
     tool = find_pyspy()
     if tool is None:
         return Sample(now, (), (), cpu, ctx, "py-spy is not installed; pip install py-spy")
@@ -92,6 +95,20 @@ def take_sample(pid: int, timeout: float, native: bool = False, uid: int | None 
     return Sample(now, signature_of(threads), names, cpu, ctx, activity=act, python_running=running,
                   locals_digest=locals_digest(threads, _helper), io=io, main=main.kind if main else None,
                   main_at=main.chain if main else ())
+
+
+def carried(last: Sample, act: activity.Activity, io: dict[str, Any] | None = None) -> Sample | None:
+    """``last``'s stack again, taken now without reading the process, where none of its threads has
+    run since ``last`` was read (the same ``Activity.ran``): a thread that has not run cannot have
+    moved its frames or rebound its locals. None where that cannot be told (a failed sample, an
+    unknown digest, a thread that ran, came or went). What moves without running, the sockets'
+    queues, is read anew by the caller (``io``)."""
+    before = last.activity
+    if last.error or before is None or before.ran is None or act.ran != before.ran:
+        return None
+    # No thread ran: none was on a CPU, and none of its counters but the wait for a CPU moved.
+    return dataclasses.replace(last, time=act.time, activity=act, python_running=False, since=last.held_from,
+                               read=False, io=io if io is not None else last.io)
 
 
 def _helper(t: dict[str, Any]) -> bool:

@@ -6,7 +6,7 @@ while it waits) and by what a server has waiting for it:
 
 - it moved data: it read or wrote (a consumer got its items, a checkpoint
   went to disk);
-- its children computed (a build, a tokenizer pool);
+- its children computed, or wanted to on a loaded node (a build, a tokenizer pool);
 - it wanted CPU while none of its Python threads ran: the library's own
   threads work (a gloo all-reduce, BLAS, a tokenizer's Rust threads), judged by
   the CPU it had *and* the CPU it waited for on a loaded node, not by a fixed
@@ -39,9 +39,12 @@ def progress(first: Activity | None, last: Activity | None, python_running: bool
         return None
     if first.io_bytes is not None and last.io_bytes is not None and last.io_bytes - first.io_bytes >= MIN_IO_BYTES:
         return f"it read or wrote {last.io_bytes - first.io_bytes} bytes in {span:.0f} s"
+    # What its children wanted: the CPU they had and, on a loaded node, the CPU they waited for.
     kids = (last.kids_cpu_ns - first.kids_cpu_ns) / 1e9 / span
-    if last.kids and kids >= MIN_KIDS_SHARE:
-        return f"its child processes used {kids:.1f} cores over {span:.0f} s"
+    kids_waited = max(0, last.kids_wait_ns - first.kids_wait_ns) / 1e9 / span
+    if last.kids and kids + kids_waited >= MIN_KIDS_SHARE:
+        return (f"its child processes used {kids:.1f} cores over {span:.0f} s"
+                + (f" and waited {kids_waited:.1f} for a CPU" if kids_waited >= 0.05 else ""))
     if python_running or None in (first.cpu_ns, last.cpu_ns, first.wait_ns, last.wait_ns):
         return None
     had = (last.cpu_ns - first.cpu_ns) / 1e9 / span  # type: ignore[operator]

@@ -6,6 +6,8 @@
     requests/JOB/latest.json              the same for daemons older than that (they poll the job's name alone)
     requests/JOB/JOBINC.json              every request, kept as the record
     paces/JOB/uUID/NODE.json              a node's record of the pace of user UID's job JOB (overwritten)
+    ledger/NODE/ID.json                   the incident's entry in the ledger of suspects (incidents/ledger.py),
+                                          uploaded after its manifest, where its verdict blames a GPU
 
 A job incident id (JOBINC) is shared by every node's part of one job hang.
 Job names (``host:port``, run ids) are percent-encoded into one key segment.
@@ -71,6 +73,13 @@ def part(node: str, incident: str, rel: str) -> str:
 
 def manifest(job: str | None, job_incident: str, node: str, incident: str) -> str:
     return f"jobs/{seg(job) if job else NO_JOB}/{seg(job_incident)}/{seg(node)}/{seg(incident)}.json"
+
+
+def ledger(node: str, incident: str) -> str:
+    return f"ledger/{seg(node)}/{seg(incident)}.json"
+
+
+LEDGER_PREFIX = "ledger/"
 
 
 def jobs_prefix(job: str | None = None) -> str:

@@ -22,6 +22,7 @@ import structlog
 
 from ..analyze.jsonfile import read_json_or_none
 from ..host.atomic import write_atomic
+from ..incidents import ledger
 from . import layout, s3
 from .url import StoreURL
 
@@ -79,14 +80,14 @@ def _list(client: Any, url: StoreURL, prefix: str) -> list[str]:
     return keys
 
 
-def _get_json(client: Any, url: StoreURL, key: str) -> dict[str, Any] | None:
-    """A JSON object from the store, read to at most MAX_JSON bytes; None when it is not one (or too big)."""
+def _get_json(client: Any, url: StoreURL, key: str, cap: int = MAX_JSON) -> dict[str, Any] | None:
+    """A JSON object from the store, read to at most ``cap`` bytes; None when it is not one (or too big)."""
     resp = client.get_object(Bucket=url.bucket, Key=key)
     try:
-        if int(resp.get("ContentLength") or 0) > MAX_JSON:
+        if int(resp.get("ContentLength") or 0) > cap:
             resp["Body"].close()
-            raise TooBig(f"{key} is larger than {MAX_JSON >> 20} MB")
-        data = json.loads(read_capped(resp["Body"], MAX_JSON, key))
+            raise TooBig(f"{key} is larger than {cap} bytes")
+        data = json.loads(read_capped(resp["Body"], cap, key))
     except ValueError as exc:  # TooBig is one
         log.warning("store_object_refused", key=key, error=str(exc))
         return None
@@ -155,6 +156,39 @@ def job_incidents(url: StoreURL, job: str | None = None, client: Any = None) -> 
                        tuple(sorted(ms.values(), key=lambda m: m["node"])))
            for (j, ji), ms in by_inc.items()]
     return sorted(out, key=lambda x: (x.time, x.job_incident), reverse=True)
+
+
+MAX_LEDGER_READ = 10_000  # ledger entries read from the store, the newest (one GET each)
+
+
+def ledger_entries(url: StoreURL, client: Any = None, limit: int = MAX_LEDGER_READ) -> list[dict[str, Any]]:
+    """Every node's entries in the ledger of suspects (the newest ``limit``), oldest first. Each is
+    checked (``ledger.parse``) and must name the node it is filed under; others are left out, said once."""
+    c = client or s3.client()
+    try:
+        found: list[tuple[str, str, str]] = []  # (incident, node, key)
+        for key in _list(c, url, layout.LEDGER_PREFIX):
+            rest = key[len(url.key(layout.LEDGER_PREFIX.rstrip("/"))) + 1:].split("/")
+            try:
+                if len(rest) != 2 or not rest[1].endswith(".json"):
+                    raise layout.BadKey(f"not ledger/NODE/ID.json: {key[:120]!r}")
+                for segment in rest:
+                    layout.check_segment(segment, "ledger key segment")
+            except layout.BadKey as exc:
+                log.warning("store_key_refused", key=key[:200], error=str(exc))
+                continue
+            found.append((rest[1], layout.unseg(rest[0]), key))
+        found.sort(reverse=True)  # an incident id begins with its time: the newest first
+        out = []
+        for _incident, node, key in found[:limit]:
+            entry = ledger.parse(_get_json(c, url, key, ledger.MAX_ENTRY))
+            if entry is None or entry.get("node") != node:
+                log.warning("store_ledger_entry_refused", key=key[:200], error="not a ledger entry of the node it is filed under")
+                continue
+            out.append(entry)
+    except Exception as exc:  # noqa: BLE001 - whatever the store or its client raised is one ReadError line for the CLI
+        raise ReadError(f"store {url}: {type(exc).__name__}: {exc}") from None
+    return sorted(out, key=lambda e: e["time"])
 
 
 def fetch(url: StoreURL, inc: JobIncident, into: Path, client: Any = None) -> Path:

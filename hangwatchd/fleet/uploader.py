@@ -18,6 +18,7 @@ from typing import Any
 
 import structlog
 
+from ..incidents import ledger
 from . import layout
 from .outbox import Outbox, Task
 from .url import StoreURL
@@ -73,6 +74,15 @@ def build_manifest(node: str, task: Task, root: Path, files: list[Path]) -> dict
         "uploaded": time.time(),
         **({"declared_as": task.detail["declared_as"]} if task.detail.get("declared_as") else {}),
     }
+
+
+def _ledger_entry(root: Path) -> dict[str, Any] | None:
+    """The incident's entry in the ledger of suspects, as the store wrote it beside the incident's record."""
+    try:
+        meta = json.loads((root / "incident.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return ledger.entry_of(meta) if isinstance(meta, dict) else None
 
 
 class Uploader:
@@ -184,5 +194,9 @@ class Uploader:
         manifest = build_manifest(self.node, task, root, files)
         s3.put_object(Bucket=self.url.bucket, Key=manifest_key,
                       Body=json.dumps(manifest, indent=1).encode(), ContentType="application/json")
+        entry = _ledger_entry(root)
+        if entry is not None:  # after the manifest: a ledger entry always has its incident in the store
+            s3.put_object(Bucket=self.url.bucket, Key=self.url.key(layout.ledger(self.node, task.incident)),
+                          Body=json.dumps(entry, indent=1).encode(), ContentType="application/json")
         log.info("store_uploaded", incident=task.incident, job=task.job, job_incident=task.job_incident,
                  files=len(files), bytes=sum(f["size"] for f in manifest["files"]))

@@ -29,6 +29,7 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,14 @@ class _Proc:
     comm: str
     uid: int | None
     lineage: tuple[int, ...]  # the ids of its ancestors, nearest first
+
+
+@dataclass(frozen=True)
+class ProgramStarted:
+    """A process below a followed one ran a new program (``ProcExits.follow``): its pid, and the followed one's."""
+
+    pid: int
+    root: int
 
 
 @dataclass(frozen=True)
@@ -114,9 +123,13 @@ def _comm_and_owner(pid: int) -> tuple[str, int | None]:
 class ProcExits:
     """The listener thread and what it keeps; ``start`` once, ``stop`` once."""
 
-    def __init__(self, capacity: int = CAPACITY, max_tracked: int = MAX_TRACKED, listen: bool = True) -> None:
-        """``listen`` False: ``start`` does nothing (nothing asks for exits)."""
+    def __init__(self, capacity: int = CAPACITY, max_tracked: int = MAX_TRACKED, listen: bool = True,
+                 on_exec: Callable[[int, int], None] | None = None) -> None:
+        """``listen`` False: ``start`` does nothing (nothing asks for exits). ``on_exec(pid, root)``: called
+        on this thread when a process below a followed one (``follow``) runs a new program."""
         self.listen = listen
+        self.on_exec = on_exec
+        self._roots: dict[int, int] = {}  # the id of a followed process -> its pid
         self.capacity = capacity
         self.max_tracked = max_tracked
         self.off: str | None = "not started"
@@ -286,11 +299,15 @@ class ProcExits:
                 self._exited(tgid, code, parent or None, offset + ts / 1e9)
         elif what == EV_EXEC:
             pid, tgid = struct.unpack_from("=ii", data, _DATA)
+            root = None
             with self._lock:
                 p = self._live.get(tgid)
                 if p is not None:
                     comm, uid = _comm_and_owner(tgid)
                     p.comm, p.uid = comm or p.comm, uid if uid is not None else p.uid
+                    root = next((self._roots[i] for i in p.lineage if i in self._roots), None) if self._roots else None
+            if root is not None and self.on_exec is not None:
+                self.on_exec(tgid, root)
         elif what == EV_COMM:
             pid, tgid = struct.unpack_from("=ii", data, _DATA)
             if pid == tgid:
@@ -325,8 +342,15 @@ class ProcExits:
     def _forked(self, ppid: int, pid: int) -> None:
         with self._lock:
             parent = self._known(ppid)
-            self._next += 1
-            self._track(pid, _Proc(self._next, ppid, parent.comm, parent.uid, ((parent.id,) + parent.lineage)[:MAX_DEPTH]))
+            early = self._live.get(pid)
+            if early is not None and early.ppid is None:
+                # Asked for (``follow``) between its fork and this event, read from /proc then: the same
+                # process, so it keeps the id it was given, now with its parentage.
+                ident = early.id
+            else:
+                self._next += 1
+                ident = self._next
+            self._track(pid, _Proc(ident, ppid, parent.comm, parent.uid, ((parent.id,) + parent.lineage)[:MAX_DEPTH]))
 
     def _exited(self, pid: int, code: int, parent: int | None, when: float) -> None:
         with self._lock:
@@ -338,6 +362,18 @@ class ProcExits:
             self._exits.append(Exit(pid, p.ppid if p.ppid is not None else parent, p.comm, p.uid,
                                     None if killed else code >> 8 & 0xFF, signal_name(killed) if killed else None,
                                     bool(code & 0x80), when, p.lineage))
+
+    # -- following a process's descendants ---------------------------------------------------
+
+    def follow(self, pid: int) -> None:
+        """From any thread: ``on_exec`` for every program started below ``pid`` from now on."""
+        with self._lock:
+            if self.on:
+                self._roots[self._known(pid).id] = pid
+
+    def unfollow(self, pid: int) -> None:
+        with self._lock:
+            self._roots = {i: p for i, p in self._roots.items() if p != pid}
 
     # -- questions ---------------------------------------------------------------------------
 

@@ -75,6 +75,18 @@ def identify(pid: int) -> ProcessId | None:
     return ProcessId(pid, st) if st is not None else None
 
 
+def boot_time() -> float:
+    """When this machine booted (Unix time, /proc/stat's btime): a (pid, start time) pair names one
+    process only since then. 0 when it cannot be read (every incident is then looked at)."""
+    try:
+        for line in read_capped(PROC / "stat", 1 << 20).decode("ascii", "replace").splitlines():
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
+
+
 def alive(proc: ProcessId) -> bool:
     """True while this very process lives (not a later one given the same pid)."""
     return running(proc.pid, proc.start_time)
@@ -200,25 +212,43 @@ def fd_mode(pid: int, fd: int) -> str | None:
     return None
 
 
-def schedstat(pid: int) -> dict[str, int] | None:
-    """What the scheduler gave the process, summed over its threads (at most ``MAX_THREADS``):
-    ``cpu_ns`` on a CPU, ``wait_ns`` runnable but waiting for one, ``slices`` run. A thread that
-    ended took its share with it. None when the process is gone or the kernel keeps no schedstats."""
-    base = PROC / str(pid) / "task"
+def thread_schedstats(pid: int) -> dict[int, tuple[int, int, int]] | None:
+    """What the scheduler gave each thread (at most ``MAX_THREADS``): tid -> (ns on a CPU, ns runnable
+    but waiting for one, times run). A thread's first number grows, by at least a nanosecond, each
+    time it runs (``sum_exec_runtime``). None when the process is gone or no thread could be read."""
+    base = f"/proc/{pid}/task/"
     try:
         tids = os.listdir(base)[:MAX_THREADS]
     except OSError:
         return None
-    cpu = wait = slices = 0
-    seen = 0
+    out: dict[int, tuple[int, int, int]] = {}
     for tid in tids:
+        # Plain os calls, one read each: the stack sampler asks this of every watched process each second.
         try:
-            fields = read_capped(base / tid / "schedstat", 256).split()
-            c, w, s = int(fields[0]), int(fields[1]), int(fields[2])
-        except (OSError, ValueError, IndexError):
+            fd = os.open(base + tid + "/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
             continue  # a thread that ended while we looked
-        cpu, wait, slices, seen = cpu + c, wait + w, slices + s, seen + 1
-    return {"cpu_ns": cpu, "wait_ns": wait, "slices": slices} if seen else None
+        try:
+            fields = os.read(fd, 256).split()
+            out[int(tid)] = (int(fields[0]), int(fields[1]), int(fields[2]))
+        except (OSError, ValueError, IndexError):
+            continue
+        finally:
+            os.close(fd)
+    return out or None
+
+
+def schedstat(pid: int) -> dict[str, int] | None:
+    """What the scheduler gave the process, summed over its threads (``thread_schedstats``):
+    ``cpu_ns`` on a CPU, ``wait_ns`` runnable but waiting for one, ``slices`` run. A thread that
+    ended took its share with it. None when the process is gone or the kernel keeps no schedstats."""
+    per = thread_schedstats(pid)
+    return summed(per) if per else None
+
+
+def summed(per_thread: dict[int, tuple[int, int, int]]) -> dict[str, int]:
+    vals = per_thread.values()
+    return {"cpu_ns": sum(v[0] for v in vals), "wait_ns": sum(v[1] for v in vals), "slices": sum(v[2] for v in vals)}
 
 
 def held_fifos(pid: int) -> list[tuple[int, str, os.stat_result]]:

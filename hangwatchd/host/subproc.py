@@ -50,6 +50,7 @@ def run(
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
     max_output: int = MAX_OUTPUT,
+    user: int | None = None,
 ) -> Result:
     """Run argv (never through a shell) and return what it did within ``timeout`` seconds.
 
@@ -57,12 +58,16 @@ def run(
     ``REAP_WAIT`` more: nothing here waits without a limit. So is a tool that writes more than
     ``max_output`` bytes (what it says of a user's process is the user's to make long): it is
     killed, its output cut there, and the result says ``truncated``. A ``timeout`` of 0 or less
-    (a deadline already passed) runs nothing."""
+    (a deadline already passed) runs nothing. ``user``: run it as that uid (its primary group, no
+    others), where we are root: what it reads, it reads with that user's rights only."""
     if timeout <= 0:
         return Result(tuple(argv), None, b"", b"", True, 0.0)
     start = time.monotonic()
     me = os.getpid()
-    proc = subprocess.Popen(
+    as_user: dict[str, object] = {}
+    if user is not None and os.geteuid() == 0:
+        as_user = {"user": user, "group": primary_gid(user), "extra_groups": []}
+    proc = subprocess.Popen(  # type: ignore[call-overload]  # as_user holds Popen's own keywords
         list(argv),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -71,6 +76,7 @@ def run(
         preexec_fn=lambda: pdeathsig.die_with_parent(me),  # a killed daemon leaves no py-spy behind
         env=dict(env) if env is not None else None,
         cwd=cwd,
+        **as_user,
     )
     assert proc.stdout is not None and proc.stderr is not None
     out, err, timed_out, truncated = _collect(proc, start + timeout, max_output)
@@ -119,9 +125,20 @@ def _collect(proc: subprocess.Popen[bytes], deadline: float, max_output: int) ->
             timed_out, truncated)
 
 
-def run_by(argv: Sequence[str], deadline: float, env: Mapping[str, str] | None = None, cwd: str | None = None) -> Result:
+def primary_gid(uid: int) -> int:
+    """The user's primary group (its own number, as a group, where it has no passwd entry)."""
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_gid
+    except KeyError:
+        return uid
+
+
+def run_by(argv: Sequence[str], deadline: float, env: Mapping[str, str] | None = None, cwd: str | None = None,
+           max_output: int = MAX_OUTPUT, user: int | None = None) -> Result:
     """``run`` cut at an absolute ``deadline`` (time.monotonic())."""
-    return run(argv, deadline - time.monotonic(), env, cwd)
+    return run(argv, deadline - time.monotonic(), env, cwd, max_output, user)
 
 
 def find_tool(name: str, env_var: str, candidates: Sequence[str] = ()) -> str | None:

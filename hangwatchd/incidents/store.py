@@ -22,13 +22,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..host.atomic import write_atomic
-from . import permissions
+from ..model import ProcessId
+from . import ledger, permissions
 from .index import INCIDENTS, INDEX, REBUILT_AT_START, SCHEMA, Index, Page, StoreError, corrupt, unreadable
 
 if TYPE_CHECKING:
     from ..model import Incident
 
 __all__ = ["COMING", "LATE_DIR", "REMOVING", "Draft", "Store", "StoreError", "StoreWriteError", "new_id"]
+
+
+ADOPT_MAX = 1000  # newest incidents a restarted daemon looks through for processes it captured
+MAX_INCIDENT_JSON = 16 << 20
 
 
 class StoreWriteError(StoreError):
@@ -69,7 +74,7 @@ def incident_to_json(incident: Incident) -> dict[str, Any]:
     for pc in incident.processes:
         r = pc.registration
         data["processes"].append({
-            "pid": r.process.pid, "start_time": r.process.start_time, "job": r.job, "rank": r.rank,
+            "pid": r.process.pid, "start_time": r.process.start_time, "uid": r.uid, "job": r.job, "rank": r.rank,
             "local_rank": r.local_rank, "world_size": r.world_size, "cmdline": list(r.cmdline),
             "dir": str(r.process.pid),
             "steps": [asdict(s) for s in pc.steps],
@@ -95,13 +100,16 @@ def late_owner(name: str) -> str:
 
 
 class Store:
-    def __init__(self, state_dir: str | os.PathLike[str], on_stored: Callable[[str], None] | None = None) -> None:
+    def __init__(self, state_dir: str | os.PathLike[str], on_stored: Callable[[str], None] | None = None,
+                 on_ledger: Callable[[str, dict[str, Any] | None], None] | None = None) -> None:
         """``on_stored(id)``: files were stored into incident ``id`` (it was committed, adopted from
-        the spool, or given late evidence); called on the thread that stored them."""
+        the spool, or given late evidence); ``on_ledger(id, entry)``: the incident's ledger entry was
+        written (None: its verdict blames no GPU, or no longer); each called on the thread that stored it."""
         self.root = Path(state_dir)
         self.dir = self.root / INCIDENTS
         self.index = self.root / INDEX
         self.on_stored = on_stored
+        self.on_ledger = on_ledger
 
     def open(self) -> str | None:
         """Create the layout (or check it is usable) and the index.
@@ -183,8 +191,18 @@ class Store:
         except sqlite3.Error as exc:
             final.replace(draft.path)  # not indexed: back to a draft, for the caller to keep elsewhere
             raise _write_failure(self.root, exc) from exc
+        self._ledger(data)
         self._stored(draft.id)
         return final
+
+    def _ledger(self, data: dict[str, Any]) -> None:
+        """The incident's entry in the ledger of suspects, kept as its record is (``ledger.py``)."""
+        try:
+            entry = ledger.write(self.root, data)
+        except OSError:
+            return  # a full disk costs the entry, never the incident (the next write of the record tries again)
+        if self.on_ledger is not None:
+            self.on_ledger(str(data.get("id")), entry)
 
     def _stored(self, incident_id: str) -> None:
         if self.on_stored is not None:
@@ -239,6 +257,7 @@ class Store:
                 db.execute("UPDATE incidents SET summary=?, pending=? WHERE id=?", (summary, len(incident.pending), incident_id))
         except (OSError, sqlite3.Error) as exc:
             raise _write_failure(self.root, exc) from exc
+        self._ledger(data)
 
     def abandon(self, draft: Draft) -> None:
         """Drop a draft whose report went elsewhere: its directory, and its index row where the index takes it."""
@@ -277,6 +296,12 @@ class Store:
             if final.exists() and not self._indexed(incident_id):
                 shutil.rmtree(final, ignore_errors=True)
             raise _write_failure(self.root, exc) from exc
+        try:
+            record = json.loads((final / "incident.json").read_text())
+        except (OSError, ValueError):
+            record = None
+        if isinstance(record, dict):
+            self._ledger(record)
         self._stored(incident_id)
         return final
 
@@ -428,6 +453,42 @@ class Store:
              before: str | None = None) -> Page:
         return Index(self.root).page(limit, since, job, before)
 
+    def captured(self, since: float, alive: Callable[[ProcessId], bool], limit: int = ADOPT_MAX) -> dict[ProcessId, str]:
+        """The processes still running (``alive``) that an incident stored since ``since`` captured,
+        each with its newest incident: what a restarted daemon adopts as captured instead of
+        declaring the same hang again. Reads the index, then only the incidents naming a pid that
+        runs (their incident.json, written by the daemon); StoreError when the index cannot be read."""
+        found: dict[ProcessId, str] = {}
+        for row in self.list(limit, since):
+            pids = [p for p in row.get("processes") or [] if isinstance(p, int) and os.path.exists(f"/proc/{p}")]
+            if not pids:
+                continue
+            for key in _processes(Path(row["dir"]), pids):
+                if key not in found and alive(key):
+                    found[key] = str(row["id"])
+        return found
+
     def path_of(self, incident_id: str) -> Path | None:
         """The directory of a listed incident, by id or unique prefix."""
         return Index(self.root).find(incident_id)
+
+
+def _processes(incident: Path, pids: list[int]) -> list[ProcessId]:
+    """Which of ``pids`` an incident captured, with their start times: from its incident.json, or, for
+    one a stop interrupted (its incident.json says nothing of them), from each one's proc.json."""
+    def start_times(path: Path) -> Any:
+        try:
+            return json.loads(path.read_bytes()[:MAX_INCIDENT_JSON])
+        except (OSError, ValueError):
+            return None
+
+    data = start_times(incident / "incident.json")
+    listed = data.get("processes") if isinstance(data, dict) else None
+    if not isinstance(listed, list):
+        listed = [start_times(incident / str(pid) / "proc.json") for pid in pids]
+    found = []
+    for p in listed:
+        pid, start = (p.get("pid"), p.get("start_time")) if isinstance(p, dict) else (None, None)
+        if isinstance(pid, int) and isinstance(start, int) and pid in pids:
+            found.append(ProcessId(pid, start))
+    return found

@@ -83,6 +83,11 @@ def render(data: dict[str, Any], incident_dir: Path) -> str:
              _e(", ".join(x for x in (c.get("node"), f"GPU {c['gpu']}" if c.get("gpu") is not None else None) if x)),
              _e(c["reason"]), _e(c.get("location"))]
             for c in a["culprits"]]))
+    if a.get("blame"):
+        parts.append("<h2>GPU faults it rests on</h2>" + _table(["blames", "node", "GPU", "UUID", "serial", "XID", "why"], [
+            [_e("the GPU" if b.get("kind") == "gpu" else "the program, on its GPU"), _e(b.get("node")), _e(b.get("gpu")),
+             _e(b.get("uuid")), _e(b.get("serial")), _e(b.get("xid") if b.get("xid") is not None else "GPU lost"), _e(b.get("why"))]
+            for b in a["blame"]]))
     if a.get("ranks"):
         parts.append("<h2>Ranks</h2>" + _table(["rank", "pid", "verdict", "detail", "where", "last collective"], [
             [_e(r["rank"]) if r.get("rank") is not None else "-", _e(r["pid"]), f"<b>{_e(r['verdict'])}</b>", _e(r["detail"]), _e(r.get("location")),

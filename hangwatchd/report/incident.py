@@ -91,6 +91,11 @@ def render_analysis(a: dict[str, Any]) -> str:
         where = f"pid {c['pid']}" + (f" on node {c['node']}" if c.get("node") else "") + (f", GPU {c['gpu']}" if c.get("gpu") is not None else "")
         who = f"rank {c['rank']} ({where})" if c.get("rank") is not None else where
         out.append(f"Culprit: {who}: {c['reason']}" + (f", at {c['location']}" if c.get("location") else ""))
+    for b in a.get("blame") or []:
+        ids = ", ".join(x for x in (b.get("uuid"), f"serial {b['serial']}" if b.get("serial") else None) if x)
+        gpu = f"GPU {b['gpu']}" if b.get("gpu") is not None else "a GPU"
+        out.append(f"Blames {'the GPU' if b.get('kind') == 'gpu' else 'the program, on its GPU'}: {gpu}"
+                   + (f" ({ids})" if ids else "") + (f" on node {b['node']}" if b.get("node") else "") + f": {b.get('why')}")
     if a.get("ranks"):
         out += ["", "Ranks:"]
         for r in a["ranks"]:

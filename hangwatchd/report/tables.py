@@ -1,4 +1,4 @@
-"""The CLI's tables: watched processes (``status``), incidents and job incidents (``incidents``).
+"""The CLI's tables: watched processes (``status``), incidents and job incidents (``incidents``), suspects.
 
 Columns are cut to a width with '…', so nobody reads '3' for '30'; ``--json``
 has every value whole.
@@ -76,3 +76,26 @@ def job_incidents(items: Sequence[dict[str, Any]]) -> str:
         rows.append((i["job_incident"], _utc(i["time"]), i["job"],
                      ",".join(i["nodes"]), ",".join(map(str, i["ranks"])) or "-", i["reason"] or "-"))
     return table(rows)
+
+
+def suspects(found: dict[str, Any]) -> str:
+    """``hangwatchd suspects``: the GPUs, then the nodes, most suspect first (the ledger's score)."""
+    found = clean(found)  # job names, users and node names: any user's, any node's
+    out = ""
+    if found["gpus"]:
+        rows: list[tuple[str, ...]] = [("SCORE", "GPU", "SERIAL", "NODE", "INCIDENTS", "JOBS", "USERS", "XIDS", "LAST (UTC)", "WHY (THE NEWEST)")]
+        for g in found["gpus"]:
+            where = f"GPU {g['index']}" if g.get("index") is not None else ""
+            rows.append((str(g["score"]), cut(g["gpu"], 44) + (f" ({where})" if where and g.get("uuid") else ""),
+                         g.get("serial") or "-", cut(g.get("node") or "?", 24), str(len(g["incidents"])),
+                         cut(", ".join(g["job_names"]), 40), cut(", ".join(g["users"]), 24),
+                         ",".join(map(str, g["xids"])) or "lost", _utc(g["last"]), cut(fold(g.get("why") or ""), 80)))
+        out += "GPUs\n" + table(rows)
+    if found["nodes"]:
+        node_rows: list[tuple[str, ...]] = [("SCORE", "NODE", "GPUS", "INCIDENTS", "JOBS", "USERS", "XIDS", "LAST (UTC)")]
+        for n in found["nodes"]:
+            node_rows.append((str(n["score"]), cut(n["node"], 32), str(len(n["gpus"])), str(len(n["incidents"])),
+                         cut(", ".join(n["job_names"]), 40), cut(", ".join(n["users"]), 24),
+                         ",".join(map(str, n["xids"])) or "lost", _utc(n["last"])))
+        out += ("\n" if out else "") + "Nodes\n" + table(node_rows)
+    return out + "\nScore: different jobs + different users - 1; one job failing again and again scores 1.\n"

@@ -33,10 +33,10 @@ from ..host import procfs, untrusted
 from ..host.user_limits import UserLimits
 from ..metrics import Metrics
 from ..model import ProcessId, Registration, State
-from ..workload import exits, registration_file
+from ..workload import beat_segment, exits, registration_file
 from ..workload.registration_file import RegistrationError
 from . import discovery, ranks
-from .watched import Watched, Watchlist
+from .watched import ProgressMark, Watched, Watchlist
 
 log = structlog.get_logger("hangwatchd.daemon")
 
@@ -65,6 +65,9 @@ class Registrations:
         self.guard = guard
         self.post = post
         self.arrived: list[Watched] = []  # admitted since the loop last took them: each gets its first look there
+        # Processes a stored incident captured, still running when this daemon started (Store.captured):
+        # each is admitted as captured, so that a restart never declares the same hang again.
+        self.captured_before: dict[ProcessId, str] = {}
         self.refused: dict[str, float] = {}  # registration name -> mtime already refused (no log spam)
         self.over_limit: set[str] = set()  # registrations waiting for their user to drop under the limit
         self.recent: dict[int, tuple[Registration, float]] = {}  # exited processes, to link late dumps
@@ -182,10 +185,16 @@ class Registrations:
         if ranks.ranks_below(probe, self.watched.values()):
             role = "launcher"
         by_stack = role != "launcher" and (reg.beat_file is None or stack_timeout is not None)
+        incident = self.captured_before.pop(reg.process, None)
+        mark = None
+        if incident is not None:  # captured before this daemon started: watched for progress, like any captured hang
+            state, mark = State.CAPTURED, ProgressMark(self._beats(reg), None)
+            log.info("process_adopted_as_captured", pid=reg.process.pid, incident=incident)
         w = Watched(reg, state, seen_at=now, timeout=timeout, next_check=now, timeout_source=source,
                     stack_timeout=stack_timeout, role=role, pidfd=pidfd,
                     stack_timeout_source="registration" if reg.stack_timeout else "config",
-                    stack_window=self.config.stack_window, next_sample=now if by_stack else float("inf"))
+                    stack_window=self.config.stack_window, next_sample=now if by_stack else float("inf"),
+                    incident=incident, mark=mark)
         if not self.watched.admit(w):
             os.close(pidfd)
             self._refuse(registration_file.file_name(reg.process), "watch_limit",
@@ -195,6 +204,16 @@ class Registrations:
         log.info("process_registered", pid=reg.process.pid, job=reg.job, rank=reg.rank, timeout=timeout,
                  stack_timeout=w.stack_timeout, source=reg.source, cmdline=" ".join(reg.cmdline)[:200])
         self.arrived.append(w)
+
+    @staticmethod
+    def _beats(reg: Registration) -> int | None:
+        """Its beat count now (None: it never beat, or it has no segment): the mark a new beat passes."""
+        if reg.beat_at is None:
+            return None
+        try:
+            return beat_segment.read(reg.beat_at).count or None
+        except beat_segment.SegmentError:
+            return None
 
     def _stack_timeout_for(self, reg: Registration) -> float | None:
         command = " ".join(reg.cmdline)

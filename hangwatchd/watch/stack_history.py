@@ -26,6 +26,13 @@ class Sample:
     io: dict[str, Any] | None = None  # the native look's: its listening sockets and unread bytes (a server with work?)
     main: str | None = None  # what its main thread was doing (detect.pace: collective, input, gpu, running, waiting)
     main_at: tuple[str, ...] = ()  # and the program's own frames there, innermost first, "function (file:line)"
+    since: float | None = None  # monotonic: this stack is known to have held since then (no thread ran between); None: ``time``
+    read: bool = True  # read from the process (py-spy); False: carried from the last read, no thread having run since
+
+    @property
+    def held_from(self) -> float:
+        """Since when this stack is known to have held (its ``since``, else when it was taken)."""
+        return self.since if self.since is not None and self.since < self.time else self.time
 
 
 def locals_digest(threads: Sequence[dict[str, Any]], helper: Any = None) -> int | None:
@@ -73,10 +80,16 @@ class StackHistory:
         return StackHistory((*kept, s), self.count + 1)
 
     def frozen_for(self) -> float:
-        """Seconds the same stack has held (0 with fewer than two samples)."""
+        """Seconds the same stack has held: from when its first sample knew it held (a sample taken
+        after the process stopped running knows since when, ``Sample.since``) to the latest (0 with
+        fewer than two samples)."""
         if len(self.samples) < 2:
             return 0.0
-        return self.samples[-1].time - self.samples[0].time
+        return self.samples[-1].time - self.samples[0].held_from
+
+    def frozen_from(self) -> float | None:
+        """When the run's stack began to hold, as far as is known (None with no sample)."""
+        return self.samples[0].held_from if self.samples else None
 
     def locals_moved(self) -> bool:
         """The program's local variables changed over the run although its stack did not: it computes."""
@@ -85,7 +98,9 @@ class StackHistory:
 
     def evidence(self) -> str:
         first, last = self.samples[0], self.samples[-1]
-        parts = [f"{self.count} samples with the same stack over {self.frozen_for():.0f} s"]
+        carried = any(not s.read for s in self.samples)
+        parts = [f"{self.count} samples with the same stack over {self.frozen_for():.0f} s"
+                 + (" (no thread ran between some: read once, carried over those)" if carried else "")]
         if first.cpu_seconds is not None and last.cpu_seconds is not None:
             parts.append(f"CPU +{last.cpu_seconds - first.cpu_seconds:.2f} s")
         if first.ctx_switches is not None and last.ctx_switches is not None:

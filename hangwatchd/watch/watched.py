@@ -96,6 +96,7 @@ class Watched:
     history: StackHistory = field(default_factory=StackHistory)
     next_sample: float = float("inf")
     sampling: bool = False  # a stack sample is being taken (its SampleTaken clears it, whatever happened)
+    sampled_at: float | None = None  # monotonic: when its last stack sample came back (status.json says when)
     suspicion: Suspicion | None = None
     confirm_by: float = 0.0  # SUSPECT: by when the suspicion is confirmed or dropped
     idle_noted: bool = False  # a frozen but idle stack was logged once
@@ -169,6 +170,7 @@ class Watched:
             "last_beat_age": round(age, 3) if age is not None else None,
             "last_beat_time": (wall - age) if age is not None else None,
             "beat_file": r.beat_file, "cmdline": list(r.cmdline), "incident": self.incident,
+            "last_sample_time": (wall - (now - self.sampled_at)) if self.sampled_at is not None else None,
         }
 
     def departed(self, noticed_at: float) -> exits.Departed:

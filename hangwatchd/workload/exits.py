@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..host import untrusted
+from ..host import procfs, untrusted
 from ..host.atomic import write_atomic
 from ..model import ProcessId, Registration, is_job_mate
 from . import beat_segment
@@ -161,6 +161,16 @@ class Departed:
             "last_beat_time": self.last_beat_time, "beats": self.beats,
             "last_stack": [[{"name": n, "filename": f, "line": ln} for n, f, ln in thread] for thread in self.last_stack],
         }
+
+
+def vanished(runtime_dir: Path, registration: Registration) -> Departed | None:
+    """A capture's target that is gone by the time it was captured (it exited after the hang was
+    declared, or before the daemon's loop heard of it): what its launcher's exit record says, or
+    that it exited; None while it still runs."""
+    p = registration.process
+    if procfs.start_time(p.pid) == p.start_time:
+        return None
+    return Departed(registration, time.time(), None, 0, exit=read(runtime_dir, p, registration.uid))
 
 
 def write_into(incident_dir: Path, departed: list[Departed], hung: Registration | None = None,

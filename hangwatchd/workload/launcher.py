@@ -13,6 +13,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -40,6 +41,7 @@ FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, sign
 # Commands that start the ranks rather than being one: watched for their exit, never for beats.
 LAUNCHERS = frozenset({"torchrun", "srun", "mpirun", "mpiexec", "deepspeed", "accelerate", "horovodrun", "jsrun", "aprun"})
 LAUNCHER_MODULES = frozenset({"torch.distributed.run", "torch.distributed.launch", "deepspeed.launcher.runner"})
+FIFO_WAIT = 2.0  # seconds the workload waits, before it starts, for the daemon's exception FIFO
 
 
 @dataclass(frozen=True)
@@ -194,20 +196,51 @@ def run(launch: Launch) -> int:
         beat_file = None  # no runtime dir we can write: run unwatched
 
     launcher_pid = os.getpid()
+    fifo = exception_fifo(info, os.environ, env) if beat_file is not None else None
+    if fifo:
+        env["CUDA_COREDUMP_FILE"] = fifo
+    # The child registers itself before exec and says so here: a failed exec leaves nothing behind.
+    said_r, said_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+
+    def registration(pid: int) -> Registration | None:
+        process = procfs.identify(pid)
+        if process is None:
+            return None
+        return Registration(
+            process=process, uid=os.getuid(), job=job,
+            **registration_file.ranks_from_env(env, launch.rank), role=role_of(launch.command),
+            heartbeat_timeout=launch.heartbeat_timeout, stack_timeout=launch.stack_timeout,
+            beat_file=str(beat_file), status_file=str(notify.status_file) if notify else None,
+            cmdline=tuple(launch.command), source="run", registered_at=time.time(), ras_addr=env.get("NCCL_RAS_ADDR"),
+            on_hang=launch.on_hang,
+        )
 
     def prepare_child() -> None:  # in the child, before exec
         # The workload dies with us, even when we are SIGKILLed: nobody would watch it otherwise.
         pdeathsig.die_with_parent(launcher_pid)
-        if beat_file is not None:
-            beat_segment.set_owner(str(beat_file), os.getpid())  # the segment is the child's own
+        if beat_file is None:
+            return
+        beat_segment.set_owner(str(beat_file), os.getpid())  # the segment is the child's own
+        # Registered before it runs, so the daemon makes its exception FIFO before CUDA can fault.
+        reg = registration(os.getpid())
+        try:
+            if reg is not None:
+                registration_file.write(launch.runtime_dir / "registrations", reg)
+                os.write(said_w, f"{reg.process.pid} {reg.process.start_time}\n".encode())
+        except OSError as exc:
+            os.write(2, f"hangwatchd: cannot register the workload ({exc.strerror}); it runs unwatched\n".encode())
+            return
+        if fifo and not await_fifo(fifo.replace("%p", str(os.getpid())), FIFO_WAIT):
+            os.write(2, f"hangwatchd: the daemon made no GPU exception FIFO for pid {os.getpid()} within {FIFO_WAIT:g} s; "
+                        "the dump of an exception before it does is lost\n".encode())
 
     try:
         child = subprocess.Popen(list(launch.command), env=env, preexec_fn=prepare_child, stderr=subprocess.PIPE)
     except FileNotFoundError:
-        _cleanup(beat_file, None, launch.runtime_dir, reports)
+        _cleanup(beat_file, _registered(said_r, said_w), launch.runtime_dir, reports)
         raise LaunchError(f"{launch.command[0]}: command not found") from None
     except PermissionError:
-        _cleanup(beat_file, None, launch.runtime_dir, reports)
+        _cleanup(beat_file, _registered(said_r, said_w), launch.runtime_dir, reports)
         # execvp reports EACCES when some PATH entry is unreadable, even if the command is nowhere.
         if "/" not in launch.command[0] and shutil.which(launch.command[0], mode=os.F_OK, path=env.get("PATH")) is None:
             raise LaunchError(f"{launch.command[0]}: command not found") from None
@@ -221,21 +254,7 @@ def run(launch: Launch) -> int:
         signal.signal(sig, lambda s, _f: _forward(child, s))
     # The terminal delivers Ctrl-C to the whole foreground group, the child included.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    me = procfs.identify(child.pid)
-    reg_written = None
-    if me is not None and beat_file is not None:
-        reg = Registration(
-            process=me, uid=os.getuid(), job=job,
-            **registration_file.ranks_from_env(env, launch.rank), role=role_of(launch.command),
-            heartbeat_timeout=launch.heartbeat_timeout, stack_timeout=launch.stack_timeout,
-            beat_file=str(beat_file), status_file=str(notify.status_file) if notify else None,
-            cmdline=tuple(launch.command), source="run", registered_at=time.time(), ras_addr=env.get("NCCL_RAS_ADDR"), on_hang=launch.on_hang,
-        )
-        try:
-            registration_file.write(launch.runtime_dir / "registrations", reg)
-            reg_written = me
-        except OSError as exc:
-            print(f"hangwatchd: cannot register the workload ({exc.strerror}); it runs unwatched", file=sys.stderr)
+    reg_written = _registered(said_r, said_w)
     try:
         code = child.wait()
         ended_at = time.time()
@@ -406,6 +425,48 @@ def _report_lost_dump(lines: list[str], dump_dir: Path, pid: int) -> None:
         write_atomic(dump_dir / name, ("\n".join(lines) + "\n").encode())
     except OSError:
         pass
+
+
+def exception_fifo(info: Mapping[str, object] | None, base: Mapping[str, str], env: Mapping[str, str]) -> str | None:
+    """The CUDA_COREDUMP_FILE pattern of the daemon's exception FIFOs for this user's workload, where
+    the daemon keeps them and the user set no file of their own (an outer ``hangwatchd run``'s is
+    ours too); None otherwise (the workload's dumps are files in the dump dir, as before)."""
+    template = info.get("exception_fifo") if info else None
+    if not isinstance(template, str) or "{uid}" not in template:
+        return None
+    mine = template.replace("{uid}", str(os.getuid()))
+    chosen = base.get("CUDA_COREDUMP_FILE")
+    return mine if chosen in (None, "", mine) else None
+
+
+def await_fifo(path: str, seconds: float) -> bool:
+    """Whether ``path`` is a FIFO within ``seconds`` (the daemon makes it once it admits the
+    registration: milliseconds). In the child before exec: a plain poll, no threads."""
+    end = time.monotonic() + seconds
+    while True:
+        try:
+            if stat.S_ISFIFO(os.stat(path).st_mode):
+                return True
+        except OSError:
+            pass
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.005)
+
+
+def _registered(said_r: int, said_w: int) -> ProcessId | None:
+    """The process the child registered before its exec, as it said so (None: it did not)."""
+    os.close(said_w)
+    try:
+        words = os.read(said_r, 256).split()
+    except OSError:
+        words = []
+    finally:
+        os.close(said_r)
+    try:
+        return ProcessId(int(words[0]), int(words[1])) if len(words) == 2 else None
+    except ValueError:
+        return None
 
 
 def _forward(child: subprocess.Popen[bytes], sig: int) -> None:

@@ -2,9 +2,13 @@
 
 Put this directory first on PYTHONPATH (or load this file as a module) with
 $HANGWATCHD_FAKE_NVML naming a directory holding ``gpus`` (how many GPUs) and
-``events/NNN.json`` files, each ``{"gpu": 3, "xid": 79}`` or ``{"lost": 2}``.
-Everything else is the real library's: its constants, its error classes, and
-``c_nvmlEventData_t``, the very record ``nvmlEventSetWait_v2`` returns.
+``events/NNN.json`` files, each ``{"gpu": 3, "xid": 79}`` (with ``"recovery": 1``:
+the recovery action NVML reports for that GPU from then on) or ``{"lost": 2}``.
+GPU i sits at PCI 0000:(0x18 + i):00.0 with serial 1650000000 + i; ``processes/I``
+(a pid a line) lists the compute processes on GPU I; ``uuid-prefix`` makes the UUIDs
+GPU-PREFIX-I (else GPU-fake-I). Everything
+else is the real library's: its constants, its error classes, and the records
+(``c_nvmlEventData_t``, ``nvmlPciInfo_t``, ``c_nvmlFieldValue_t``) its calls return.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ globals().update({k: v for k, v in vars(_real).items() if not k.startswith("__")
 
 BASE = 0x1000
 _lost: set[int] = set()
+_recovery: dict[int, int] = {}  # GPU index -> the recovery action NVML reports for it
 
 
 def _dir() -> Path:
@@ -69,7 +74,34 @@ def nvmlDeviceGetMinorNumber(handle: object) -> int:
 def nvmlDeviceGetUUID(handle: object) -> str:
     if _index(handle) in _lost:
         raise _real.NVMLError(_real.NVML_ERROR_GPU_IS_LOST)
-    return f"GPU-fake-{_index(handle)}"
+    prefix = _dir() / "uuid-prefix"  # two fake nodes, two sets of GPUs: a GPU is its UUID wherever it goes
+    return f"GPU-{prefix.read_text().strip() if prefix.is_file() else 'fake'}-{_index(handle)}"
+
+
+def pci_bus_id(i: int) -> str:
+    return f"00000000:{0x18 + i:02X}:00.0"
+
+
+def nvmlDeviceGetPciInfo(handle: object) -> object:
+    i = _index(handle)
+    return _real.nvmlPciInfo_t(busIdLegacy=pci_bus_id(i)[4:].encode(), domain=0, bus=0x18 + i, device=0,
+                               busId=pci_bus_id(i).encode())
+
+
+def nvmlDeviceGetSerial(handle: object) -> str:
+    return str(1650000000 + _index(handle))
+
+
+def nvmlDeviceGetFieldValues(handle: object, field_ids: list[int]) -> object:
+    values = (_real.c_nvmlFieldValue_t * len(field_ids))()
+    for n, field in enumerate(field_ids):
+        values[n].fieldId = field
+        if field == _real.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION:
+            values[n].nvmlReturn = _real.NVML_SUCCESS
+            values[n].value.uiVal = _recovery.get(_index(handle), 0)
+        else:
+            values[n].nvmlReturn = _real.NVML_ERROR_NOT_SUPPORTED
+    return values
 
 
 def nvmlEventSetCreate() -> object:
@@ -95,6 +127,8 @@ def nvmlEventSetWait_v2(event_set: object, timeout_ms: int) -> object:
             if "lost" in data:
                 _lost.add(int(data["lost"]))
                 raise _real.NVMLError(_real.NVML_ERROR_GPU_IS_LOST)
+            if "recovery" in data:
+                _recovery[int(data["gpu"])] = int(data["recovery"])
             return _real.c_nvmlEventData_t(device=nvmlDeviceGetHandleByIndex(int(data["gpu"])),
                                            eventType=_real.nvmlEventTypeXidCriticalError, eventData=int(data["xid"]))
         if time.monotonic() >= end:
@@ -132,13 +166,11 @@ def _answer(real_name: str, key: str, default: object = 0) -> object:
 
 
 def nvmlSystemGetDriverVersion() -> str:
-    if not (_dir() / "devices.json").is_file():
-        return _real.nvmlSystemGetDriverVersion()
-    return "999.99-fake"
+    return "570.00-fake"
 
 
 def nvmlDeviceGetName(handle: object) -> str:
-    return "Fake H200" if _facts(handle) is not None else _real.nvmlDeviceGetName(handle)
+    return "NVIDIA Fake H200"
 
 
 def nvmlDeviceGetUtilizationRates(handle: object) -> object:
@@ -189,11 +221,14 @@ def nvmlDeviceGetNvLinkState(handle: object, link: int) -> object:
     raise _real.NVMLError(_real.NVML_ERROR_NOT_SUPPORTED)  # a PCIe card: no NVLink
 
 
-def nvmlDeviceGetComputeRunningProcesses(handle: object) -> object:
+def nvmlDeviceGetComputeRunningProcesses(handle: object) -> list[object]:
+    """devices.json's processes of this GPU where it has them, else ``processes/I``'s pids."""
     facts = _facts(handle)
-    if facts is None:
-        return _real.nvmlDeviceGetComputeRunningProcesses(handle)
-    return [_Facts(pid=p["pid"], usedGpuMemory=1 << 30) for p in facts.get("processes") or []]
+    if facts is not None and facts.get("processes") is not None:
+        return [_real.c_nvmlProcessInfo_v2_t(pid=p["pid"], usedGpuMemory=1 << 30) for p in facts["processes"]]
+    listed = _dir() / "processes" / str(_index(handle))
+    pids = [int(w) for w in listed.read_text().split()] if listed.is_file() else []
+    return [_real.c_nvmlProcessInfo_v2_t(pid=pid, usedGpuMemory=1 << 30) for pid in pids]
 
 
 def nvmlDeviceGetProcessUtilization(handle: object, since: int) -> object:

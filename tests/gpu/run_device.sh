@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batch of GPU scenarios on the GPU machine (never in CI), all output in one tarball:
-#   bash tests/gpu/run_device.sh WAVE OUTDIR        WAVE: jobs | node1 | node2 | fast | diag | fr | frcost | frwarm | catalogue | slow
+#   bash tests/gpu/run_device.sh WAVE OUTDIR        WAVE: jobs | node1 | node2 | fast | diag | fr | frcost | frwarm | catalogue | slow | exception
 # The machine has PyTorch but not our dependencies: carry them as wheels in .whl/ (README,
 # "Running the GPU scenarios"). jobs needs 2 GPUs; node runs on one.
 set -u
@@ -64,6 +64,12 @@ case "$wave" in
   slow)  # issue 29: four ranks of one job on one GPU, rank 2 launching more kernels each step: the slow incident names it
     run slow timeout 560 python3 tests/gpu/run_slow.py "$work/slow"
     echo "######## slow"; tail -c 6000 "$work/slow.log" ;;
+  exception)  # issue 28: GPU exceptions caught alive through the daemon's FIFO (eager, a CUDA graph), then the catalogue's model-thread case
+    run exception timeout 100 python3 tests/gpu/run_exception.py "$work/exception"
+    HANGWATCHD_BENCH_OUT=$work run catalogue timeout 90 python3 -m bench.catalogue --gpu -k gpu_model_thread_died_on_cuda_error \
+      --jobs 1 --no-fail --no-write --workdir "$work/cat" --json "$work/catalogue_gpu.json"
+    cp "$work/exception/exception.json" "$work/catalogue_gpu.json" "$out/" 2>/dev/null
+    for n in exception catalogue; do echo "######## $n"; tail -c 5000 "$work/$n.log"; done ;;
   *) echo "unknown wave $wave" >&2; exit 2 ;;
 esac
 find "$work" -name '*.zst' -delete

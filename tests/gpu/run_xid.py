@@ -4,15 +4,18 @@
 
 No tool makes the driver report an XID that needs a reset (79, 48, 74, 94, 95, 119: those take
 failing hardware); an illegal memory access does make it report XID 31 (or 13/43), a job's own
-error, as NVML's XidCriticalError event. So:
+error, as NVML's XidCriticalError event and as an NVRM Xid line in the kernel log naming the process. So:
 
-1. the daemon starts; its GPU-event thread finds the GPUs (their XID series exist at 0);
+1. the daemon starts; its GPU-event thread finds the GPUs (their XID series exist at 0) and its
+   kernel log reader follows /dev/kmsg;
 2. rank 0 (``hangwatchd run --rank 0``) holds the GPU, beats, then hangs on the host;
 3. another process on the same GPU faults (tests/fixtures/gpu/graph_ima/graph_ima.py);
-4. rank 0's incident holds ``PID/gpu-events.json`` with that XID, its verdict names it
-   ("GPU 0 reported XID 31 (GPU memory page fault) N s after rank 0 stopped"),
-   ``hangwatchd_gpu_xid_errors_total{gpu="0",xid="31"}`` is 1, and ``hangwatchd health``
-   still exits 0 (a job's own error is not the node's fault).
+4. rank 0's incident holds ``PID/gpu-events.json`` with that XID and the faulting process's pid (from
+   the kernel log), and its verdict says it was another process's own fault, never the cause of the
+   hang ("Another process on GPU 0, pid N (...), hit XID 31 ..."); the XID is counted once
+   (``hangwatchd_gpu_xid_errors_total{gpu="0",xid="31"}``, NVML's event and the kernel's line one),
+   the incident blames no GPU, and ``hangwatchd health`` still exits 0 (a job's own error is not the
+   node's fault).
 
 Prints OUTDIR/summary.json; exits 0 when every check holds.
 """
@@ -65,9 +68,10 @@ def main() -> int:
         procs.append(rank)
         assert rank.stdout is not None
         stopped = float(rank.stdout.readline().split()[1])
-        fault = subprocess.run([sys.executable, str(ROOT / "tests/fixtures/gpu/graph_ima/graph_ima.py")], env=env,
-                               capture_output=True, text=True, timeout=120)
-        result["faulting_process_exit"] = fault.returncode
+        fault = subprocess.Popen([sys.executable, str(ROOT / "tests/fixtures/gpu/graph_ima/graph_ima.py")], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        fault.communicate(timeout=120)
+        result["faulting_process"] = {"pid": fault.pid, "exit": fault.returncode}
         xids = wait_for(lambda: [ln for ln in d.scrape().splitlines() if ln.startswith("hangwatchd_gpu_xid_errors_total")
                                  and not ln.endswith(" 0.0")], 60, "an XID counted")
         result["xid_series"] = xids
@@ -78,10 +82,15 @@ def main() -> int:
         h = subprocess.run(hangwatchd_argv("health", "--runtime-dir", str(d.runtime_dir)), capture_output=True, text=True, timeout=30)
         result["health"] = {"exit": h.returncode, "line": h.stdout.strip()}
         result["stopped"] = stopped
+        events = (result["gpu_events"] or {}).get("events") or []
+        record = json.loads((Path(inc["dir"]) / "incident.json").read_text())
         result["checks"] = {
             "xid_counted": bool(xids),
-            "gpu_events_in_incident": bool(result["gpu_events"] and result["gpu_events"]["events"]),
-            "verdict_names_the_xid": f"GPU {gpu} reported XID" in inc["summary"],
+            "gpu_events_in_incident": bool(events),
+            "xid_names_the_faulting_process": any(e.get("pid") == fault.pid and e.get("own") is False for e in events),
+            "verdict_says_it_was_another_process": f"nother process on GPU {gpu}, pid {fault.pid}" in inc["summary"]
+            and "a GPU fault" not in inc["summary"],
+            "no_gpu_blamed": not (record.get("analysis") or {}).get("blame"),
             "health_ok_for_a_jobs_error": h.returncode == 0 or any(x in h.stdout for x in ("XID 79", "XID 48", "lost")),
         }
     finally:

@@ -136,7 +136,7 @@ def test_a_capture_that_raised_comes_back_as_a_value_and_is_retried(daemon: Daem
 def test_a_sampler_that_raises_still_hands_its_process_back(daemon: Daemon) -> None:
     """py-spy could not even start (Popen out of descriptors): the sample comes back as its error,
     the process is no longer 'being sampled', and its next sample is due (before, it never was)."""
-    def emfile(pid: int, timeout: float, native: bool, uid: int | None) -> Sample:
+    def emfile(pid: int, timeout: float, native: bool, uid: int | None, act: object = None) -> Sample:
         raise OSError(errno.EMFILE, "Too many open files")
 
     daemon.sampler.take = emfile
@@ -145,6 +145,7 @@ def test_a_sampler_that_raises_still_hands_its_process_back(daemon: Daemon) -> N
     w = Watched(Registration(me, uid=0, job=None), State.HEALTHY, seen_at=0.0, timeout=10.0, next_sample=0.0)
     assert daemon.watched.admit(w)
     daemon._sample(w, 1.0)
+    daemon._start_samples()  # the turn's due samples, started together
     assert w.sampling
     assert select.select([daemon.inbox], [], [], 10.0)[0], "the sampler's value never came"
     daemon._dispatch(2.0)

@@ -1,7 +1,13 @@
 """A serving loop waits on a model thread that died of a CUDA error: the model-runner thread
-(``run_model``) hits a device-side illegal address in a kernel and the RuntimeError ends the
-thread; the request loop, which beat once per output, waits on the output queue forever while
-the HTTP side would keep saying "healthy".
+(``run_model``) hits a device-side illegal address in a kernel; without a GPU dump on exceptions
+the RuntimeError ends the thread and the request loop, which beat once per output, waits on the
+output queue forever while the HTTP side would keep saying "healthy".
+
+Under ``hangwatchd run`` (CUDA_ENABLE_COREDUMP_ON_EXCEPTION=1) the driver writes the exception's
+dump into the daemon's FIFO for the process, from the model-runner thread, blocked in ``out.item()``,
+and ends the process once the dump is read: no hang follows. The daemon takes the stacks while the
+driver waits, so the incident (reason gpu-exception) names the exception, the Triton kernel with its
+line, and the line of ``run_model`` in thread ``model-runner`` where it surfaced.
 
 Reports: vllm-project/vllm#39863 ("EngineCore dies silently while parent remains alive ...
 causing service hang"); sgl-project/sglang#514 ("Crash the server when error or OOM happens.

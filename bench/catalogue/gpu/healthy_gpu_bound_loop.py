@@ -3,7 +3,7 @@ in ``torch.cuda.synchronize()`` (about 10 ms a step): nearly every stack sample 
 same sync, on the same line, for 60 s. Nothing is stuck: the GPU's work completes step after
 step, and the loop's variables (the step, the activations) are new at every sample.
 
-Report: this project's issue 27 (on an H200, a healthy loop of 4 matmuls and a sync per 10.8 ms
+Report: hangwatchd#27, this project's own issue (on an H200, a healthy loop of 4 matmuls and a sync per 10.8 ms
 step, found by discovery, was declared hung in 2 runs of 2: "host blocked in cuStreamSynchronize").
 """
 
@@ -13,7 +13,7 @@ import torch
 
 CASE = {
     "title": "GPU-bound loop whose every sample lands in one CUDA sync",
-    "source": "hangwatchd issue 27 (a busy GPU loop read as stuck in cuStreamSynchronize)",
+    "source": "hangwatchd#27 (a busy GPU loop read as stuck in cuStreamSynchronize)",
     "healthy": True,
     "watch": {"stack_timeout": 5},
     "ranks": 1,
