@@ -397,7 +397,7 @@ def test_analyze_symbolises_a_raw_dump_found_without_symbolized_json(tmp_path: P
     assert out["summary"] == ("pid 77: WARP_ILLEGAL_ADDRESS in faulty_epilogue_kernel(int*, long) at store_at(int*, long, int) "
                               "(inlined.cu:9) ← epilogue(int*, long, int) (inlined.cu:13) ← faulty_epilogue_kernel(int*, long) "
                               "(inlined.cu:17)."), out["summary"]
-    assert out["rests_on"] == ["pid 77: GPU dump"]
+    assert out["rests_on"] == ["pid 77: GPU dump; sure: the GPU dump names the exception and the kernel"]
     assert not (pdir / "symbolized.json").exists()  # read, never written into
 
 
