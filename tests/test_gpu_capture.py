@@ -200,6 +200,8 @@ def test_a_driver_that_reports_an_exception_but_writes_no_dump(tmp_path: Path) -
         assert inc["reason"] == "gpu-exception"
         assert "WARP_ILLEGAL_ADDRESS in void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<unsigned char>" in inc["summary"]
         assert "wrote no dump" in inc["summary"]
+        # The program died of the error in Python: the traceback's line is where it surfaced.
+        assert "it surfaced in `print(out.sum().item())` (graph_ima.py:33)" in inc["summary"], inc["summary"]
         (pid,) = inc["processes"]
         assert "Detected an exception" in (Path(inc["dir"]) / str(pid) / "driver.log").read_text()
 

@@ -59,6 +59,13 @@ def _said(f: dict[str, Any]) -> str:
     return th.short(f)
 
 
+def in_traceback(frames: tuple[dict[str, Any], ...]) -> str:
+    """``; it surfaced in `print(x.item())` (x.py:33); with asynchronous ...`` from the traceback the
+    program died of after the driver's report (its innermost frame of the program's own), or ""."""
+    own = [f for f in frames if is_user_frame(f)]
+    return f"; it surfaced in {_said(own[-1])}; {ASYNC_NOTE}" if own else ""
+
+
 def without_comment(line: str) -> str:
     """A line of Python without its trailing comment (a ``#`` inside a string stays)."""
     try:

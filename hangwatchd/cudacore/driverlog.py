@@ -1,13 +1,17 @@
-"""The CUDA driver's ``coredump:`` progress lines on a workload's stderr.
+"""The CUDA driver's ``coredump:`` progress lines on a workload's stderr, and the Python
+traceback that follows them.
 
 They are sometimes the only evidence: a driver can report an exception and
-write no dump (the graph_ima fixture). This reads what they say.
+write no dump (the graph_ima fixture), and the program then dies of the error in
+Python: its traceback's innermost frame is the line where the error surfaced.
+This reads what they say (user-written text: linear, capped by the caller).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from .cubin import demangle
 
@@ -17,6 +21,9 @@ _FIELD = re.compile(r"- (Device|SM|Warp): (\d+)")
 _PC = re.compile(r"- PC (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r"#0\s+(0x[0-9a-fA-F]+)\s+(\S+)")
 _FILE = re.compile(r"Writing ELF file to (\S+)")
+TRACEBACK = "Traceback (most recent call last):"
+_TB_FRAME = re.compile(r'^  File "([^"]{1,4096})", line (\d{1,9}), in (.{1,512})$')
+TRACEBACK_LINES = 400  # lines of a traceback kept after the driver's report
 
 
 def is_driver_line(line: str) -> bool:
@@ -33,6 +40,8 @@ class DriverReport:
     kernel_mangled: str | None
     dump_file: str | None
     done: bool
+    frames: tuple[dict[str, Any], ...] = ()  # the traceback after the report, outermost first (py-spy's keys)
+    error: str | None = None  # its last line ("torch.AcceleratorError: CUDA error: ...")
 
     @property
     def kernel(self) -> str | None:
@@ -49,7 +58,21 @@ def parse(lines: list[str]) -> DriverReport:
     fields: dict[str, int] = {}
     exc = pc = mangled = dump = None
     done = False
+    frames: list[dict[str, Any]] = []
+    error = None
+    in_traceback = False
     for line in lines:
+        if line == TRACEBACK:
+            in_traceback, frames, error = exc is not None, [], None  # the last traceback after the report
+            continue
+        if in_traceback:
+            if m := _TB_FRAME.match(line):
+                frames.append({"filename": m.group(1), "line": int(m.group(2)), "name": m.group(3)})
+            elif line.startswith("    ") and frames and "code" not in frames[-1]:
+                frames[-1]["code"] = line.strip()
+            elif line and not line.startswith(" "):
+                error, in_traceback = line[:500], False
+            continue
         if not is_driver_line(line):
             continue
         if m := _EXC.search(line):
@@ -64,4 +87,5 @@ def parse(lines: list[str]) -> DriverReport:
             dump = m.group(1)
         elif "All done" in line:
             done = True
-    return DriverReport(exc, fields.get("Device"), fields.get("SM"), fields.get("Warp"), pc, mangled, dump, done)
+    return DriverReport(exc, fields.get("Device"), fields.get("SM"), fields.get("Warp"), pc, mangled, dump, done,
+                        tuple(frames), error)

@@ -370,11 +370,14 @@ def sender(ancdata: list[tuple[int, int, bytes]]) -> tuple[int, int] | None:
 
 
 class StderrTee(threading.Thread):
-    """Passes the workload's stderr through, keeping the CUDA driver's coredump: lines.
+    """Passes the workload's stderr through, keeping the CUDA driver's coredump: lines and, once
+    the driver has reported, the Python traceback the program may die of (where the error surfaced).
 
     The lines go to RUNTIME_DIR/driver-logs/PID.log as they come, for the daemon
     to put beside the dump in the incident.
     """
+
+    KEPT = 5000  # lines at most: a dump of every SM says about 150
 
     def __init__(self, child: subprocess.Popen[bytes], log_path: Path) -> None:
         super().__init__(name="stderr-tee", daemon=True)
@@ -386,6 +389,7 @@ class StderrTee(threading.Thread):
         assert self.child.stderr is not None
         out = sys.stderr.buffer
         log = None
+        traceback = 0  # lines of a traceback still to keep
         for raw in iter(self.child.stderr.readline, b""):
             try:
                 out.write(raw)
@@ -393,13 +397,20 @@ class StderrTee(threading.Thread):
             except (OSError, ValueError):
                 pass
             line = raw.decode("utf-8", "replace").rstrip("\n")
-            if driverlog.is_driver_line(line):
-                self.driver_lines.append(line)
-                if log is None:
-                    log = _open_log(self.log_path)
-                if log is not None:
-                    log.write(line + "\n")
-                    log.flush()
+            if self.driver_lines and line == driverlog.TRACEBACK:
+                traceback = driverlog.TRACEBACK_LINES
+            elif traceback:
+                traceback = traceback - 1 if line.startswith(" ") else 0  # its last line is the error's
+            elif not driverlog.is_driver_line(line):
+                continue
+            if len(self.driver_lines) >= self.KEPT:
+                continue
+            self.driver_lines.append(line)
+            if log is None:
+                log = _open_log(self.log_path)
+            if log is not None:
+                log.write(line + "\n")
+                log.flush()
         if log is not None:
             log.close()
 

@@ -9,7 +9,9 @@ wave=$1 out=$2
 work=/tmp/devout/$wave
 rm -rf "$work"  # a warm machine keeps the last call's files
 mkdir -p "$work" "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
+# Once per machine: waves run side by side share it (a warm machine keeps it).
+[ -e /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl >/dev/null 2>&1 && touch /tmp/site/.installed; }
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 export HANGWATCHD_COMMIT=${HANGWATCHD_COMMIT:-$(cat tests/gpu/COMMIT 2>/dev/null || echo unknown)}
 nvidia-smi -L
