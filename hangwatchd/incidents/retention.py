@@ -3,7 +3,8 @@ driver logs; on a thread of its own, on its own schedule.
 
 One pass is one walk of the store (``footprint.measure``: every file stat'ed once), one
 read of the index, then removals, oldest first, each subtracted from the total: raw dumps
-past their age, then raw dumps while over the size bound, then whole incidents past their
+past their age, then raw dumps while over the size bound (the user whose dumps hold the most
+bytes first: one user's flood never costs another's dump), then whole incidents past their
 age or while over the bound. The reports outlive the dumps. A pass over 10,000 incidents
 takes well under a second (bench/incidents_scale.py); the one before walked the whole
 tree again for every incident it looked at.
@@ -19,8 +20,10 @@ stop between removals and inside the walk: the daemon stops within a second of S
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +39,7 @@ log = structlog.get_logger("hangwatchd.retention")
 DRIVER_LOG_KEEP = 3600.0  # seconds a launcher's driver-log copy outlives its process
 STOP_WITHIN = 1.0  # seconds the daemon waits for a pass to notice it should stop
 DUMP_NOTE = "cuda_dump-notes.txt"
+OWNER_READ = 4 << 20  # bytes of incident.json read for its owner (the daemon wrote it)
 
 
 @dataclass(frozen=True)
@@ -90,9 +94,21 @@ def enforce(store: Store, limits: Limits, now: float | None = None, stop: thread
         if now - when <= limits.dump_max_age or stopping():
             break
         drop_dumps(incident_id)
-    for _when, incident_id in settled:  # raw dumps, oldest first, while over
-        if total <= limits.max_bytes or stopping():
-            break
+    # Raw dumps while over: the user whose dumps hold the most bytes gives first (their oldest
+    # first), so one user's flood of dumps never costs another user's.
+    queues: dict[int | None, deque[str]] = {}
+    held_by: Counter[int | None] = Counter()
+    for _when, incident_id in settled:
+        if held.incidents[incident_id].dumps and total > limits.max_bytes:
+            owner = _owner(store.dir / incident_id)
+            queues.setdefault(owner, deque()).append(incident_id)
+            held_by[owner] += sum(size for _, size in held.incidents[incident_id].dumps)
+    while total > limits.max_bytes and queues and not stopping():
+        owner = max(queues, key=lambda o: held_by[o])
+        incident_id = queues[owner].popleft()
+        if not queues[owner]:
+            del queues[owner]
+        held_by[owner] -= sum(size for _, size in held.incidents[incident_id].dumps)
         drop_dumps(incident_id)
     with store.removing() as remove:
         for when, incident_id in settled:  # whole incidents past their age, or oldest first while over
@@ -103,6 +119,17 @@ def enforce(store: Store, limits: Limits, now: float | None = None, stop: thread
             removed.append(str(store.dir / incident_id))
             log.info("retention_removed", path=removed[-1])
     return Pass(tuple(removed), total, sizes, stopped=stopping())
+
+
+def _owner(directory: Path) -> int | None:
+    """The uid of the user whose process an incident is about (its first process); None unknown."""
+    try:
+        with open(directory / "incident.json", "rb") as f:
+            data = json.loads(f.read(OWNER_READ))
+        uid = data["processes"][0]["uid"]
+        return uid if isinstance(uid, int) else None
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
 
 
 def _drop_dump(dump: Path) -> int:

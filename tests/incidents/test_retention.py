@@ -14,7 +14,7 @@ from hangwatchd.config import Config
 from hangwatchd.incidents import footprint
 from hangwatchd.incidents.retention import Limits, Retention, enforce
 from hangwatchd.incidents.store import Store
-from hangwatchd.model import Incident, PendingEvidence
+from hangwatchd.model import Incident, PendingEvidence, ProcessCapture, ProcessId, Registration
 from hangwatchd.testing import ScratchDaemon, stop, wait_for, workload_argv
 
 from .many import fill
@@ -23,9 +23,10 @@ DAY = 86400
 KEEP_ALL = Limits(10**15, 7 * DAY, 90 * DAY)
 
 
-def make(store: Store, when: float, dump_bytes: int, pending: bool = False, stacks_bytes: int = 0) -> str:
+def make(store: Store, when: float, dump_bytes: int, pending: bool = False, stacks_bytes: int = 0, uid: int | None = None) -> str:
     """A real incident through the store's own begin and commit: a raw dump of ``dump_bytes`` (if
-    any), its evidence still coming if ``pending``, stacks of ``stacks_bytes``."""
+    any), its evidence still coming if ``pending``, stacks of ``stacks_bytes``; about a process of
+    user ``uid`` where given."""
     draft = store.begin("heartbeat", "job", [1], now=when)
     (draft.path / "1").mkdir()
     (draft.path / "1" / "symbolized.json").write_text("{}")
@@ -33,7 +34,8 @@ def make(store: Store, when: float, dump_bytes: int, pending: bool = False, stac
     if dump_bytes:
         (draft.path / "1" / "coredump.nvcudmp.zst").write_bytes(os.urandom(dump_bytes))
     coming = (PendingEvidence(1, "cuda_dump", time.time() + 60),) if pending else ()
-    store.commit(draft, Incident(draft.id, when, "h", "heartbeat", "d", "job", pending=coming), "s")
+    processes = (ProcessCapture(Registration(ProcessId(1, 1), uid=uid), ()),) if uid is not None else ()
+    store.commit(draft, Incident(draft.id, when, "h", "heartbeat", "d", "job", processes=processes, pending=coming), "s")
     return draft.id
 
 
@@ -62,6 +64,22 @@ def test_dumps_go_first_oldest_first_then_incidents(tmp_path: Path) -> None:
     # Incidents past their age go whole, index entry too.
     enforce(store, Limits(10**15, 7 * DAY, 5 * DAY), now=now)
     assert set(listed(store)) == {mid, new} and not (store.dir / old).exists()
+
+
+def test_over_the_bound_the_user_whose_dumps_hold_most_gives_first(tmp_path: Path) -> None:
+    """Root's dump is the oldest; user 1000 then stores three dumps twice its size: over the
+    bound, user 1000's dumps go (oldest first) until it is under, and root's stays."""
+    store = Store(tmp_path)
+    store.open()
+    now = time.time()
+    root = make(store, now - 5 * 3600, 60_000, uid=0)
+    flood = [make(store, now - (4 - n) * 3600, 120_000, uid=1000) for n in range(3)]
+    held = footprint.measure(store)
+    bound = held.total - 200_000
+    done = enforce(store, Limits(bound, 7 * DAY, 90 * DAY), now=now)
+    assert [Path(p).parent.parent.name for p in done.removed] == flood[:2]
+    assert (store.dir / root / "1" / "coredump.nvcudmp.zst").exists()
+    assert done.total <= bound and set(listed(store)) == {root, *flood}
 
 
 def test_over_the_bound_the_oldest_go_until_under_it_and_no_further(tmp_path: Path) -> None:
