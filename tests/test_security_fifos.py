@@ -140,3 +140,47 @@ def test_a_segfault_named_like_an_xid_line_is_no_gpu_fault(base: Path, attacker:
         health = json.loads((d.runtime_dir / "health.json").read_text())
         assert health.get("gpu_faults") == [], health.get("gpu_faults")
         assert d.metric_total("hangwatchd_gpu_xid_errors_total") == 0
+
+
+@needs_root
+def test_a_program_the_symbolising_child_runs_as_the_dumps_owner_carries_no_secret(base: Path, attacker: Attacker,
+                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child that reads a user's dump drops to the user, then may run a program (nvdisasm, where a
+    dump's line table cannot be read: a hostile dump's choice). That program is the user's to look at
+    (/proc/PID/environ): it must not carry the daemon's environment. The child's helper (its test hook,
+    a ``sleep`` in its place) is read by uid 65534 while it runs."""
+    import lzma
+    import threading
+
+    from hangwatchd.cudacore import sandbox
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    sandbox.stop()  # one started earlier in this process has another environment
+    sandbox.start()
+    try:
+        dump = base / "d.nvcudmp"
+        dump.write_bytes(lzma.decompress((Path(__file__).parent / "fixtures" / "gpu" / "cpp_ima" / "coredump.nvcudmp.xz")
+                                         .read_bytes()))
+        os.chown(dump, NOBODY, NOBODY)
+        where = base / "w"
+        where.mkdir()
+        os.chmod(where, 0o1777)
+        pidfile = where / "pid"
+        done: list[object] = []
+
+        def stopped() -> None:
+            try:
+                done.append(sandbox.symbolize(dump, sandbox.Limits(30, 1024, 5), _hook=f"sleep:{pidfile}"))
+            except Exception as exc:  # noqa: BLE001 - stopped at its wall deadline, as meant
+                done.append(exc)
+        t = threading.Thread(target=stopped)
+        t.start()
+        try:
+            pid = int(wait_for(lambda: pidfile.read_text() if pidfile.exists() else None, 10, "the child's program"))
+            seen = attacker.run(f"import sys; sys.stdout.write(open('/proc/{pid}/environ', 'rb').read().decode(errors='replace'))")
+        finally:
+            t.join()
+        assert "PATH=" in seen, seen  # read as the dump's owner: it is theirs to read
+        assert SECRET not in seen, "uid 65534 read the daemon's environment in the symbolising child's program"
+    finally:
+        sandbox.stop()

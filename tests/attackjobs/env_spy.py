@@ -3,7 +3,7 @@ reads the environment of every new process of its uid (what any user may do with
 
     python3 env_spy.py OUT
 
-It forks the spy, beats, then, from a Python function named ``synchronize``, writes a CUDA
+It forks the spy (the pids the kernel gives out last, looked at in a tight loop), beats, then, from a Python function named ``synchronize``, writes a CUDA
 coredump's ELF header into the exception FIFO the daemon made for it (``CUDA_COREDUMP_FILE``) and
 stalls there, as the driver does. The daemon takes its stacks and reads the line of code it stalls
 at with a helper that runs as this uid: the spy appends each process's command line and
@@ -22,24 +22,40 @@ me = os.getuid()
 mine = {os.getpid(), os.getppid()}
 
 
+def last_pid() -> int:
+    with open("/proc/sys/kernel/ns_last_pid") as f:
+        return int(f.read())
+
+
 def spy() -> None:
-    seen = set(mine) | {os.getpid()}
+    """The pids given out last (the kernel says which: ns_last_pid) are looked at in a tight loop, so a
+    process that lives for milliseconds is seen. One of another uid is looked at again for a while: a
+    child that root forks is root's until it changes its uid and runs its program."""
+    done = set(mine) | {os.getpid()}
+    recent: dict[int, float] = {}  # pid -> when first seen, not (yet) of this uid
     end = time.monotonic() + 300
     while time.monotonic() < end:
-        for name in os.listdir("/proc"):
-            if not name.isdigit() or int(name) in seen:
+        now, last = time.monotonic(), last_pid()
+        recent = {p: t for p, t in recent.items() if now - t < 2.0}
+        for pid in [*range(max(1, last - 64), last + 1), *recent]:
+            if pid in done:
                 continue
-            pid = int(name)
             try:
-                if os.stat(f"/proc/{pid}").st_uid != me:
-                    seen.add(pid)
-                    continue
-                env = open(f"/proc/{pid}/environ", "rb").read()
+                st = os.stat(f"/proc/{pid}")
+            except OSError:
+                recent.pop(pid, None)
+                continue
+            if st.st_uid != me:
+                recent.setdefault(pid, now)
+                continue
+            try:
                 cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+                env = open(f"/proc/{pid}/environ", "rb").read()
             except OSError:
                 continue
-            if cmd:  # a process past its exec
-                seen.add(pid)
+            if cmd:  # past its exec
+                done.add(pid)
+                recent.pop(pid, None)
                 with open(out, "ab") as f:
                     f.write(b"%d\0%s\0\0%s\n----\n" % (pid, cmd, env))
 
