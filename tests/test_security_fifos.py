@@ -184,3 +184,21 @@ def test_a_program_the_symbolising_child_runs_as_the_dumps_owner_carries_no_secr
         assert SECRET not in seen, "uid 65534 read the daemon's environment in the symbolising child's program"
     finally:
         sandbox.stop()
+
+
+@needs_root
+def test_programs_started_past_the_cap_on_fifos_cost_one_log_line(base: Path, attacker: Attacker) -> None:
+    """Past its 256 FIFOs of programs below, a user's job starts a program every few milliseconds
+    (each lives half a second, long enough for the daemon to look at it): each is refused a FIFO,
+    and the log says so once, not once a program (the per-user budget is 60 lines a minute)."""
+    with ScratchDaemon(base, config=QUICK) as d:
+        job = run_job(attacker, d, "storm", "exec_storm.py", "256", "5", stdout=subprocess.PIPE)
+        assert job.stdout is not None
+        started = job.stdout.readline().split()
+        assert started[0] == "started", started
+        done = job.stdout.readline().split()
+        assert done[0] == "stormed" and int(done[1]) > 200, done  # programs started past the cap
+        d.looked(2, what="rescan")  # the loop has handed the last of them to the FIFOs' thread
+        refused = [e for e in d.logs() if e.get("event") == "exception_fifo_refused"]
+        assert 1 <= len(refused) <= 2, f"{len(refused)} lines for one user's programs past the cap"
+        assert all(e.get("uid") == NOBODY for e in refused)
