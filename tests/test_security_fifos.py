@@ -202,3 +202,27 @@ def test_programs_started_past_the_cap_on_fifos_cost_one_log_line(base: Path, at
         refused = [e for e in d.logs() if e.get("event") == "exception_fifo_refused"]
         assert 1 <= len(refused) <= 2, f"{len(refused)} lines for one user's programs past the cap"
         assert all(e.get("uid") == NOBODY for e in refused)
+
+
+@needs_root
+def test_a_program_below_that_became_setuid_is_not_read_for_its_user(base: Path, attacker: Attacker) -> None:
+    """A program below the attacker's job gets its FIFO while it runs as the attacker, then execs a
+    setuid-root program (passwd, waiting for a password). A CUDA coredump's header written into the
+    FIFO (the attacker's own) must not make root read that process for the attacker: no /proc
+    facts (its memory at its system call's arguments, its environment), no stacks, in an incident the
+    attacker may read."""
+    with ScratchDaemon(base, config=QUICK) as d:
+        job = run_job(attacker, d, "setuid", "setuid_after_fifo.py", stdout=subprocess.PIPE)
+        assert job.stdout is not None
+        said = job.stdout.readline().split()
+        assert said and said[0] == "begun", said
+        pid = int(said[1])
+        d.event("exception_begun", 30, pid=pid)
+        os.kill(pid, 9)  # passwd goes: what came of its "dump" is filed
+        (inc,) = wait_for(lambda: [i for i in d.settled() if i["job"] == "setuid"], 60, "the exception's incident")
+        pdir = Path(inc["dir"]) / str(pid)
+        read = sorted(p.name for p in pdir.iterdir()) if pdir.exists() else []
+        assert not {"proc.json", "pyspy.json", "pyspy-native.json"} & set(read), \
+            f"root read a setuid-root process for uid {NOBODY}: {read}"
+        steps = {s["step"]: s for s in json.loads((Path(inc["dir"]) / "incident.json").read_text())["processes"][0]["steps"]}
+        assert "mixed uids" in (steps["proc"].get("error") or ""), steps  # said in the incident
