@@ -226,3 +226,26 @@ def test_a_program_below_that_became_setuid_is_not_read_for_its_user(base: Path,
             f"root read a setuid-root process for uid {NOBODY}: {read}"
         steps = {s["step"]: s for s in json.loads((Path(inc["dir"]) / "incident.json").read_text())["processes"][0]["steps"]}
         assert "mixed uids" in (steps["proc"].get("error") or ""), steps  # said in the incident
+
+
+@needs_root
+def test_one_users_dumps_never_evict_another_users_dump(base: Path, attacker: Attacker, tmp_path: Path) -> None:
+    """A root workload's GPU exception is stored with its dump. Then one user pours three dumps of
+    random bytes (45 MB each, which no compressor makes smaller; the cap is 8 GiB, six a minute)
+    through the exception FIFOs of programs of their own. The state dir passes max_state_bytes (100 MB
+    here, 50 GiB by default): retention must make room from that user's dumps, never remove the
+    root workload's."""
+    from .test_gpu_fault import fault
+
+    with ScratchDaemon(base, config={**QUICK, "max_state_bytes": "100MB"}) as d:
+        work = fault(d, "illegal_address.py", "whole", tmp_path, job="root-victim")
+        (victim,) = wait_for(lambda: [i for i in d.settled() if i["job"] == "root-victim"], 60, "the root workload's exception")
+        work.wait(timeout=30)
+        kept = [p for p in Path(victim["dir"]).rglob("coredump.nvcudmp.zst")]
+        assert kept, "the root workload's dump was not kept in the first place"
+        job = run_job(attacker, d, "flood", "dump_flood.py", "3", "45", stdout=subprocess.PIPE)
+        assert job.stdout is not None and job.stdout.readline().split() == ["flooded", "3"]
+        wait_for(lambda: len([i for i in d.settled() if i["job"] == "flood"]) >= 3, 120, "the attacker's three incidents")
+        d.event("retention_removed", 60)  # over max_state_bytes: retention made room
+        d.event("retention_checked", 60)
+        assert all(p.exists() for p in kept), "one user's dumps made retention remove the root workload's dump"
