@@ -1,6 +1,6 @@
-"""An attacker's own job (``hangwatchd run -- python3 exec_storm.py N SECONDS``): N programs below it
+"""An attacker's own job (``hangwatchd run -- python3 exec_storm.py N SECONDS [GAP]``): N programs below it
 (each a ``sleep``), which use up the exception FIFOs the daemon gives one user's programs below, then
-for SECONDS a new program every 5 ms, each living half a second. Prints "started N", then
+for SECONDS a new program every GAP seconds (5 ms), each living half a second. Prints "started N", then
 "stormed COUNT" once the storm is over, then beats on."""
 import os
 import subprocess
@@ -10,6 +10,7 @@ import time
 import hangwatchd
 
 n, seconds = int(sys.argv[1]), float(sys.argv[2])
+gap = float(sys.argv[3]) if len(sys.argv) > 3 else 0.005
 below = [subprocess.Popen(["sleep", "600"]) for _ in range(n)]
 time.sleep(3)  # their FIFOs made first: the cap is reached
 print(f"started {n}", flush=True)
@@ -18,7 +19,7 @@ while time.monotonic() < end:
     if os.fork() == 0:
         os.execv("/bin/sleep", ["sleep", "0.5"])
     count += 1
-    time.sleep(0.005)
+    time.sleep(gap)
     try:
         while os.waitpid(-1, os.WNOHANG)[0]:
             pass
