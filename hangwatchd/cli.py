@@ -91,10 +91,27 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
     cfg = _daemon_config(args)
     log.configure(cfg.log_format, cfg.log_level)
+    _open_files_up_to_hard_limit()
     try:
         return Daemon(cfg).run()
     except (StoreError, SetupError) as exc:
         raise UsageError(str(exc)) from None
+
+
+def _open_files_up_to_hard_limit() -> None:
+    """The soft limit on open files raised to the hard one, as systemd asks of a program that needs
+    many (its default soft limit, 1024, is for programs that still use select()): every watched process
+    holds descriptors of the daemon's (its exception FIFO's two ends and a pidfd), and one user's
+    programs below their workloads alone may hold 900; at 1024 the daemon could open nothing else."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1 << 20 if hard == resource.RLIM_INFINITY else hard  # unlimited: the kernel's default fs.nr_open
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            pass  # past fs.nr_open: the soft limit stays as it was
 
 
 # -- run -------------------------------------------------------------------

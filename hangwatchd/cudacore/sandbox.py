@@ -268,6 +268,13 @@ def _child(answer: Any, path: str, strict: bool, nvdisasm: str | None, lim: Limi
             _drop_to(uid)
         except OSError:
             os._exit(_EXIT_NO_DROP)
+        # What it runs from here on (nvdisasm) is the user's to look at (/proc/PID/environ): none of the
+        # daemon's environment (the shared store's keys) goes with it.
+        from ..host.subproc import user_environment
+
+        kept = user_environment()
+        os.environ.clear()
+        os.environ.update(kept)
         if work is not None:
             import tempfile
 

@@ -189,7 +189,9 @@ class Acting:
 def _kill(pidfd: int, pid: int) -> None:
     """SIGKILL unless it has exited (a pidfd turns readable at exit)."""
     try:
-        if not select.select([pidfd], [], [], 0)[0]:
+        poller = select.poll()  # not select(): a descriptor past 1023 is refused there
+        poller.register(pidfd, select.POLLIN)
+        if not poller.poll(0):
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
             log.warning("abort_grace_over", pid=pid, signal="SIGKILL")
     except OSError:

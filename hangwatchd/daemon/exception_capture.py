@@ -79,7 +79,15 @@ def look(capture: int, begun: ExceptionBegun, steps: list[tuple[Step, float]], d
         outdir = draft.path / str(pid)
         outdir.mkdir(parents=True, exist_ok=True)
         chosen = [(s, t) for s, t in steps if s.name in STEPS] if begun.coredump else []
+        refused = None
+        if chosen:
+            try:  # a program below that exec'd a setuid one since its FIFO was made is not read for its user
+                untrusted.check_owner(pid, reg.uid)
+            except untrusted.Refused as exc:
+                chosen, refused = [], StepResult("proc", False, 0.0, f"not read: {exc}")
         captured = run_steps(chosen, reg, outdir, deadline, metrics)
+        if refused is not None:
+            captured = ProcessCapture(captured.registration, captured.steps + (refused,))
         if chosen:
             try:
                 read_code(reg, outdir, deadline.cut(CODE_TIMEOUT))

@@ -62,6 +62,7 @@ READ_CHUNK = 1 << 20
 PER_WAKE = 16 << 20  # bytes one drain reads before the others get a turn
 COMMAND_WAIT = 5.0  # seconds a claim waits for this thread's answer
 MAX_BELOW_PER_UID = 256  # FIFOs one user's programs below its workloads get (registered ones are held to their own limit)
+REFUSED_LOG_EVERY = 60.0  # seconds between two lines saying a user's programs below get no FIFO (one a program: a flood)
 ELF_CUDA = 190  # EM_CUDA
 ET_CORE = 4
 
@@ -271,6 +272,7 @@ class ExceptionFifos:
         self._fifos: dict[ProcessId, _Fifo] = {}
         self._by_fd: dict[int, tuple[str, _Fifo]] = {}
         self._uid_fds: dict[int, int] = {}
+        self._refused_said: dict[int, float] = {}  # uid -> when its programs' refusal was last logged
         self._root_fd = -1
         self._stopping = False
         self._next_look = 0.0  # when processes whose pidfds cannot be polled are looked for next
@@ -459,7 +461,12 @@ class ExceptionFifos:
         name = name_for(own_pid(proc.pid))
         if reg.source == "below" and sum(1 for x in self._fifos.values() if x.reg.uid == reg.uid) >= MAX_BELOW_PER_UID:
             os.close(pidfd)
-            log.warning("exception_fifo_refused", pid=proc.pid, uid=reg.uid, why=f"{MAX_BELOW_PER_UID} FIFOs of this user")
+            now = time.monotonic()
+            if now - self._refused_said.get(reg.uid, -REFUSED_LOG_EVERY) >= REFUSED_LOG_EVERY:
+                self._refused_said[reg.uid] = now  # one line a minute per user, however many programs they start
+                log.warning("exception_fifo_refused", pid=proc.pid, uid=reg.uid,
+                            why=f"{MAX_BELOW_PER_UID} FIFOs of this user; their further programs get none "
+                                f"(said once in {REFUSED_LOG_EVERY:g} s)")
             return None
         try:
             uid_fd = self._uid_dir(reg.uid)

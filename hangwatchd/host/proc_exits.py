@@ -195,8 +195,10 @@ class ProcExits:
             return
         self._send(PROC_CN_MCAST_LISTEN)
         end = time.monotonic() + ACK_TIMEOUT
+        poller = select.poll()  # not select(): a descriptor past 1023 is refused there
+        poller.register(sock, select.POLLIN)
         while time.monotonic() < end:
-            ready, _, _ = select.select([sock], [], [], max(0.0, end - time.monotonic()))
+            ready = poller.poll(max(0.0, end - time.monotonic()) * 1000)
             if not ready:
                 break
             data = sock.recv(4096)

@@ -20,6 +20,15 @@ from . import pdeathsig
 MAX_OUTPUT = 32 << 20  # bytes kept of a tool's stdout (and of its stderr): py-spy of a process with thousands of threads says a few MB
 READ_CHUNK = 1 << 16
 REAP_WAIT = 2.0  # seconds to collect a killed tool's last output; a grandchild that escaped its group keeps the pipes, not us
+# What a program that runs as a user gets of the daemon's environment: what finding and running a tool
+# needs, nothing else. The rest (the shared store's keys, from the unit's root-only EnvironmentFile) stays
+# the daemon's: a user reads /proc/PID/environ of any process that runs as them.
+USER_ENV_KEYS = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "CUDA_HOME", "CUDA_PATH", "HANGWATCHD_NVDISASM")
+
+
+def user_environment() -> dict[str, str]:
+    """The part of this process's environment a program running as a user may see (``USER_ENV_KEYS``)."""
+    return {k: os.environ[k] for k in USER_ENV_KEYS if k in os.environ}
 
 
 @dataclass(frozen=True)
@@ -59,7 +68,8 @@ def run(
     ``max_output`` bytes (what it says of a user's process is the user's to make long): it is
     killed, its output cut there, and the result says ``truncated``. A ``timeout`` of 0 or less
     (a deadline already passed) runs nothing. ``user``: run it as that uid (its primary group, no
-    others), where we are root: what it reads, it reads with that user's rights only."""
+    others), where we are root: what it reads, it reads with that user's rights only; without an
+    ``env`` of its own it gets ``user_environment()``, never the daemon's whole environment."""
     if timeout <= 0:
         return Result(tuple(argv), None, b"", b"", True, 0.0)
     start = time.monotonic()
@@ -67,6 +77,8 @@ def run(
     as_user: dict[str, object] = {}
     if user is not None and os.geteuid() == 0:
         as_user = {"user": user, "group": primary_gid(user), "extra_groups": []}
+        if env is None:
+            env = user_environment()
     proc = subprocess.Popen(  # type: ignore[call-overload]  # as_user holds Popen's own keywords
         list(argv),
         stdin=subprocess.DEVNULL,

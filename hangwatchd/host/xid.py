@@ -126,7 +126,10 @@ def recovery_name(code: int | None) -> str | None:
 
 MAX_DETAIL = 300  # characters of a line's rest kept (an NVLink line's registers, an MMU fault's address)
 
-_XID = re.compile(r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9A-Fa-f]{1,8}:[0-9A-Fa-f]{1,2}:[0-9A-Fa-f]{1,2})(?:\.[0-7])?\):\s*"
+# Anchored: the driver's record begins with "NVRM: Xid" (after a dmesg time stamp, in plain text). Text
+# elsewhere in a record is anyone's: the kernel logs a segfault with the name of the file mapped where
+# it happened ("python3[7]: segfault at ... in NAME[7f..+1000]"), and a user may name a file like an XID line.
+_XID = re.compile(r"\s*(?:\[[\s\d.]{1,32}\]\s*)?NVRM: Xid \((?:PCI:)?(?P<pci>[0-9A-Fa-f]{1,8}:[0-9A-Fa-f]{1,2}:[0-9A-Fa-f]{1,2})(?:\.[0-7])?\):\s*"
                   r"(?P<xid>\d{1,5}),?\s*(?P<rest>.*)")
 _PID = re.compile(r"pid\s*=\s*(?P<pid>\d{1,10}|'[^']{0,32}'|<[^>]{0,32}>|N/A)\s*,?\s*")
 _NAME = re.compile(r"name\s*=\s*(?P<name>[^,]{0,64}?)\s*(?:,\s*|$)")
@@ -167,7 +170,7 @@ def _printable(text: str) -> str:
 
 def parse_line(message: str) -> XidLine | None:
     """The facts of an ``NVRM: Xid`` line (a kernel log message), or None when it is not one."""
-    m = _XID.search(message)
+    m = _XID.match(message)
     if not m:
         return None
     pci = pci_key(m.group("pci"))

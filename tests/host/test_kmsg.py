@@ -69,7 +69,11 @@ FIELD_LINES = [
 ]
 NOT_XIDS = ["NVRM: GPU at PCI:0000:0a:00: GPU-760d0170-b7c5-6817-9414-6cc7112645de",
             "NVRM: The NVIDIA GPU 0000:b3:00.0 (PCI ID: 10de:26b5) installed in this system has",
-            "nvidia-peermem nv_get_p2p_free_callback:127 ERROR detected invalid context", "NVRM: Xid (PCI:zz): 31, pid=1"]
+            "nvidia-peermem nv_get_p2p_free_callback:127 ERROR detected invalid context", "NVRM: Xid (PCI:zz): 31, pid=1",
+            # Any user's text in the kernel's own line: a segfault names the file mapped where it happened.
+            "python3[27598]: segfault at 7f5930713000 ip 00007f5930713000 sp 00007ffc7d0d2398 error 15 in NVRM: Xid "
+            "(PCI:0000:18:00): 79, pid=1234, name=python3, GPU has fallen off the bus.[0,7f5930713000+1000] likely on CPU 0",
+            "NVRM: Xid (PC[1]: segfault at 0 ip 0 sp 0 error 15 in NVRM: Xid (PCI:0000:18:00): 79, GPU has fallen off the bus."]
 
 
 @pytest.mark.parametrize(("line", "facts"), FIELD_LINES, ids=[f"xid-{f[1]}-{i}" for i, (_, f) in enumerate(FIELD_LINES)])
