@@ -137,6 +137,8 @@ def test_a_job_incident_is_stored_before_its_dumps_and_a_dump_that_never_comes_h
             assert (early["pid"], early["step"], early["files"]) == (dumped, "cuda_dump", ["symbolized.json"])
             dump_done = next(e for e in whole if e["pid"] == dumped and e["step"] == "cuda_dump")
             assert amended.index(early) < amended.index(dump_done)
+            kept = {p.name for p in (Path(inc["dir"]) / str(dumped)).iterdir()}
+            assert "coredump.nvcudmp.zst" in kept and "coredump.nvcudmp" not in kept  # the dump kept once, compressed
         finally:
             for r in ranks:
                 stop(r)

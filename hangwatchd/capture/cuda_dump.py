@@ -183,8 +183,9 @@ class CudaDumpStep:
             raise StepFailed(f"the driver wrote {drain.size} bytes into {fifo} and did not finish within {timeout:g} s"
                              + (f" ({note})" if note and drain.ended != "short" else ""))
         fd = os.open(raw, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        raw.unlink()  # read through fd from here: the symbolised report is published with outdir, never the raw dump
         try:
-            return dump_artifacts.store_fd(fd, raw, outdir, remove_source=True, on_symbolized=lambda: late.publish(outdir),
+            return dump_artifacts.store_fd(fd, raw, outdir, remove_source=False, on_symbolized=lambda: late.publish(outdir),
                                            deadline=end)
         except untrusted.Refused as exc:
             raise StepFailed(f"refusing to read the dump: {exc}") from None
