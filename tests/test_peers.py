@@ -67,11 +67,15 @@ def start() -> Iterator[Callable[..., Workload]]:
         w.stop()
 
 
-def until_blocked(pid: int, syscall: str, tid: int | None = None, timeout: float = 10.0) -> None:
+SLEEPS = ("clock_nanosleep", "nanosleep", "select", "pselect6")  # time.sleep, as the kernel shows it
+
+
+def until_blocked(pid: int, syscall: str | tuple[str, ...], tid: int | None = None, timeout: float = 10.0) -> None:
     end = time.monotonic() + timeout
+    wanted = (syscall,) if isinstance(syscall, str) else syscall
     while time.monotonic() < end:
         tids = [tid] if tid else [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        if any(blocked_on(pid, t).get("syscall") == syscall for t in tids):
+        if any(blocked_on(pid, t).get("syscall") in wanted for t in tids):
             return
         time.sleep(0.02)
     raise AssertionError(f"pid {pid} never blocked in {syscall}")
@@ -105,13 +109,14 @@ def test_a_thread_reading_a_pipe_its_own_process_writes_names_that_descriptor(st
     """)
     r, wfd = map(int, w.said)
     until_blocked(w.pid, "read")
+    until_blocked(w.pid, SLEEPS, tid=w.pid)  # the main thread prints before it sleeps
     data = proc_json(w.pid, tmp_path)
     wait = thread_wait(data, "read")
     assert wait["kind"] == "pipe" and wait["fd"] == r
     assert wait["peers_complete"] is True
     assert [(p["pid"], p["fd"], p["mode"], p["same_process"]) for p in wait["peers"]] == [(w.pid, wfd, "w", True)]
     # The main thread sleeps: its own wait, and no peers to name.
-    assert data["blocked_on"]["syscall"] in ("clock_nanosleep", "nanosleep", "select", "pselect6")
+    assert data["blocked_on"]["syscall"] in SLEEPS
     assert data["schedstat"]["cpu_ns"] > 0 and data["schedstat"]["slices"] > 0
 
 
