@@ -289,7 +289,7 @@ def analyze(incident: Path, raw_dumps: sandbox.Limits | None = None) -> Analysis
         elif ranks:
             v = ranks[0]
             culprits.append(Culprit(v.rank, v.pid, f"{v.verdict}: {v.detail}", v.location))
-            summary = f"{_who(v)}: {v.detail}" + (f" at {v.location}." if v.location else ".")
+            summary = f"{_who(v)}: {v.detail}" + (f" at {_short_where(v.location)}." if v.location else ".")
         else:
             summary = "Nothing was captured that can be analysed."
     views = _own_job_views([(v.pid, ev.ras) for v, ev in zip(ranks, found) if ev.ras is not None], problems)
