@@ -279,3 +279,35 @@ def test_a_wait_for_a_file_ends_when_its_writer_is_gone(tmp_path: Path) -> None:
             watch.close()
         assert waited < 60.0, "it waited out its whole deadline for a writer that was gone"
         assert found == (out / "trace_0" if writes else None)
+
+
+def test_nvml_said_absent_is_not_asked_again_for_a_while(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the probe says NVML is not here, the step says n/a without starting another probe (50
+    hangs at once started 50 interpreters to hear it) for ``ABSENT_FOR``; then it asks again."""
+    from hangwatchd.capture.base import StepNotApplicable
+    from hangwatchd.capture.nvml import NvmlStep
+    from hangwatchd.host import procfs
+    from hangwatchd.host.deadline import Deadline
+    from hangwatchd.model import Registration
+
+    fake = Path(__file__).parent / "fake_nvml"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(fake), os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.delenv("HANGWATCHD_FAKE_NVML", raising=False)  # the stand-in then says: no NVML library
+    me = procfs.identify(os.getpid())
+    assert me is not None
+    target = Registration(me, uid=os.getuid())
+    step = NvmlStep()
+    with pytest.raises(StepNotApplicable) as first:
+        step.run(target, tmp_path, Deadline.after(30.0))
+    # A GPU now answers; the step does not ask yet, and says what it was told.
+    gpus = tmp_path / "nvml"
+    (gpus / "events").mkdir(parents=True)
+    (gpus / "gpus").write_text("2")
+    monkeypatch.setenv("HANGWATCHD_FAKE_NVML", str(gpus))
+    with pytest.raises(StepNotApplicable) as again:
+        step.run(target, tmp_path, Deadline.after(30.0))
+    assert str(again.value) == str(first.value) and not (tmp_path / "nvml.json").exists()
+    assert step.absent is not None
+    step.absent = (time.monotonic() - 1.0, step.absent[1])  # its time is up: asked again, and the GPUs are there
+    assert step.run(target, tmp_path, Deadline.after(30.0)) == ("nvml.json",)
+    assert len(json.loads((tmp_path / "nvml.json").read_text())["devices"]) == 2

@@ -6,7 +6,7 @@ import enum
 import errno
 import os
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, runtime_checkable
 
 from ..host import untrusted
 from ..host.deadline import Deadline
@@ -33,6 +33,29 @@ class Phase(enum.Enum):
     def stored_first(self) -> bool:
         """In the incident as first stored (else added to it after)."""
         return self in (Phase.FIRST, Phase.BESIDE)
+
+
+@runtime_checkable
+class WindowStep(Protocol):
+    """A step that only watches over a window (``progress``): a first look, then a second one
+    ``window_by`` seconds later. Its ``run`` does both and sleeps between; a capture made in two turns
+    (``daemon.make_incident.Making``) takes the first look with the other steps, gives its worker
+    back while the window passes, and takes the second when it finishes the capture."""
+
+    name: str
+    phase: ClassVar[Phase]
+
+    def window_by(self, deadline: Deadline) -> float:
+        """Seconds from the first look to the second, in a capture cut at ``deadline``."""
+        ...
+
+    def open(self, target: Registration, deadline: Deadline) -> object:
+        """The first look (never raises for the process's state: ``close`` says what it lacked)."""
+        ...
+
+    def close(self, target: Registration, outdir: Path, deadline: Deadline, opened: object) -> tuple[str, ...]:
+        """The second look, against ``opened``; the files written (StepFailed as ``Step.run``)."""
+        ...
 
 
 class StepFailed(Exception):

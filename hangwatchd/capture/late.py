@@ -65,6 +65,7 @@ def split(steps: Sequence[tuple[Step, float]]) -> tuple[list[tuple[Step, float]]
 
 
 StepDone = Callable[[Registration, Path, StepResult], None]
+Taken = Callable[[Registration, StepResult], bool]
 Early = Callable[[Registration, Path], None]
 
 # A step's output dir -> what hands over the files it has finished so far (a GPU dump's
@@ -97,6 +98,7 @@ def run_late(
     early: Early | None = None,
     stored: Stored | None = None,
     refused: Collection[tuple[int, str]] = (),
+    first: Taken | None = None,
 ) -> None:
     """Run the late ``steps`` on every target at once, each step into its own ``outdir_of(target,
     step)``; call ``done(target, outdir, result)`` on that step's thread as soon as it is over,
@@ -127,6 +129,11 @@ def run_late(
                 _early.pop(str(outdir), None)
             if ran is not None:
                 ran.set()  # the next lane need not wait for the hand-over (which re-reads the incident)
+        if first is not None:
+            results = tuple(r for r in results if not first(target, r))
+            if not results:
+                shutil.rmtree(outdir, ignore_errors=True)  # in the incident as first stored
+                return
         if stored is not None and stored.wait() is None:
             shutil.rmtree(outdir, ignore_errors=True)  # no incident to add it to
             return

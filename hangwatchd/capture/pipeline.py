@@ -6,20 +6,27 @@ deadline, whichever comes first (``Deadline.cut``; the GPU dump too: a capture
 never runs past its deadline). When a step runs is said on its type
 (``Step.phase``). Whatever a step raises is that step's failure, recorded with
 its traceback in the log; the next step runs.
+
+A step that only watches over a window (``WindowStep``) can be run in two halves,
+``Opening`` and ``Closing``, each a step of its own; ``whole`` makes their one
+result, logged and counted once (``record``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import structlog
 
 from ..host.deadline import Deadline
 from ..metrics import Metrics
 from ..model import ProcessCapture, Registration, StepResult
-from .base import Phase, Step, StepFailed, StepNotApplicable
+from .base import Phase, Step, StepFailed, StepNotApplicable, WindowStep
 from .parallel import run_across
 
 log = structlog.get_logger("hangwatchd.capture")
@@ -73,13 +80,70 @@ def run_steps(
             result = StepResult(step.name, False, time.monotonic() - start, f"{type(exc).__name__}: {exc}")
             log.error("capture_step_raised", pid=target.process.pid, step=step.name, error=result.error, exc_info=exc)
         results.append(result)
-        if metrics is not None:
-            metrics.step_duration.labels(**metrics.labels(step=step.name)).observe(result.seconds)
-            if not result.ok:
-                metrics.step_failures.labels(**metrics.labels(step=step.name)).inc()
-        log.info("capture_step", pid=target.process.pid, step=step.name, ok=result.ok, na=result.not_applicable,
-                 seconds=round(result.seconds, 3), error=result.error, files=list(result.files))
+        if not getattr(step, "half", False):
+            record(target, result, metrics)
     return ProcessCapture(target, tuple(results))
+
+
+def record(target: Registration, result: StepResult, metrics: Metrics | None) -> None:
+    """A step's result logged, and counted in the metrics."""
+    if metrics is not None:
+        metrics.step_duration.labels(**metrics.labels(step=result.step)).observe(result.seconds)
+        if not result.ok:
+            metrics.step_failures.labels(**metrics.labels(step=result.step)).inc()
+    log.info("capture_step", pid=target.process.pid, step=result.step, ok=result.ok, na=result.not_applicable,
+             seconds=round(result.seconds, 3), error=result.error, files=list(result.files))
+
+
+Seen = dict[tuple[int, str], tuple[float, object]]  # (pid, step name) -> when a window step's first look ended, what it saw
+
+
+@dataclass
+class Opening:
+    """A window step's first look, as a step of its own (beside the rank's other steps): what it saw
+    is kept in ``seen`` for its ``Closing``. A half: not logged or counted (``whole`` is)."""
+
+    step: WindowStep
+    seen: Seen
+    name: str = field(init=False)
+    phase: ClassVar[Phase] = Phase.BESIDE
+    half: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        self.name = self.step.name
+
+    def run(self, target: Registration, outdir: Path, deadline: Deadline) -> tuple[str, ...]:
+        opened = self.step.open(target, deadline)
+        self.seen[(target.process.pid, self.name)] = (time.monotonic(), opened)
+        return ()
+
+
+@dataclass
+class Closing:
+    """A window step's second look, against what its ``Opening`` saw on the same process."""
+
+    step: WindowStep
+    seen: Seen
+    name: str = field(init=False)
+    phase: ClassVar[Phase] = Phase.BESIDE
+    half: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        self.name = self.step.name
+
+    def run(self, target: Registration, outdir: Path, deadline: Deadline) -> tuple[str, ...]:
+        seen = self.seen.get((target.process.pid, self.name))
+        if seen is None:
+            raise StepFailed("its first look was not taken")
+        return self.step.close(target, outdir, deadline, seen[1])
+
+
+def whole(opened: StepResult, closed: StepResult) -> StepResult:
+    """A window step's one result from its halves: the first's failure, else the second's outcome,
+    with the time both worked (not the window between them)."""
+    if not opened.ok or opened.skipped:
+        return opened
+    return dataclasses.replace(closed, seconds=opened.seconds + closed.seconds)
 
 
 def capture_all(

@@ -35,7 +35,9 @@ class ProcStep:
         p = target.process
         if not procfs.alive(p):
             raise StepFailed(f"pid {p.pid} started at {p.start_time} is gone")
-        data = facts(target, self.node, deadline.at - deadline.left() * 0.2)  # the rest: writing it
+        # The scan of the node's descriptors may be one begun since the capture's deadline was made (the
+        # hang declared): captures declared together share it. The rest of the time: writing it.
+        data = facts(target, self.node, deadline.at - deadline.left() * 0.2, deadline.made)
         if not procfs.alive(p):
             raise StepFailed(f"pid {p.pid} exited while it was being read")
         write_json(outdir / "proc.json", data)

@@ -4,7 +4,9 @@ A rank of a job that is hung everywhere else but still beats, or whose stack
 still moves, has left the lockstep: the job-wide analysis names it. This step
 looks over a short window (it runs beside the other ranks' steps, so the
 window costs no time on a node): the beat counter twice, and, for a process
-that never beats, two non-pausing stack samples.
+that never beats, two non-pausing stack samples. The daemon takes the first
+look with the capture's other steps and the second when it finishes the capture,
+holding no worker while the window passes (``capture.base.WindowStep``).
 """
 
 from __future__ import annotations
@@ -53,29 +55,51 @@ def _stack(pid: int, uid: int, deadline: Deadline) -> tuple[object, ...] | None:
         return None
 
 
+@dataclass(frozen=True)
+class Opened:
+    """The first look: when, and the beat counter then (or, for a process that never beats, its stack)."""
+
+    at: float  # monotonic, once the look was taken
+    beats: beat_segment.Reading | None
+    stack: tuple[object, ...] | None = None
+
+
 @dataclass
 class ProgressStep:
     name: str = "progress"
     window: float = WINDOW
     phase: ClassVar[Phase] = Phase.BESIDE  # it only watches: the pipeline runs it beside the rank's other steps
 
+    def window_by(self, deadline: Deadline) -> float:
+        """The window, in the capture's time: at most a third of what is left of it."""
+        return max(0.1, min(self.window, deadline.left() / 3))
+
     def run(self, target: Registration, outdir: Path, deadline: Deadline) -> tuple[str, ...]:
-        window = max(0.1, min(self.window, deadline.left() / 3))
-        pid = target.process.pid
+        window = self.window_by(deadline)
+        opened = self.open(target, deadline)
+        time.sleep(max(0.0, opened.at + window - time.monotonic()))
+        return self.close(target, outdir, deadline, opened)
+
+    def open(self, target: Registration, deadline: Deadline) -> Opened:
         before = _beats(target)
         if before is not None:
-            time.sleep(window)
+            return Opened(time.monotonic(), before)
+        first = _stack(target.process.pid, target.uid, deadline.cut(deadline.left() / 3))
+        return Opened(time.monotonic(), None, first)
+
+    def close(self, target: Registration, outdir: Path, deadline: Deadline, opened: object) -> tuple[str, ...]:
+        assert isinstance(opened, Opened)
+        window = round(time.monotonic() - opened.at, 3)  # as it was: a capture finished later watched longer
+        if opened.beats is not None:
             after = _beats(target)
-            beats = (after.count - before.count) if after else 0
+            beats = (after.count - opened.beats.count) if after else 0
             data = {"window_seconds": window, "beats": beats, "beating": beats > 0,
                     "last_beat_age_seconds": after.age() if after else None, "stack_moved": None}
         else:
-            first = _stack(pid, target.uid, deadline.cut(deadline.left() / 3))
-            time.sleep(window)
-            second = _stack(pid, target.uid, deadline)
-            if first is None or second is None:
+            second = _stack(target.process.pid, target.uid, deadline)
+            if opened.stack is None or second is None:
                 raise StepFailed("no beat segment and no readable stack: progress unknown")
-            data = {"window_seconds": window, "beats": None, "beating": None, "stack_moved": first != second}
+            data = {"window_seconds": window, "beats": None, "beating": None, "stack_moved": opened.stack != second}
         data["progressing"] = bool(data["beating"] or data["stack_moved"])
         write_json(outdir / "progress.json", data)
         return ("progress.json",)

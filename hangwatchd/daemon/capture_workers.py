@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import heapq
 import itertools
 import json
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,7 +55,8 @@ from ..workload import dump_names, exits
 from . import exception_capture, exception_dumps
 from .act import Acting
 from .gpu_dump_gate import gpu_dump_veto
-from .make_incident import make_incident
+from .make_incident import Making, make_incident
+from .work_pool import WorkPool
 
 log = structlog.get_logger("hangwatchd.daemon")
 
@@ -63,6 +66,7 @@ MAX_WAITING = 16  # captures of one uid queued behind its budget; past it a hang
 WEDGED_AFTER = 30.0  # seconds past its own deadline a capture may run before the daemon calls itself unhealthy
 INGESTED_MAX = 10_000  # exception-dump names remembered in memory (oldest forgotten first; the store keeps all)
 CAPTURES_MAX = 64  # captures (hangs and dumps) queued or running at once; past it a hang waits for its retry
+WORKERS = 4  # threads that capture, analyse and store; none of them waits out a window or the slow evidence
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,15 @@ class CaptureDone:
     incident: str | None = None  # None: no incident came of it (``error`` says why; none for a dump refused and counted)
     linked: bool = True  # an exception dump: whether it was linked to the process its name gives
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class CaptureLooked:
+    """A capture's stacks are in and its worker given back while a window passes (``progress``'s):
+    the loop has it finished at ``ready_at`` (monotonic)."""
+
+    capture: int
+    ready_at: float
 
 
 @dataclass(frozen=True)
@@ -117,7 +130,12 @@ class CaptureWorkers:
         self.act = act  # what follows a stored incident (on_hang)
         self.fifos = fifos  # the exception FIFOs, where the daemon keeps them
         self.exceptions: dict[ProcessId, int] = {}  # process -> the capture of the exception caught in it
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="capture")
+        self.pool = WorkPool(WORKERS, "capture")
+        self.due: list[tuple[float, int]] = []  # (when, capture): captures waiting out a window (a heap, the loop's)
+        self._lock = threading.Lock()  # the workers' side: captures parked, and those whose slow evidence is coming
+        self._parked: dict[int, Making] = {}  # capture -> its incident, looked at, to finish once its window passed
+        self._late: set[Making] = set()  # stored, their slow evidence still coming (on threads of their own)
+        self._stopping = False
         self.captures: dict[int, _Capture] = {}
         self._ids = itertools.count(1)
         self.dumping: set[int] = set()  # pids whose GPU dump a capture is taking: not exception dumps
@@ -161,9 +179,20 @@ class CaptureWorkers:
             del self.ingested[next(iter(self.ingested))]
 
     def shutdown(self) -> None:
-        """Stop: queued captures are dropped (logged), running ones end at their deadlines. Each that
-        ran has posted its CaptureDone: the loop hands those to ``finished`` like any other."""
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        """Stop: queued captures are dropped (logged), running ones end at their deadlines; one waiting
+        out a window is finished now (the window as it was), and slow evidence coming is waited for (cut
+        at its capture's deadline). Each that ran has posted its CaptureDone: the loop hands those to
+        ``finished`` like any other."""
+        with self._lock:
+            self._stopping = True
+            parked, self._parked = self._parked, {}
+        for capture, making in parked.items():
+            self.pool.submit(self._finish, capture, making, first=True)
+        self.pool.shutdown(wait=True, cancel_new=True)
+        with self._lock:
+            coming = list(self._late)
+        for making in coming:
+            making.wait_late()
         for c in list(self.captures.values()):
             if c.future.cancelled():
                 log.warning("capture_cancelled", pids=[r.process.pid for r in c.registrations], reason=c.suspicion.reason,
@@ -317,19 +346,30 @@ class CaptureWorkers:
     def _capture(self, capture: int, targets: list[Registration], suspicion: Suspicion, deadline: Deadline,
                  job_incident: str | None, notify: str | None, gone: list[exits.Departed], declare: bool,
                  on_hang: str) -> None:
-        """On a worker thread: tell the fleet, capture, analyse, store, hand the incident to the fleet;
-        then, whatever happened, one CaptureDone on the loop's queue."""
-        done = CaptureDone(capture, error="the worker stopped before it finished")
+        """On a worker thread: tell the fleet, then the capture's first turn (``Making.look``: facts,
+        stacks, each window's first look). Where a window is still open, the worker is given back and
+        a ``CaptureLooked`` asks the loop to have it finished once the window has passed (``resume``);
+        else it is finished here. Whatever happens, one CaptureDone follows on the loop's queue."""
         try:
-            done = CaptureDone(capture, self._make(targets, suspicion, deadline, job_incident, notify, gone, declare, on_hang))
-        except Exception as exc:  # the loop hears of it as this capture's error
-            done = CaptureDone(capture, error=f"{type(exc).__name__}: {exc}")
-            log.error("capture_failed", pids=[t.process.pid for t in targets], error=done.error, exc_info=exc)
-        finally:
-            self.post(done)
+            making = self._look(targets, suspicion, deadline, job_incident, notify, gone, declare, on_hang)
+            ready_at = making.look()
+            with self._lock:
+                park = ready_at > time.monotonic() and not self._stopping
+                if park:
+                    self._parked[capture] = making
+        except Exception as exc:  # noqa: BLE001 - the loop hears of it as this capture's error (logged there)
+            self._failed(capture, targets, exc)
+            return
+        except BaseException:
+            self.post(CaptureDone(capture, error="the worker stopped before it finished"))
+            raise
+        if park:
+            self.post(CaptureLooked(capture, ready_at))
+        else:
+            self._finish(capture, making)
 
-    def _make(self, targets: list[Registration], suspicion: Suspicion, deadline: Deadline, job_incident: str | None,
-              notify: str | None, gone: list[exits.Departed], declare: bool, on_hang: str) -> str:
+    def _look(self, targets: list[Registration], suspicion: Suspicion, deadline: Deadline, job_incident: str | None,
+              notify: str | None, gone: list[exits.Departed], declare: bool, on_hang: str) -> Making:
         job = targets[0].job
         if declare and self.fleet is not None and job is not None:
             try:  # every other node watching a rank of this job captures it too, under one job incident id
@@ -344,13 +384,64 @@ class CaptureWorkers:
 
         if deadline.passed():
             raise TimeoutError(f"its deadline passed while it waited for a worker ({time.monotonic() - deadline.at:.1f} s ago)")
-        incident_id = make_incident(self.store, self.steps, targets, suspicion, deadline, self.metrics, gate,
-                                    notify, self.spool, gone, self.config.node, job_incident,
-                                    runtime_dir=Path(self.config.runtime_dir))
-        if self.fleet and incident_id and self.spool.find(incident_id) is None:
-            self.fleet.stored(incident_id, self.store.dir / incident_id, next((t.job for t in targets if t.job), None),
-                              job_incident)
-        return incident_id
+        return Making(self.store, self.steps, targets, suspicion, deadline, self.metrics, gate, notify, self.spool, gone,
+                      self.config.node, job_incident, runtime_dir=Path(self.config.runtime_dir))
+
+    def looked(self, looked: CaptureLooked) -> None:
+        """On the loop: a capture waits out a window; it is finished once that has passed (``resume``)."""
+        heapq.heappush(self.due, (looked.ready_at, looked.capture))
+
+    def next_due(self) -> float:
+        """When the next capture waiting out a window is to be finished (monotonic; inf: none)."""
+        return self.due[0][0] if self.due else float("inf")
+
+    def resume(self, now: float) -> None:
+        """On the loop: each capture whose window has passed goes back to a worker, before any new one."""
+        while self.due and self.due[0][0] <= now:
+            _, capture = heapq.heappop(self.due)
+            self.pool.submit(self._resume, capture, first=True)
+
+    def _resume(self, capture: int) -> None:
+        with self._lock:
+            making = self._parked.pop(capture, None)
+        if making is not None:  # else the daemon's stop finished it already
+            self._finish(capture, making)
+
+    def _finish(self, capture: int, making: Making) -> None:
+        """On a worker: the capture's last turn, the incident stored. Its CaptureDone follows once the
+        slow evidence is in, from the thread that takes it: no worker waits for it."""
+        try:
+            incident_id = making.finish()
+        except Exception as exc:  # noqa: BLE001 - the loop hears of it as this capture's error (logged there)
+            self._failed(capture, making.targets, exc)
+            return
+        except BaseException:
+            self.post(CaptureDone(capture, error="the worker stopped before it finished"))
+            raise
+        with self._lock:
+            self._late.add(making)
+        making.then(lambda: self._handed(capture, making, incident_id))
+
+    def _handed(self, capture: int, making: Making, incident_id: str) -> None:
+        """The capture is over, its slow evidence in: the incident handed to the fleet; one CaptureDone."""
+        done = CaptureDone(capture, error="the worker stopped before it finished")
+        try:
+            if self.fleet and self.spool.find(incident_id) is None:
+                self.fleet.stored(incident_id, self.store.dir / incident_id,
+                                  next((t.job for t in making.targets if t.job), None), making.job_incident)
+            done = CaptureDone(capture, incident_id)
+        except Exception as exc:  # the loop hears of it as this capture's error
+            done = CaptureDone(capture, error=f"{type(exc).__name__}: {exc}")
+            log.error("capture_failed", pids=making.pids, error=done.error, exc_info=exc)
+        finally:
+            with self._lock:
+                self._late.discard(making)
+            self.post(done)
+
+    def _failed(self, capture: int, targets: list[Registration], exc: Exception) -> None:
+        done = CaptureDone(capture, error=f"{type(exc).__name__}: {exc}")
+        log.error("capture_failed", pids=[t.process.pid for t in targets], error=done.error, exc_info=exc)
+        self.post(done)
 
     def finished(self, done: CaptureDone) -> list[tuple[Watched, str | None]]:
         """On the loop: a worker is done. Its incident counted and announced, the job's policy applied;
@@ -520,7 +611,7 @@ class CaptureWorkers:
                 Path(drained.path).unlink(missing_ok=True)
             return
         looked, begun = c.looked, c.begun
-        c.future = self.pool.submit(self._exception_file, c.id, begun, drained, looked, c.deadline)
+        c.future = self.pool.submit(self._exception_file, c.id, begun, drained, looked, c.deadline, first=True)
 
     def _exception_file(self, capture: int, begun: ExceptionBegun, drained: ExceptionDrained,
                         looked: exception_capture.ExceptionLooked, deadline: Deadline) -> None:

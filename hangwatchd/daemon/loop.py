@@ -14,7 +14,8 @@ a ``finally`` (their exceptions arrive as values):
 
     sampler (py-spy)        SampleTaken(process, native, sample | its error | deferred), PaceSampled(process, sample)
     pace's NVML look        GpusLooked(job, NVML's answer | its error)
-    capture workers         CaptureDone(capture, incident | error), ChoreDone(name, error)
+    capture workers         CaptureLooked(capture, when its window has passed), CaptureDone(capture, incident | error),
+                            ChoreDone(name, error)
     discovery thread        GpuPidsFound(pids)
     discovery's /proc scan  Discovered(registrations | error)
     fleet poller            CaptureRequest (another node's request for a job's ranks), PacesRead (other nodes' paces)
@@ -33,8 +34,8 @@ when each sampled process's threads last ran, read by the sampler).
 answers with decisions (``Declare``, ``Drop``) that ``_act`` carries out: a
 capture queued on the workers, then the group HUNG (``handed_over``). One hang
 read from start to end: ``_look`` -> ``machine.observe`` -> ``Declare`` ->
-``_act`` -> ``workers.start`` -> ``CaptureDone`` -> ``_capture_done`` ->
-``machine.stored``. The status writer gets plain data made here.
+``_act`` -> ``workers.start`` -> ``CaptureLooked`` -> ``workers.resume`` ->
+``CaptureDone`` -> ``_capture_done`` -> ``machine.stored``. The status writer gets plain data made here.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ from ..watch.stack_history import Sample
 from ..watch.watched import LIVE, Watched, Watchlist
 from ..workload import registration_file
 from . import act, exception_dumps
-from .capture_workers import CaptureDone, CaptureWorkers, ChoreDone
+from .capture_workers import CaptureDone, CaptureLooked, CaptureWorkers, ChoreDone
 from .exception_capture import ExceptionLooked
 from .fr_warmup import Warmup, WarmupDone
 from .inbox import Inbox
@@ -310,7 +311,8 @@ class Daemon:
         guard = self.guard
         while not self.stopping:
             now = time.monotonic()
-            timers = [next_rescan, next_status, next_spool, self.next_dump_scan, self.watched.next_due()]
+            timers = [next_rescan, next_status, next_spool, self.next_dump_scan, self.watched.next_due(),
+                      self.workers.next_due()]
             if self.pace is not None:
                 timers.append(self.pace.next_due())
             if self.status_dirty:
@@ -330,6 +332,7 @@ class Daemon:
                         self.exits.unfollow(key.data.pid)
             now = time.monotonic()
             self._dispatch(now)  # what the workers sent back
+            self.workers.resume(now)  # captures whose window has passed, back to a worker
             self.workers.tell_fleet(now)
             for w in self.watched.due(now):
                 if w.process in self.watched:  # not forgotten while handling an earlier one
@@ -381,6 +384,8 @@ class Daemon:
                 self.guard("SampleTaken", self._sample_taken, taken, now)
         elif isinstance(m, CaptureDone):
             self._capture_done(m, now)
+        elif isinstance(m, CaptureLooked):
+            self.workers.looked(m)
         elif isinstance(m, ChoreDone):
             self.workers.chore_done(m)
         elif isinstance(m, GpuPidsFound):

@@ -49,6 +49,7 @@ RETRY_FIRST = 5.0  # a failed capture of a hang is tried again after this, doubl
 RETRY_MAX = 300.0  # ... up to this
 HUNG_LOOK = 5.0  # a hung or captured process is looked at this often (for progress, for a retry)
 MIN_GAP = 0.2  # seconds: the soonest a plain sample follows the last
+TIMEOUT_SHOWN_MOVE = 0.1  # a learned timeout that moves less than this share of itself is shown at the next regular rewrite
 
 @dataclass(frozen=True)
 class Declare:
@@ -116,9 +117,14 @@ class StateMachine:
             self._out.append(Drop(w, exc))
             return
         if obs.learned:
+            shown = (w.timeout, w.timeout_source)
             self.watched.change(w, **obs.learned)
-            if "timeout" in obs.learned:
-                self.watched.on_change()  # a learned timeout: status.json shows it (debounced)
+            if "timeout" in obs.learned and (w.timeout_source != shown[1]
+                                             or abs(w.timeout - shown[0]) >= TIMEOUT_SHOWN_MOVE * shown[0]):
+                # Learned, or moved to another phase's: status.json shows it now (debounced). Each look
+                # moves it a little: 1,000 processes' looks rewrote it every second (bench/scale.py),
+                # where its regular rewrite (status_file.STATUS_EVERY) shows those.
+                self.watched.on_change()
         r = w.registration
         self._export(w)
         sample_at = now if w.watched_by_stack and w.next_sample == float("inf") else None  # e.g. it never beat

@@ -65,9 +65,11 @@ def read(pid: int, uid: int, wanted: list[tuple[str, int]], deadline: float) -> 
         try:
             res = subproc.run_by([python, "-I", "-S", "-c", _READER, json.dumps(items)], deadline, user=uid,
                                  max_output=1 << 20)
-            break
         except OSError:  # this interpreter is not the user's to run (a daemon's venv under /root): the next
             continue
+        if res.returncode in (126, 127):  # the same, said by setpriv, which could not run it as the user
+            continue
+        break
     else:
         return []
     if not res.ok:

@@ -2,10 +2,22 @@
 
 Every external tool hangwatchd runs (py-spy, nvdisasm, cuda-gdb) goes through
 here: the daemon must never block on something it watches.
+
+Each tool dies with the thread that started it (PR_SET_PDEATHSIG): a daemon
+killed leaves no py-spy behind, holding a process paused. The signal is set by
+``setpriv --pdeathsig`` (util-linux), put in front of the tool, so that Python
+starts it with vfork: a function run between fork and exec (``preexec_fn``)
+makes it fork the whole daemon instead, page tables and all, which cost about
+5 ms of the daemon's CPU and 5 ms of the child's on each of the four tools a
+capture runs (``bench/many_hangs.py``). Where there is no setpriv, the
+signal is set between fork and exec as before. (With setpriv, a daemon killed
+in the moment between the start and setpriv's prctl leaves the tool to end by
+itself; set between fork and exec, the child checks for that.)
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import selectors
 import shutil
@@ -17,6 +29,23 @@ from dataclasses import dataclass
 
 from . import pdeathsig
 
+_setpriv: list[str | None] = []  # the setpriv that can set the death signal, once looked for (None: none here)
+
+
+def setpriv() -> str | None:
+    """util-linux's setpriv, where it takes ``--pdeathsig`` (2.33 and later); None where not."""
+    if not _setpriv:
+        found = shutil.which("setpriv")
+        if found is not None:
+            try:
+                ok = subprocess.run([found, "--pdeathsig", "KILL", "--", "true"], stdin=subprocess.DEVNULL,
+                                    capture_output=True, timeout=5).returncode == 0
+            except (OSError, subprocess.SubprocessError):
+                ok = False
+            found = found if ok else None
+        _setpriv.append(found)
+    return _setpriv[0]
+
 MAX_OUTPUT = 32 << 20  # bytes kept of a tool's stdout (and of its stderr): py-spy of a process with thousands of threads says a few MB
 READ_CHUNK = 1 << 16
 REAP_WAIT = 2.0  # seconds to collect a killed tool's last output; a grandchild that escaped its group keeps the pipes, not us
@@ -24,10 +53,6 @@ REAP_WAIT = 2.0  # seconds to collect a killed tool's last output; a grandchild 
 # needs, nothing else. The rest (the shared store's keys, from the unit's root-only EnvironmentFile) stays
 # the daemon's: a user reads /proc/PID/environ of any process that runs as them.
 USER_ENV_KEYS = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "CUDA_HOME", "CUDA_PATH", "HANGWATCHD_NVDISASM")
-# util-linux's setpriv sets the parent-death signal and execs the tool: with it, no Python runs between
-# fork and exec, so the child is started by vfork (a fork of the daemon copies its page tables: about
-# half of what a py-spy sample cost the daemon). Without it, pdeathsig runs in the forked child.
-SETPRIV = shutil.which("setpriv", path="/usr/bin:/bin")
 
 
 def user_environment() -> dict[str, str]:
@@ -77,27 +102,17 @@ def run(
     if timeout <= 0:
         return Result(tuple(argv), None, b"", b"", True, 0.0)
     start = time.monotonic()
-    me = os.getpid()
-    as_user: dict[str, object] = {}
-    if user is not None and os.geteuid() == 0:
-        as_user = {"user": user, "group": primary_gid(user), "extra_groups": []}
-        if env is None:
-            env = user_environment()
-    # A killed daemon leaves no py-spy behind: the child gets SIGKILL when the thread that started it ends.
-    dies: dict[str, object] = {"preexec_fn": lambda: pdeathsig.die_with_parent(me)}
-    command = list(argv)
-    if SETPRIV is not None and not as_user:  # vfork can start neither a preexec_fn nor a change of user
-        command, dies = [SETPRIV, "--pdeathsig", "KILL", "--", *command], {}
-    proc = subprocess.Popen(  # type: ignore[call-overload]  # as_user and dies hold Popen's own keywords
-        command,
+    as_user = user if user is not None and os.geteuid() == 0 else None
+    if as_user is not None and env is None:
+        env = user_environment()
+    proc = subprocess.Popen(  # type: ignore[call-overload]  # started holds Popen's own keywords
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
         env=dict(env) if env is not None else None,
         cwd=cwd,
-        **as_user,
-        **dies,
+        **_started(argv, as_user),
     )
     assert proc.stdout is not None and proc.stderr is not None
     out, err, timed_out, truncated = _collect(proc, start + timeout, max_output)
@@ -108,6 +123,23 @@ def run(
     except subprocess.TimeoutExpired:
         pass  # unkillable (D state): pdeathsig and the kernel have it; we go on
     return Result(tuple(argv), proc.returncode, out, err, timed_out, time.monotonic() - start, truncated)
+
+
+def _started(argv: Sequence[str], user: int | None) -> dict[str, object]:
+    """Popen's ``args`` and the keywords that make the tool die with us (and run as ``user``): by
+    setpriv where there is one (Python then starts it with vfork), else between fork and exec."""
+    tool = setpriv()
+    if tool is not None:
+        # As Popen would: a program that is not there raises here, not as setpriv's failure to run it.
+        if shutil.which(argv[0]) is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
+        as_user = ["--reuid", str(user), "--regid", str(primary_gid(user)), "--clear-groups"] if user is not None else []
+        return {"args": [tool, "--pdeathsig", "KILL", *as_user, "--", *argv]}
+    me = os.getpid()
+    out: dict[str, object] = {"args": list(argv), "preexec_fn": lambda: pdeathsig.die_with_parent(me)}
+    if user is not None:
+        out.update(user=user, group=primary_gid(user), extra_groups=[])
+    return out
 
 
 def _collect(proc: subprocess.Popen[bytes], deadline: float, max_output: int) -> tuple[bytes, bytes, bool, bool]:

@@ -21,7 +21,7 @@ PARENT = textwrap.dedent("""
     import sys
     from hangwatchd.host import subproc
     if sys.argv[2] == "fork":
-        subproc.SETPRIV = None
+        subproc._setpriv[:] = [None]
     subproc.run(["sh", "-c", "echo $$ > " + sys.argv[1] + "; exec sleep 60"], timeout=120)
 """)
 
@@ -35,7 +35,7 @@ def _gone(pid: int) -> bool:
 
 @pytest.mark.parametrize("start", ["setpriv", "fork"])
 def test_a_killed_daemon_leaves_no_tool_behind(tmp_path: Path, start: str) -> None:
-    if start == "setpriv" and subproc.SETPRIV is None:
+    if start == "setpriv" and subproc.setpriv() is None:
         pytest.skip("no setpriv on this machine (util-linux): tools are started with a preexec_fn")
     said = tmp_path / "pid"
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(said), start])

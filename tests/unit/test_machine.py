@@ -65,6 +65,21 @@ def test_what_a_detector_learned_is_written_by_the_transition(node: Node) -> Non
     assert (w.timeout, w.timeout_source, w.never_beat, w.next_check) == (42.0, "learned", True, 5.0)
 
 
+def test_a_learned_timeout_is_announced_when_learned_or_moved_not_at_every_look(node: Node) -> None:
+    """status.json is rewritten (``on_change``) when a timeout is first learned and when it moves by a
+    tenth or more; the small moves of each look wait for its regular rewrite (1,000 processes' looks
+    rewrote it every second)."""
+    w = node.add()
+    announced: list[float] = []
+    node.watched.on_change = lambda: announced.append(w.timeout)
+    for now, timeout in ((1.0, 10.0), (2.0, 10.05), (3.0, 10.4), (4.0, 11.5), (5.0, 11.0)):
+        node.detector.says[w.process.pid] = Observation(State.HEALTHY, now + 1.0,
+                                                        learned={"timeout": timeout, "timeout_source": "learned"})
+        assert node.machine.observe(w, now) == []
+    assert announced == [10.0, 11.5]  # learned (its source changed), then moved by a tenth
+    assert w.timeout == 11.0  # every move is kept, shown or not
+
+
 def test_a_hang_is_confirmed_then_declared_with_one_deadline_and_handed_over(node: Node) -> None:
     w = node.add()
     d = node.declare(w, 100.0)
