@@ -123,8 +123,9 @@ def test_a_rank_that_left_is_the_first_culprit_and_leads_the_summary(tmp_path: P
             assert inc["processes"] == [pid[0]]
             exit_json = json.loads((Path(inc["dir"]) / str(pid[1]) / "exit.json").read_text())
             assert (exit_json["rank"], exit_json["pid"], exit_json["job"], exit_json["world_size"]) == (1, pid[1], "J", 2)
-            # Its last beat as its parent read it after the exit: within a beat interval of its end.
-            assert exit_json["beats"] >= 10 and 0 <= exit_json["time"] - exit_json["last_beat_time"] < 1.0
+            # Its last beat as its parent read it after the exit: just before its end (the interpreter's
+            # exit and the parent's wake-up take their time on a loaded machine).
+            assert exit_json["beats"] >= 10 and 0 <= exit_json["time"] - exit_json["last_beat_time"] < 3.0
             if how == "exit":
                 assert (exit_json["status"], exit_json["signal"]) == (0, None)
                 how_text = "exited with status 0"
