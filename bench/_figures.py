@@ -74,15 +74,17 @@ def judged(value: float, spread: float, limit: float, higher_is_better: bool = F
 
 def commit() -> str:
     """The commit measured: ``HANGWATCHD_COMMIT`` where there is no git (a device's copy), else git's
-    HEAD, said to have uncommitted changes where the tree differs from it (the results aside)."""
+    HEAD, said to have uncommitted changes where the code measured (the package, the benches, the
+    dependencies' pins) differs from it."""
     named = os.environ.get("HANGWATCHD_COMMIT")
     if named:
         return named[:12]
     root = str(RESULTS.parent.parent)
     try:
         res = subprocess.run(["git", "-C", root, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                ":!bench/results", ":!README.md"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no", "--", "hangwatchd",
+                                "bench", ":!bench/results", "pyproject.toml", "constraints.txt"],
+                               capture_output=True, text=True, timeout=10)
     except OSError:
         return "unknown"
     if res.returncode != 0 or not res.stdout.strip():
