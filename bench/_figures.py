@@ -3,7 +3,8 @@
 ``report`` prints the lines and writes ``bench/results/NAME.md``, the table the
 README shows between ``<!-- bench:NAME -->`` markers (``bench/_readme.py``
 copies it there), so the README and the bench cannot disagree. Each table says
-the commit it measured. ``HANGWATCHD_BENCH_OUT`` writes the table elsewhere (a
+the commit it measured and the machine it ran on (``machine``: the CPU's model,
+its cores and architecture, and the GPUs the NVIDIA driver lists). ``HANGWATCHD_BENCH_OUT`` writes the table elsewhere (a
 device run writes under ``$OUT``, whose files come back), ``HANGWATCHD_COMMIT``
 names the commit where there is no git (a device's copy of the tree).
 
@@ -72,15 +73,48 @@ def judged(value: float, spread: float, limit: float, higher_is_better: bool = F
 
 
 def commit() -> str:
+    """The commit measured: ``HANGWATCHD_COMMIT`` where there is no git (a device's copy), else git's
+    HEAD, said to have uncommitted changes where the code measured (the package, the benches, the
+    dependencies' pins) differs from it."""
     named = os.environ.get("HANGWATCHD_COMMIT")
     if named:
         return named[:12]
+    root = str(RESULTS.parent.parent)
     try:
-        res = subprocess.run(["git", "-C", str(RESULTS.parent.parent), "rev-parse", "--short=12", "HEAD"],
-                             capture_output=True, text=True, timeout=10)
+        res = subprocess.run(["git", "-C", root, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no", "--", "hangwatchd",
+                                "bench", ":!bench/results", "pyproject.toml", "constraints.txt"],
+                               capture_output=True, text=True, timeout=10)
     except OSError:
         return "unknown"
-    return res.stdout.strip() if res.returncode == 0 and res.stdout.strip() else "unknown"
+    if res.returncode != 0 or not res.stdout.strip():
+        return "unknown"
+    return res.stdout.strip() + (" with uncommitted changes" if dirty.returncode == 0 and dirty.stdout.strip() else "")
+
+
+def machine() -> str:
+    """The machine a figure was measured on, in a few words: "AMD EPYC, 2 cores (x86_64)", with
+    ", 1 x NVIDIA H200" where the NVIDIA driver lists GPUs."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    gpus: list[str] = []
+    for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
+        try:
+            gpus += [line.split(":", 1)[1].strip() for line in info.read_text().splitlines() if line.startswith("Model:")]
+        except OSError:
+            continue
+    named = ", ".join(f"{gpus.count(g)} x {g}" for g in dict.fromkeys(gpus))
+    return f"{model + ', ' if model else ''}{os.cpu_count()} cores ({platform.machine()})" + (f", {named}" if named else "")
+
+
+def provenance(command: str) -> str:
+    """What ran, on which commit and machine, and when: the start of every table's last line."""
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return f"`{command}`, commit {commit()}, {when}, on {machine()}"
 
 
 def _cell(text: str) -> str:
@@ -93,12 +127,10 @@ def report(name: str, figures: Sequence[Figure], note: str = "", command: str | 
         target = f"; target {f.target}" if f.target else ""
         verdict = f"  {f.verdict}" if f.verdict else ""
         print(f"{name}: {f.what}: {f.figure} (baseline: {f.baseline}{target}){verdict}", flush=True)
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = ["| what | figure | baseline in the same run | target | result |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {_cell(f.what)} | {_cell(f.figure)} | {_cell(f.baseline)} | {_cell(f.target)} | {_cell(f.verdict)} |"
               for f in figures]
-    lines += ["", f"`{command or f'python bench/{name}.py'}`, commit {commit()}, {when}, {os.cpu_count()} cores "
-              f"({platform.machine()})" + (f"; {note}" if note else "") + "."]
+    lines += ["", provenance(command or f"python bench/{name}.py") + (f"; {note}" if note else "") + "."]
     out = Path(os.environ.get("HANGWATCHD_BENCH_OUT") or RESULTS)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")

@@ -24,6 +24,15 @@ def test_every_bench_has_committed_results_with_a_verdict_per_target() -> None:
             assert result in verdicts if target != "-" else result == "-", (name, row)
 
 
+def test_every_table_names_the_commit_and_the_machine_it_was_measured_on() -> None:
+    tables = sorted((ROOT / "bench" / "results").glob("*.md"))
+    assert tables
+    for table in tables:
+        last = [line for line in table.read_text().splitlines() if line.strip()][-1]
+        assert re.search(r"commit [0-9a-f]{7,}", last), f"{table.name} names no commit: {last}"
+        assert re.search(r"\d+ cores \(\w+\)", last), f"{table.name} names no machine: {last}"
+
+
 def test_the_readme_shows_exactly_what_the_committed_results_say() -> None:
     readme = (ROOT / "README.md").read_text()
     for name in BENCHES:

@@ -2,14 +2,12 @@
 
 The table goes to ``bench/results/catalogue.md`` (``HANGWATCHD_BENCH_OUT`` writes it
 elsewhere, as every bench does), footed like the other benches' tables: the command, the
-commit it measured, when, and on how many cores.
+commit it measured, when, and the machine (``_figures.machine``).
 """
 
 from __future__ import annotations
 
-import datetime
 import os
-import platform
 import statistics
 import sys
 from dataclasses import dataclass
@@ -19,7 +17,8 @@ from .score import FALSE_ALARM, HALF, MISSED, RIGHT, SKIPPED, WRONG
 from .watch import Outcome
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _figures import RESULTS, commit
+import _figures as figures
+from _figures import RESULTS
 
 GATE_RIGHT_PCT = 95.0
 LINE_WIDTH = 110
@@ -85,9 +84,7 @@ def markdown(outcomes: list[Outcome], summary: Summary, command: str, elapsed_s:
 
 def provenance(command: str, classes: int, elapsed_s: float) -> str:
     """What ran, on which commit and machine, when: the last line of every table the catalogue writes."""
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return (f"`{command}`, commit {commit()}, {when}, {os.cpu_count()} cores ({platform.machine()}); "
-            f"{classes} classes under one daemon in {elapsed_s:.0f} s.")
+    return f"{figures.provenance(command)}; {classes} classes under one daemon in {elapsed_s:.0f} s."
 
 
 def _verdict_cell(o: Outcome) -> str:

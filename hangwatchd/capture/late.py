@@ -98,7 +98,7 @@ def run_late(
     early: Early | None = None,
     stored: Stored | None = None,
     refused: Collection[tuple[int, str]] = (),
-    first: Taken | None = None,
+    taken: Taken | None = None,
 ) -> None:
     """Run the late ``steps`` on every target at once, each step into its own ``outdir_of(target,
     step)``; call ``done(target, outdir, result)`` on that step's thread as soon as it is over,
@@ -109,7 +109,9 @@ def run_late(
     ``stored``: the incident is being stored meanwhile. The gentle steps run at once and hand
     over once it is stored; the destructive ones start only then. Not stored: what was
     written is removed, and nothing destructive runs. ``refused`` (pid, step name): destructive
-    steps the policy refused, said in the stored incident already: not run."""
+    steps the policy refused, said in the stored incident already: not run. ``taken(target,
+    result)``: a result that came before the incident was stored, offered to go in it as first
+    stored (True: taken there, not handed over after)."""
     if not steps or not targets:
         return
     gentle = [x for x in steps if x[0].phase is not Phase.DESTRUCTIVE]
@@ -129,8 +131,8 @@ def run_late(
                 _early.pop(str(outdir), None)
             if ran is not None:
                 ran.set()  # the next lane need not wait for the hand-over (which re-reads the incident)
-        if first is not None:
-            results = tuple(r for r in results if not first(target, r))
+        if taken is not None:
+            results = tuple(r for r in results if not taken(target, r))
             if not results:
                 shutil.rmtree(outdir, ignore_errors=True)  # in the incident as first stored
                 return

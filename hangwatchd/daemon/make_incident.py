@@ -302,7 +302,7 @@ def coming(incident: Incident) -> str:
 def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequence[Registration], incident_id: str,
               stored: late.Stored, refused: set[tuple[int, str]], suspicion: Suspicion,
               gate: Callable[[Path], str | None] | None, metrics: Metrics | None, declared: float,
-              deadline: Deadline, first: late.Taken | None = None) -> None:
+              deadline: Deadline, taken: late.Taken | None = None) -> None:
     """Run the slow steps on every rank and add each piece of evidence to the incident as it comes,
     once it is stored (``stored`` says when, and with what); ``refused`` (pid, step): not run, the
     stored incident says so already (filled in before ``stored`` is set).
@@ -386,7 +386,7 @@ def _add_late(store: Store, steps: Sequence[tuple[Step, float]], targets: Sequen
                  seconds=round(time.monotonic() - declared, 3), outcome="partial")
 
     late.run_late(steps, targets, lambda t, step: store.late_dir(incident_id, t.process.pid, step), late_gate, metrics,
-                  step_done, deadline, early=early, stored=stored, refused=refused, first=first)
+                  step_done, deadline, early=early, stored=stored, refused=refused, taken=taken)
     if stored.wait() is not None:
         settle()  # whatever a thread that returned early left for the last one
 
