@@ -181,41 +181,6 @@ def test_subproc_never_waits_without_limit_for_a_killed_tool(tmp_path: Path) -> 
             os.kill(int(pidfile.read_text()), signal.SIGKILL)
 
 
-def test_a_tool_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
-    """A daemon killed (SIGKILL: nothing of ours runs) leaves no tool behind: the kernel kills it
-    (the death signal setpriv sets, where there is setpriv, which lets Python start it with vfork)."""
-    import psutil
-
-    from hangwatchd.host import subproc
-
-    pidfile = tmp_path / "tool.pid"
-    tool = ["sh", "-c", f"echo $$ > {pidfile}; exec sleep 300"]
-    parent = subprocess.Popen([sys.executable, "-c", f"from hangwatchd.host import subproc; subproc.run({tool!r}, 300)"])
-    try:
-        wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), 30, "the tool started")
-        child = psutil.Process(int(pidfile.read_text()))
-        assert child.ppid() == parent.pid
-        if subproc.setpriv() is not None:  # started through setpriv, which set the signal and made way for the tool
-            assert child.name() == "sleep"
-        parent.kill()
-        parent.wait()
-
-        def gone() -> bool:
-            try:
-                return child.status() == psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                return True
-
-        wait_for(gone, 10, "the tool killed with its parent")
-    finally:
-        stop(parent, sig=signal.SIGKILL)
-        if pidfile.exists() and pidfile.read_text().strip():
-            try:
-                os.kill(int(pidfile.read_text()), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs for the state dir needs root (CI runs as root)")
 def test_a_hang_is_captured_when_the_fleet_cannot_be_told_for_a_full_state_dir(tmp_path: Path) -> None:
     """With ``store`` set and the state dir full, telling the fleet fails (its outbox lives in the
