@@ -17,6 +17,7 @@ import resource
 import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 
 from hangwatchd.testing import ScratchDaemon, wait_for
@@ -57,6 +58,8 @@ def test_the_helper_that_reads_a_line_of_code_never_carries_the_daemons_environm
             return found or None
 
         caught = wait_for(reader_seen, 60, "the line reader, run as the attacker, seen by the attacker's spy")
+        readers = [int(e.split(b"\0", 1)[0].rsplit(b"\n", 1)[-1]) for e in caught]
+        wait_for(lambda: not any(psutil.pid_exists(p) for p in readers), 30, "the line reader done")  # before the process goes
         job.kill()  # the "driver" goes: its dump is cut short, and the incident is filed
         (inc,) = wait_for(lambda: [i for i in d.settled() if i["job"] == "evil"], 60, "the attacker's exception incident")
         verdict = json.loads((Path(inc["dir"]) / "incident.json").read_text())["verdict"]
