@@ -260,8 +260,11 @@ def test_a_gpu_that_different_jobs_fail_on_fires_gpu_suspect_and_an_applications
         node.kernel_log(f"NVRM: Xid (PCI:0000:19:00): 31, pid={first.pid}, name=python3, {MMU_FAULT}")
         first.stop_beating()
         node.incident("first")
-        time.sleep(3)  # scraped and evaluated a few times: one job's own faults are the job's
-        assert prom.firing("GPUSuspect") == [] and node.health()[0] == 0
+        # Its implication scraped, then the rules evaluated on it a few times: one job's own faults are the job's.
+        wait_for(lambda: prom.query('hangwatchd_gpu_implicating_jobs{gpu="1"} == 1'), 30, "the first job's incident scraped")
+        for _ in range(3):
+            assert prom.firing("GPUSuspect") == [] and node.health()[0] == 0
+            time.sleep(1.0)
         second = node.rank("second", gpu=1)
         node.kernel_log(f"NVRM: Xid (PCI:0000:19:00): 31, pid={second.pid}, name=python3, {MMU_FAULT}")
         second.stop_beating()

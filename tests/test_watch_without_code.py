@@ -55,7 +55,7 @@ def test_healthy_and_idle_processes_raise_nothing_under_sampling(tmp_path: Path,
         try:
             wait_for(lambda: len(json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)["processes"]) == 2,
                      10, "both discovered")
-            time.sleep(10)
+            d.looked(2, after=time.time() + 10)  # twice the stack timeout, and the loop looked again since
             assert d.store().list() == []
             # The idle one was seen and let be: it waits where servers wait for work (undeclared, that is
             # enough; see the declared test below for the sockets' word).
