@@ -99,9 +99,9 @@ Seen = dict[tuple[int, str], tuple[float, object]]  # (pid, step name) -> when a
 
 
 @dataclass
-class Opening:
-    """A window step's first look, as a step of its own (beside the rank's other steps): what it saw
-    is kept in ``seen`` for its ``Closing``. A half: not logged or counted (``whole`` is)."""
+class _Half:
+    """One of a window step's two looks, a step of its own (beside the rank's other steps), named as
+    the step. A half: not logged or counted (``whole`` is)."""
 
     step: WindowStep
     seen: Seen
@@ -111,6 +111,11 @@ class Opening:
 
     def __post_init__(self) -> None:
         self.name = self.step.name
+
+
+@dataclass
+class Opening(_Half):
+    """A window step's first look: what it saw is kept in ``seen`` for its ``Closing``."""
 
     def run(self, target: Registration, outdir: Path, deadline: Deadline) -> tuple[str, ...]:
         opened = self.step.open(target, deadline)
@@ -119,17 +124,8 @@ class Opening:
 
 
 @dataclass
-class Closing:
+class Closing(_Half):
     """A window step's second look, against what its ``Opening`` saw on the same process."""
-
-    step: WindowStep
-    seen: Seen
-    name: str = field(init=False)
-    phase: ClassVar[Phase] = Phase.BESIDE
-    half: ClassVar[bool] = True
-
-    def __post_init__(self) -> None:
-        self.name = self.step.name
 
     def run(self, target: Registration, outdir: Path, deadline: Deadline) -> tuple[str, ...]:
         seen = self.seen.get((target.process.pid, self.name))
