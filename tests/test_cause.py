@@ -4,6 +4,7 @@ incident directories with NVML's per-process numbers and the real fixture dumps.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -177,6 +178,16 @@ def test_a_thread_spinning_in_c_with_the_gil_held_is_its_own_verdict(tmp_path: P
     assert v.verdict == "gil-held-in-c" and v.location == f"checksum ({WORKLOADS / 'gil.py'}:19)"
 
 
+def open_files(pid: int) -> list[str]:
+    """What ``pid`` holds open; a descriptor closed while the list is read (a forked worker closes
+    its parent's pipes as it starts) is left out."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return out
+
+
 def test_workers_of_a_watched_process_are_not_discovered_as_processes_of_their_own(tmp_path: Path, fake_gpu: Path) -> None:
     code = (f"import multiprocessing as mp, time\nf = open({str(fake_gpu)!r})\n"
             "def worker():\n    time.sleep(600)\n"
@@ -187,7 +198,7 @@ def test_workers_of_a_watched_process_are_not_discovered_as_processes_of_their_o
         try:
             assert work.stdout is not None
             worker = int(work.stdout.readline().split()[1])
-            assert str(fake_gpu) in [os.readlink(f"/proc/{worker}/fd/{fd}") for fd in os.listdir(f"/proc/{worker}/fd")]
+            assert str(fake_gpu) in open_files(worker)
 
             def watched() -> list[int]:
                 return [p["pid"] for p in json.loads(hangwatchd("status", "--json", "--runtime-dir", str(d.runtime_dir)).stdout)["processes"]]
