@@ -6,13 +6,14 @@ no beat segment), none of them beating. What they do, as on a node where most pr
 
 - ``idle``: a process blocked in ``select`` on a pipe nobody writes (the idle pattern);
 - ``periodic``: a loop that wakes every 2 s, counts and sleeps again (its Python runs between
-  two samples, so each of its samples is a py-spy read);
+  two samples, so each of its samples is read again: by the stack probe, and by py-spy where
+  the probe finds its frames or locals moved);
 - ``busy``: a loop that computes for 5 ms in every 100 ms (read each time, its stack moves);
 - one ``freezer``: periodic until the bench asks it to freeze, then blocked on a lock for good.
 
 Measured once the daemon samples them all at the interval's rate (admitting them costs one
 py-spy read each, and a window later one native look at each still stack: that time is shown
-apart): the daemon's CPU, py-spy's included (the CPU of its reaped children), over ``--steady``
+apart): the daemon's CPU, py-spy's and the probe's included (its children's), over ``--steady``
 seconds; the longest gap between two stack samples of any one process (the daemon's
 ``hangwatchd_stack_sample_gap_seconds`` histogram over those seconds); the freezer's freeze to
 ``process_hung``. The baseline in the same run: one py-spy dump per sample, the way before
@@ -111,8 +112,17 @@ def keep_up(d: ScratchDaemon, n: int, limit: float) -> float:
 
 
 def cpu_seconds(p: psutil.Process) -> float:
+    """The daemon's CPU and its children's: those it reaped (py-spy runs) and those that live on
+    (the stack probe's helper)."""
     t = p.cpu_times()
-    return t.user + t.system + t.children_user + t.children_system
+    alive = 0.0
+    for child in p.children(recursive=True):
+        try:
+            c = child.cpu_times()
+        except psutil.Error:
+            continue  # ended between the two looks: its CPU is in its parent's reaped children's
+        alive += c.user + c.system
+    return t.user + t.system + t.children_user + t.children_system + alive
 
 
 def gap_buckets(d: ScratchDaemon) -> dict[float, float]:
@@ -172,12 +182,14 @@ def run_once(n: int, steady: float, tmp: Path) -> dict[str, float]:
         c0, w0 = cpu_seconds(daemon), time.monotonic()
         reads0 = d.metric_total("hangwatchd_stack_samples_total") - d.metric_total("hangwatchd_stack_samples_carried_total")
         carried0 = d.metric_total("hangwatchd_stack_samples_carried_total")
+        probed0 = d.metric_total("hangwatchd_stack_samples_carried_total", why="probe")
         gaps0 = gap_buckets(d)
         time.sleep(steady)
         span = time.monotonic() - w0
         cpu = (cpu_seconds(daemon) - c0) / span * 100
         reads = d.metric_total("hangwatchd_stack_samples_total") - d.metric_total("hangwatchd_stack_samples_carried_total") - reads0
         carried = d.metric_total("hangwatchd_stack_samples_carried_total") - carried0
+        probed = d.metric_total("hangwatchd_stack_samples_carried_total", why="probe") - probed0
         rss = daemon.memory_info().rss / 2**20
         failed = d.metric_total("hangwatchd_stack_samples_total", outcome="failed")
         if os.environ.get("STACK_SCALE_DEBUG"):
@@ -205,7 +217,7 @@ def run_once(n: int, steady: float, tmp: Path) -> dict[str, float]:
             p.wait()
         d.stop()
     return {"settle": settle_s, "failed": failed, "cpu": cpu, "max_gap": max_gap, "over": over, "gaps": total, "declared": declared, "reads": reads / span,
-            "carried": carried / span, "rss": rss, "per_dump": per_dump.median, "idle": idle, "periodic": periodic,
+            "carried": carried / span, "probed": probed / span, "rss": rss, "per_dump": per_dump.median, "idle": idle, "periodic": periodic,
             "busy": busy, "samples_needed": n / INTERVAL}
 
 
@@ -247,8 +259,9 @@ def main() -> None:
                f"({sum(r['over'] for r in runs):.0f} of {sum(r['gaps'] for r in runs):.0f} gaps over {TARGET_GAP:g} s; "
                "hangwatchd_stack_sample_gap_seconds's buckets)",
                f"the interval, {INTERVAL:g} s", f"<= {TARGET_GAP:g} s", max(gap) <= TARGET_GAP),
-        Figure(f"the daemon and its py-spy runs, {n} processes", f"{three('cpu', '.1f')} % of a core "
-               f"(py-spy runs {three('reads', '.1f')}/s, samples carried without one {three('carried', '.0f')}/s; "
+        Figure(f"the daemon, its py-spy runs and its stack probe, {n} processes", f"{three('cpu', '.1f')} % of a core "
+               f"(py-spy runs {three('reads', '.1f')}/s, samples carried without one {three('carried', '.0f')}/s, "
+               f"{three('probed', '.0f')}/s of them where threads ran but the probe read the same Python state; "
                f"RSS {three('rss', '.0f')} MB)",
                f"one py-spy dump a sample, as before: {per_dump * 1000:.1f} ms of CPU a dump here x {needed:.0f} "
                f"samples/s = {before:.0f} % of a core", f"<= {TARGET_CPU:g} %", max(cpu) <= TARGET_CPU),
@@ -259,7 +272,7 @@ def main() -> None:
                max(dec) <= TARGET_FREEZE),
     ], note=f"{len(runs)} runs; {r0['idle']:.0f} processes blocked in select, {r0['periodic']:.0f} waking every 2 s, "
             f"{r0['busy']:.0f} computing 5 ms in 100, 1 freezing, each a real `python3 -S`, registered with no beats "
-            f"(watched by its stack, window {WINDOW:g} s); the CPU is the daemon's and its reaped children's (py-spy) "
+            f"(watched by its stack, window {WINDOW:g} s); the CPU is the daemon's and its children's (py-spy, the probe) "
             "over 30 s once it keeps up; this 2-core machine, shared with other work while measured",
        command=f"python bench/stack_scale.py --processes {n} --runs {len(runs)}")
 

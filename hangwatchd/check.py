@@ -65,6 +65,28 @@ def _pyspy() -> Check:
     return Check("py-spy", False, f"{tool} could not read a test child: {res.stderr_line() or 'timed out'} ({ptrace_hint()})")
 
 
+def _stack_probe() -> Check:
+    """The stack probe's helper reads a test child (optional: without it py-spy reads every sample)."""
+    import time
+
+    from .detect.stack_probe import StackProbe
+
+    probe = StackProbe()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.3)
+        started = time.monotonic()
+        got = probe.probe(child.pid, started + 10)
+    finally:
+        probe.close()
+        child.kill()
+        child.wait()
+    if got is not None:
+        return Check("stack probe", True, f"pystack read a test child in {time.monotonic() - started:.2f} s", required=False)
+    return Check("stack probe", False, f"could not read a test child ({probe.unavailable or ptrace_hint()}): py-spy reads "
+                 "every stack sample, at more CPU (pip install pystack)", required=False)
+
+
 def _nvdisasm() -> Check:
     tool = find_nvdisasm()
     if tool is None:
@@ -190,7 +212,7 @@ def run_checks(config: Config, daemon: dict[str, Any] | None = None) -> list[Che
     """Every check, looking only: nothing is created or changed. ``daemon``: the running daemon's
     daemon.json, whose dirs and metrics address ``config`` holds already (see the CLI)."""
     return [
-        _ptrace(), _pyspy(), _nvdisasm(), _nvml(), _kernel_log(config.kernel_log), _cuda_gdb(),
+        _ptrace(), _pyspy(), _stack_probe(), _nvdisasm(), _nvml(), _kernel_log(config.kernel_log), _cuda_gdb(),
         _writable("state dir", Path(config.state_dir)), _writable("runtime dir", Path(config.runtime_dir)),
         _writable("dump dir", config.dumps), _port(config.metrics_address, Path(config.runtime_dir), daemon), _inotify(),
     ]

@@ -190,8 +190,9 @@ def create(registry: CollectorRegistry | None = None, node: str | None = None) -
         stack_samples=Counter("hangwatchd_stack_samples_total", "py-spy stack samples taken of watched processes, by kind "
                               "(plain or native) and outcome (ok or failed).", labels("kind", "outcome"), registry=reg),
         stack_carried=Counter("hangwatchd_stack_samples_carried_total", "Stack samples (counted in "
-                              "hangwatchd_stack_samples_total too) given without running py-spy: no thread of the "
-                              "process had run since its stack was last read, so it was the same.", labels("kind"),
+                              "hangwatchd_stack_samples_total too) given without running py-spy, by why: still (no "
+                              "thread of the process had run since its stack was last read) or probe (the stack "
+                              "probe read the same Python frames and locals as at that read).", labels("kind", "why"),
                               registry=reg),
         info=Info("hangwatchd_build", "Version of hangwatchd.", names, registry=reg),
         last_incident=Gauge("hangwatchd_last_incident_timestamp_seconds",

@@ -16,9 +16,10 @@ def test_check_passes_here_and_names_each_part(tmp_path: Path) -> None:
     res = hangwatchd("check", "--json", "--state-dir", str(tmp_path / "s"), "--runtime-dir", str(tmp_path / "r"),
                      "--metrics-address", "127.0.0.1:0")
     checks = {c["name"]: c for c in json.loads(res.stdout)}
-    assert set(checks) == {"ptrace", "py-spy", "nvdisasm", "NVML", "kernel log", "cuda-gdb", "state dir", "runtime dir",
-                           "dump dir", "metrics port", "inotify"}
+    assert set(checks) == {"ptrace", "py-spy", "stack probe", "nvdisasm", "NVML", "kernel log", "cuda-gdb", "state dir",
+                           "runtime dir", "dump dir", "metrics port", "inotify"}
     assert checks["py-spy"]["ok"] and "read a test child's stack" in checks["py-spy"]["detail"]
+    assert checks["stack probe"]["ok"] and "pystack read a test child" in checks["stack probe"]["detail"]
     # The kernel log names the process behind each XID: root reads /dev/kmsg, a user (dmesg_restrict) is told why not.
     kernel = checks["kernel log"]
     assert not kernel["required"] and (kernel["ok"] or "cannot read /dev/kmsg" in kernel["detail"]), kernel

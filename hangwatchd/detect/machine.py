@@ -227,7 +227,7 @@ class StateMachine:
         kind = "native" if native else "plain"
         self.metrics.stack_samples.labels(**self.metrics.labels(kind=kind, outcome="failed" if sample.error else "ok")).inc()
         if not sample.error and not sample.read:
-            self.metrics.stack_carried.labels(**self.metrics.labels(kind=kind)).inc()
+            self.metrics.stack_carried.labels(**self.metrics.labels(kind=kind, why="probe" if sample.probed else "still")).inc()
         if sample.error:
             log.warning("stack_sample_failed", pid=w.process.pid, error=sample.error)
         try:

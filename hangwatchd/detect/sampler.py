@@ -10,9 +10,14 @@ look at a frozen stack is carried likewise from the last one (its sockets read a
 ``quiet.Quiet`` follows, every second, when each process's threads last ran, so a
 stack read after a freeze is known to have held since then.
 
-Each user's processes share a budget of py-spy runs (``pyspy_samples_per_uid``), so
-one user's thousand processes cannot keep py-spy busy for everyone; a carried sample
-spends none of it.
+A process whose threads ran is read again, but first probed (``stack_probe``: one
+long-lived helper that reads its Python state without a fork and exec): where the probe
+reads the same frames and locals as when py-spy last read it, py-spy's sample is carried
+forward with the counters read now; else py-spy reads it.
+
+Each user's processes share a budget of reads (``pyspy_samples_per_uid``: a probe and the
+py-spy run after it count as one), so one user's thousand processes cannot keep py-spy
+busy for everyone; a sample carried where no thread ran spends none of it.
 
 Every sample started comes back as one ``SampleTaken`` on the loop's queue,
 whatever happened: a py-spy that failed, or a worker that raised (``Popen``
@@ -32,12 +37,13 @@ from dataclasses import dataclass
 
 import structlog
 
-from ..host import activity, procfs
+from ..host import activity, procfs, untrusted
 from ..host.user_limits import UserLimits
 from ..model import ProcessId, Registration
 from ..watch.stack_history import Sample
 from .quiet import Quiet
-from .stack import carried, sockets, take_sample
+from .stack import carried, counters, sockets, take_sample
+from .stack_probe import StackProbe
 
 log = structlog.get_logger("hangwatchd.daemon")
 
@@ -77,7 +83,8 @@ class PaceSampled:
 
 class Sampler:
     def __init__(self, pyspy_timeout: float, samples_per_uid: float, limits: UserLimits,
-                 post: Callable[[object], None], take: TakeSample = take_sample, quiet: Quiet | None = None) -> None:
+                 post: Callable[[object], None], take: TakeSample = take_sample, quiet: Quiet | None = None,
+                 probe: StackProbe | None = None) -> None:
         self.pyspy_timeout = pyspy_timeout
         self.samples_per_uid = samples_per_uid
         self.limits = limits
@@ -86,6 +93,8 @@ class Sampler:
         self.quiet = quiet if quiet is not None else Quiet()
         self.reads = 0  # py-spy runs started (plain and native)
         self.carried = 0  # samples carried forward without one
+        self.probe = probe if probe is not None else StackProbe()
+        self._probed: dict[ProcessId, str] = {}  # the probe's digest of each process when py-spy last read it
         self._budget = threading.Lock()  # the user's py-spy budget is spent from the workers
         self._native: dict[ProcessId, Sample] = {}  # the last native look at each process
         # At most one sample per process is in flight (the loop's Watched.sampling), so the pool's
@@ -154,7 +163,7 @@ class Sampler:
                     if again is not None:
                         out.append(SampleTaken(reg.process, native, again))
                     else:
-                        self.pool.submit(self._take, reg.process, reg.uid, native, act)
+                        self.pool.submit(self._take, reg.process, reg.uid, native, act, last)
                 except Exception as exc:  # this one's error, as a value; the others go on
                     log.exception("stack_sample_raised", pid=reg.process.pid, error=f"{type(exc).__name__}: {exc}")
                     out.append(SampleTaken(reg.process, native, _failed(f"the sampler raised {type(exc).__name__}: {exc}")))
@@ -178,26 +187,39 @@ class Sampler:
                 return again, act
         return None, act
 
-    def _take(self, process: ProcessId, uid: int, native: bool, act: activity.Activity) -> None:
+    def _take(self, process: ProcessId, uid: int, native: bool, act: activity.Activity, last: Sample | None = None) -> None:
         """On a worker: the sample read by py-spy, or the exception that stopped it, as a value on the loop's queue."""
         sample = _failed("the sampler stopped before it finished")
         deferred = None
         try:
-            sample, deferred = self._read(process, uid, native, act)
+            sample, deferred = self._read(process, uid, native, act, last)
         except Exception as exc:  # whatever it was, the loop hears of it as this sample's error
             log.exception("stack_sample_raised", pid=process.pid, error=f"{type(exc).__name__}: {exc}")
             sample = _failed(f"the sampler raised {type(exc).__name__}: {exc}")
         finally:
             self.post(SampleTaken(process, native, sample, deferred))
 
-    def _read(self, process: ProcessId, uid: int, native: bool, act: activity.Activity) -> tuple[Sample, float | None]:
+    def _read(self, process: ProcessId, uid: int, native: bool, act: activity.Activity,
+              last: Sample | None = None) -> tuple[Sample, float | None]:
         pid = process.pid
         wait = self._charge(uid)
         if wait:
             return _failed("not sampled: its user's py-spy budget is spent"), self._spent(uid, time.monotonic(), wait)
         settled = self.quiet.settled(process, act.ran)
+        state = None
+        if not native:
+            state, again = self._probe(process, uid, act, last)
+            if again is not None:
+                self.quiet.follow(process, act.ran, time.monotonic())
+                return again, None
         self.reads += 1
         sample = self.take(pid, self.pyspy_timeout, native, uid, act)
+        if not native:  # the probe's digest that goes with this read, or none (never an older read's)
+            self._probed.pop(process, None)
+            if state is not None and not sample.error:
+                if len(self._probed) >= NATIVE_KEPT:
+                    self._probed = {p: d for p, d in self._probed.items() if procfs.alive(p)}
+                self._probed[process] = state
         if settled is not None and not sample.error and activity.ran(pid) == act.ran:
             # No thread ran from the quiet look that first saw these counters to the end of this
             # read: the stack read is the one it had all along.
@@ -209,7 +231,30 @@ class Sampler:
             self._native[process] = sample
         return sample, None
 
+    def _probe(self, process: ProcessId, uid: int, act: activity.Activity, last: Sample | None) -> tuple[str | None, Sample | None]:
+        """(the probe's digest of the process now, or None; ``last`` carried forward where the digest is
+        the one read when py-spy last read it, else None). Read only while the process is still its
+        user's alone, before and after, as py-spy's reads are."""
+        try:
+            untrusted.check_owner(process.pid, uid)
+        except untrusted.Refused:
+            return None, None  # py-spy's read says so, as a refused sample
+        probed = self.probe.probe(process.pid, time.monotonic() + self.pyspy_timeout)
+        if probed is None:
+            return None, None
+        try:
+            untrusted.check_owner(process.pid, uid)
+        except untrusted.Refused:
+            return None, None
+        if last is None or last.error or self._probed.get(process) != probed.state:
+            return probed.state, None
+        cpu, ctx = counters(process.pid)
+        self.carried += 1
+        return probed.state, dataclasses.replace(last, time=act.time, cpu_seconds=cpu, ctx_switches=ctx, activity=act,
+                                                 python_running=probed.running, since=None, read=False, probed=True)
+
     def shutdown(self) -> None:
         self.looks.shutdown(wait=True, cancel_futures=True)
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.quiet.stop()
+        self.probe.close()

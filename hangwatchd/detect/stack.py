@@ -39,7 +39,7 @@ BLOCKING = patterns.blocking_patterns()
 IDLE = patterns.IDLE.pattern
 
 
-def _cpu_and_ctx(pid: int) -> tuple[float | None, int | None]:
+def counters(pid: int) -> tuple[float | None, int | None]:
     """CPU seconds (all threads) and context switches so far: the evidence beside a frozen stack."""
     try:
         p = psutil.Process(pid)
@@ -59,7 +59,7 @@ def take_sample(pid: int, timeout: float, native: bool = False, uid: int | None 
     main thread was doing (``pace.main_thread``); and, for the native look at a frozen stack, what
     its sockets hold."""
     now = act.time if act is not None else time.monotonic()
-    cpu, ctx = _cpu_and_ctx(pid)
+    cpu, ctx = counters(pid)
     act = act if act is not None else activity.read(pid)
     tool = find_pyspy()
     if tool is None:

@@ -112,7 +112,7 @@ def run(
         start_new_session=True,
         env=dict(env) if env is not None else None,
         cwd=cwd,
-        **_started(argv, as_user),
+        **started(argv, as_user),
     )
     assert proc.stdout is not None and proc.stderr is not None
     out, err, timed_out, truncated = _collect(proc, start + timeout, max_output)
@@ -125,7 +125,7 @@ def run(
     return Result(tuple(argv), proc.returncode, out, err, timed_out, time.monotonic() - start, truncated)
 
 
-def _started(argv: Sequence[str], user: int | None) -> dict[str, object]:
+def started(argv: Sequence[str], user: int | None) -> dict[str, object]:
     """Popen's ``args`` and the keywords that make the tool die with us (and run as ``user``): by
     setpriv where there is one (Python then starts it with vfork), else between fork and exec."""
     tool = setpriv()

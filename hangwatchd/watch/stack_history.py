@@ -27,7 +27,8 @@ class Sample:
     main: str | None = None  # what its main thread was doing (detect.pace: collective, input, gpu, running, waiting)
     main_at: tuple[str, ...] = ()  # and the program's own frames there, innermost first, "function (file:line)"
     since: float | None = None  # monotonic: this stack is known to have held since then (no thread ran between); None: ``time``
-    read: bool = True  # read from the process (py-spy); False: carried from the last read, no thread having run since
+    read: bool = True  # read from the process (py-spy); False: carried from the last read (see ``probed``)
+    probed: bool = False  # carried although threads ran: the stack probe read the same Python state as at that read
 
     @property
     def held_from(self) -> float:
@@ -98,9 +99,11 @@ class StackHistory:
 
     def evidence(self) -> str:
         first, last = self.samples[0], self.samples[-1]
-        carried = any(not s.read for s in self.samples)
+        carried = any(not s.read and not s.probed for s in self.samples)
+        probed = any(s.probed for s in self.samples)
         parts = [f"{self.count} samples with the same stack over {self.frozen_for():.0f} s"
-                 + (" (no thread ran between some: read once, carried over those)" if carried else "")]
+                 + (" (no thread ran between some: read once, carried over those)" if carried else "")
+                 + (" (the probe read the same frames and locals at some: py-spy's read carried over those)" if probed else "")]
         if first.cpu_seconds is not None and last.cpu_seconds is not None:
             parts.append(f"CPU +{last.cpu_seconds - first.cpu_seconds:.2f} s")
         if first.ctx_switches is not None and last.ctx_switches is not None:

@@ -1,0 +1,251 @@
+"""A long-lived reader that tells, without a py-spy run, whether a process's Python state moved.
+
+A stack sample of a process whose threads ran since its last read needs a new read: a thread
+that ran may have moved its frames or rebound its locals. Most of those processes did not: a
+loop that wakes every few seconds to check a flag, a server's poll, a watchdog's sleep. A
+py-spy run costs a fork, an exec and the load of the interpreter's symbols (about 10 ms of CPU,
+more for a statically linked interpreter); at a thousand processes watched by their stacks, a
+hundred of them waking now and then, that alone is a fifth of a core.
+
+So one helper process, started once and kept (``python -m hangwatchd.detect.stack_probe``),
+reads each such process with pystack (``get_process_threads``, without stopping it: the same
+``process_vm_readv`` reads py-spy's ``--nonblocking`` makes) and answers with a digest of its
+Python state: each Python thread's id, its frames (file, function, line) and the reprs of their
+local variables, and whether one of those threads was on a CPU. The sampler compares the digest
+with the one read when py-spy last read the process: the same digest carries py-spy's last
+sample forward (its frames and names are py-spy's, which the patterns and verdicts read);
+another digest, or none, and py-spy reads it as before. Nothing the helper reads reaches the
+daemon but that digest and a flag.
+
+The helper is the daemon's child, as root, like py-spy: it dies with the daemon (setpriv's
+death signal), its address space is capped (``MAX_BYTES``), and each answer is awaited until the
+sample's deadline only: past it, or on anything but one well-formed line, the helper is killed
+with its process group and started again on the next probe. One probe at a time: a sample that
+finds the helper busy (a slow process being read) goes to py-spy instead, so one user's
+process that reads slowly never holds up the probes of anyone else's. Where pystack is not
+installed, or cannot read this interpreter, the first answer says so and every sample is read
+by py-spy, as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from ..host import subproc
+
+log = structlog.get_logger("hangwatchd.daemon")
+
+MAX_BYTES = 1 << 30  # the helper's address space (pystack maps the target's binaries to read their symbols)
+MAX_LINE = 4096  # bytes of one answer
+MAX_THREADS = 1024  # threads of one process digested
+MAX_REPR = 120  # characters of a local's repr digested (as the locals digest of a py-spy sample)
+START_TIMEOUT = 10.0  # seconds for the helper to start and say it can read
+RESTARTS_PER_MINUTE = 6  # more, and the probe rests for a minute (py-spy reads meanwhile)
+
+
+@dataclass(frozen=True)
+class Probed:
+    """What the helper read of one process: the digest of its Python state, and whether one of its
+    Python threads was on a CPU (py-spy's ``active``)."""
+
+    state: str
+    running: bool
+
+
+# -- the helper ------------------------------------------------------------------------------
+
+
+def _running(pid: int, tid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+            return f.read(512).rsplit(b")", 1)[1].split()[0] == b"R"
+    except (OSError, IndexError):
+        return False
+
+
+def digest(pid: int) -> Probed:
+    """The helper's reading of ``pid`` (raises where pystack cannot read it)."""
+    from pystack.engine import StackMethod, get_process_threads
+
+    h = hashlib.blake2b(digest_size=16)
+    running = False
+    for n, thread in enumerate(get_process_threads(pid, stop_process=False, method=StackMethod.AUTO, locals=True)):
+        if n >= MAX_THREADS:
+            break
+        h.update(f"T{thread.tid}".encode())
+        for frame in thread.frames:
+            code = frame.code
+            h.update(f"F{code.filename}\0{code.scope}\0{code.location.lineno}".encode("utf-8", "replace"))
+            for name, value in sorted({**frame.arguments, **frame.locals}.items()):
+                h.update(f"L{name}\0{str(value)[:MAX_REPR]}".encode("utf-8", "replace"))
+        running = running or _running(pid, thread.tid)
+    return Probed(h.hexdigest(), running)
+
+
+def serve() -> None:
+    """The helper's loop: a pid a line in, one JSON line out (``{"state", "running"}`` or ``{"error"}``)."""
+    resource.setrlimit(resource.RLIMIT_AS, (MAX_BYTES, MAX_BYTES))
+    out = sys.stdout
+    try:
+        import pystack.engine  # noqa: F401 - only whether it is there
+    except ImportError as exc:
+        out.write(json.dumps({"error": f"pystack is not installed ({exc})"}) + "\n")
+        out.flush()
+        return
+    out.write(json.dumps({"ready": True}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        try:
+            pid = int(line)
+            got = digest(pid)
+            answer = {"pid": pid, "state": got.state, "running": got.running}
+        except Exception as exc:  # noqa: BLE001 - the target's trouble is this answer's, never the helper's end
+            answer = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
+
+
+# -- the daemon's side ------------------------------------------------------------------------
+
+
+class StackProbe:
+    """The daemon's handle on the helper: ``probe(pid, deadline)``, from any thread, one at a time.
+    ``argv``: the helper's command (this module's ``serve`` by default)."""
+
+    def __init__(self, argv: Sequence[str] | None = None) -> None:
+        package = str(Path(__file__).resolve().parents[2])
+        self.argv = list(argv) if argv is not None else [
+            sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+            "from hangwatchd.detect.stack_probe import serve; serve()", package]
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._buf = b""
+        self.unavailable: str | None = None  # why it cannot read here (then py-spy reads everything)
+        self._restarts: list[float] = []
+        self._rest_until = 0.0
+        self.probes = 0  # answered
+        self.failures = 0  # killed past a deadline or after a bad answer
+
+    def probe(self, pid: int, deadline: float) -> Probed | None:
+        """The digest of ``pid``'s Python state, read by the helper before ``deadline`` (monotonic);
+        None when the helper is busy, resting, cannot read here, or cannot read this process."""
+        if self.unavailable is not None or not self._lock.acquire(blocking=False):
+            return None
+        try:
+            now = time.monotonic()
+            if now < self._rest_until:
+                return None
+            if self._proc is None and not self._start(min(deadline, now + START_TIMEOUT)):
+                return None
+            assert self._proc is not None and self._proc.stdin is not None
+            try:
+                self._proc.stdin.write(b"%d\n" % pid)
+                self._proc.stdin.flush()
+            except OSError:
+                self._kill("it stopped taking requests")
+                return None
+            answer = self._answer(deadline)
+            if answer is None:
+                return None
+            state = answer.get("state")
+            if answer.get("pid") != pid or not isinstance(state, str):
+                return None  # pystack could not read this one (gone, another interpreter): py-spy will say
+            self.probes += 1
+            return Probed(state, answer.get("running") is True)
+        finally:
+            self._lock.release()
+
+    def _start(self, deadline: float) -> bool:
+        now = time.monotonic()
+        self._restarts = [t for t in self._restarts if now - t < 60.0]
+        if len(self._restarts) >= RESTARTS_PER_MINUTE:
+            self._rest_until = now + 60.0
+            log.warning("stack_probe_resting", why=f"restarted {len(self._restarts)} times in a minute", seconds=60)
+            self._restarts.clear()
+            return False
+        self._restarts.append(now)
+        try:
+            self._proc = subprocess.Popen(  # type: ignore[call-overload]  # started holds Popen's own keywords
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+                cwd="/", env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, **subproc.started(self.argv, None))
+        except OSError as exc:
+            self.unavailable = f"the helper did not start: {exc}"
+            log.warning("stack_probe_unavailable", why=self.unavailable)
+            return False
+        self._buf = b""
+        hello = self._answer(deadline)
+        if hello is None or hello.get("ready") is not True:
+            why = hello.get("error") if hello is not None else None
+            if isinstance(why, str):
+                self.unavailable = why
+                log.info("stack_probe_unavailable", why=self.unavailable, fallback="py-spy reads every sample")
+                self._kill(None)
+            return False
+        return True
+
+    def _answer(self, deadline: float) -> dict[str, object] | None:
+        """One line from the helper before ``deadline``; the helper killed where none comes whole."""
+        assert self._proc is not None and self._proc.stdout is not None
+        fd = self._proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or len(self._buf) > MAX_LINE:
+                self._kill("no answer before the sample's deadline" if left <= 0 else "an answer too long")
+                return None
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(fd, MAX_LINE)
+            if not chunk:
+                self._kill("it ended")
+                return None
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            self._kill("an answer that is not one JSON object")
+            return None
+        return answer
+
+    def _kill(self, why: str | None) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if why is not None:
+            self.failures += 1
+            log.info("stack_probe_restarted", why=why, pid=proc.pid)
+        subproc.kill_group(proc.pid)
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
+        try:
+            proc.wait(timeout=subproc.REAP_WAIT)
+        except subprocess.TimeoutExpired:
+            pass  # unkillable (D state): its death signal and the kernel have it
+
+    def close(self) -> None:
+        with self._lock:
+            self._kill(None)
+
+
+if __name__ == "__main__":
+    serve()

@@ -1,0 +1,198 @@
+"""The stack probe: a long-lived reader that tells, without a py-spy run, whether a process whose
+threads ran has moved its Python frames or locals. Real processes, real pystack, real py-spy: the
+probe's "same" agrees with two py-spy reads; a woken process that did not move is carried, one
+that moved is read; a helper that does not answer is killed at the deadline and started again;
+where the probe cannot read, py-spy reads everything; a poll loop that never ends is declared
+hung from samples the probe carried."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hangwatchd.detect.sampler import SampleBatch, Sampler, SampleTaken
+from hangwatchd.detect.stack import take_sample
+from hangwatchd.detect.stack_probe import StackProbe
+from hangwatchd.host import procfs
+from hangwatchd.host.pyspy_binary import find_pyspy
+from hangwatchd.host.user_limits import UserLimits
+from hangwatchd.model import Registration
+from hangwatchd.testing import ScratchDaemon, stop, wait_for
+from hangwatchd.watch.stack_history import Sample
+
+pytestmark = pytest.mark.skipif(find_pyspy() is None, reason="py-spy is not installed")
+
+# Wakes every 50 ms (its thread runs between any two samples) and goes back to the same line
+# with the same locals: its Python state does not move.
+STILL = """
+import time
+def poll(flag):
+    print('ready', flush=True)
+    while True:
+        time.sleep(0.05)
+poll('never')
+"""
+
+# Wakes as often, and counts: a local variable moves every time.
+MOVING = """
+import time
+def count():
+    print('ready', flush=True)
+    n = 0
+    while True:
+        n += 1
+        time.sleep(0.05)
+count()
+"""
+
+
+def _spawn(code: str) -> subprocess.Popen[str]:
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    return p
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[subprocess.Popen[str], subprocess.Popen[str]]]:
+    still, moving = _spawn(STILL), _spawn(MOVING)
+    time.sleep(0.3)
+    try:
+        yield still, moving
+    finally:
+        stop(still, moving, sig=signal.SIGKILL, group=True)
+
+
+def _pyspy(pid: int) -> Sample:
+    s = take_sample(pid, 10.0)
+    assert s.error is None, s.error
+    return s
+
+
+def test_the_probe_says_same_where_two_py_spy_reads_do(pair: tuple[subprocess.Popen[str], subprocess.Popen[str]]) -> None:
+    probe = StackProbe()
+    try:
+        seen = {}
+        for p in pair:
+            a, first = probe.probe(p.pid, time.monotonic() + 10), _pyspy(p.pid)
+            time.sleep(0.4)
+            b, second = probe.probe(p.pid, time.monotonic() + 10), _pyspy(p.pid)
+            assert a is not None and b is not None and not a.running
+            same_by_pyspy = (first.signature, first.locals_digest) == (second.signature, second.locals_digest)
+            assert (a.state == b.state) == same_by_pyspy, (p.pid, a, b)
+            seen[p.pid] = a.state == b.state
+        still, moving = pair
+        assert seen == {still.pid: True, moving.pid: False}  # and each was what it was written to be
+        assert probe.probe(2**22 + 1, time.monotonic() + 10) is None  # no such process: no digest, no harm
+        assert probe.failures == 0 and probe.unavailable is None
+    finally:
+        probe.close()
+
+
+def _reg(p: subprocess.Popen[str]) -> Registration:
+    me, uid = procfs.identify(p.pid), procfs.uid(p.pid)
+    assert me is not None and uid is not None
+    return Registration(process=me, uid=uid, beat_file=None)
+
+
+def _round(sampler: Sampler, inbox: queue.Queue[object], regs: list[Registration],
+           last: dict[int, Sample] | None = None) -> dict[int, Sample]:
+    sampler.start_many([(r, False, (last or {}).get(r.process.pid)) for r in regs])
+    out: dict[int, Sample] = {}
+    while len(out) < len(regs):
+        got = inbox.get(timeout=60)
+        for taken in got.taken if isinstance(got, SampleBatch) else (got,):
+            assert isinstance(taken, SampleTaken)
+            out[taken.process.pid] = taken.sample
+    return out
+
+
+def test_a_woken_process_that_did_not_move_is_carried_and_one_that_moved_is_read(
+        pair: tuple[subprocess.Popen[str], subprocess.Popen[str]]) -> None:
+    inbox: queue.Queue[object] = queue.Queue()
+    sampler = Sampler(10.0, 100.0, UserLimits(100, 100.0), inbox.put)
+    still, moving = pair
+    try:
+        regs = [_reg(still), _reg(moving)]
+        first = _round(sampler, inbox, regs)
+        assert all(s.read and s.error is None for s in first.values()) and sampler.reads == 2
+        samples = first
+        for n in range(3):
+            time.sleep(0.3)  # both ran in between: neither can be carried for not having run
+            samples = _round(sampler, inbox, regs, samples)
+            carried, read = samples[still.pid], samples[moving.pid]
+            assert carried.probed and not carried.read and carried.signature == first[still.pid].signature
+            assert carried.activity is not None and carried.activity.ran != first[still.pid].activity.ran  # type: ignore[union-attr]
+            assert read.read and not read.probed and read.locals_digest != first[moving.pid].locals_digest
+            assert sampler.reads == 2 + n + 1  # py-spy ran for the one that moved alone
+        assert "poll" in {name for thread in carried.signature for name, _, _ in thread}  # py-spy's frames, carried
+    finally:
+        sampler.shutdown()
+
+
+SILENT = "import sys; print('{\"ready\": true}', flush=True); sys.stdin.readline(); import time; time.sleep(600)"
+
+
+def test_a_helper_that_does_not_answer_is_killed_at_the_deadline_and_started_again(
+        pair: tuple[subprocess.Popen[str], subprocess.Popen[str]]) -> None:
+    probe = StackProbe([sys.executable, "-c", SILENT])
+    try:
+        started = time.monotonic()
+        assert probe.probe(pair[0].pid, started + 1.0) is None
+        assert 1.0 <= time.monotonic() - started < 4.0 and probe.failures == 1
+        helpers = _helpers()
+        assert not helpers, f"the silent helper outlived its deadline: {helpers}"
+        assert probe.probe(pair[0].pid, time.monotonic() + 0.5) is None and probe.failures == 2  # started again
+    finally:
+        probe.close()
+    assert not _helpers()
+
+
+def _helpers() -> list[int]:
+    """Live processes running the silent helper (zombies are gone for this purpose)."""
+    out = []
+    for pid in (int(n) for n in os.listdir("/proc") if n.isdigit()):
+        try:
+            if "time.sleep(600)" in Path(f"/proc/{pid}/cmdline").read_text() and procfs.state(pid) != "Z":
+                out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
+def test_where_the_probe_cannot_read_py_spy_reads_every_sample(pair: tuple[subprocess.Popen[str], subprocess.Popen[str]]) -> None:
+    inbox: queue.Queue[object] = queue.Queue()
+    gone = StackProbe([sys.executable, "-c", "print('{\"error\": \"pystack is not installed\"}', flush=True)"])
+    sampler = Sampler(10.0, 100.0, UserLimits(100, 100.0), inbox.put, probe=gone)
+    try:
+        regs = [_reg(p) for p in pair]
+        samples = _round(sampler, inbox, regs)
+        time.sleep(0.3)
+        samples = _round(sampler, inbox, regs, samples)
+        assert all(s.read and not s.probed and s.error is None for s in samples.values())
+        assert sampler.reads == 4 and gone.unavailable == "pystack is not installed"
+    finally:
+        sampler.shutdown()
+
+
+def test_a_poll_loop_that_never_ends_is_declared_hung_from_samples_the_probe_carried(tmp_path: Path) -> None:
+    with ScratchDaemon(tmp_path, config={"stack_interval": 1.0, "gpu_dump": "never"}) as d:
+        work = d.run([sys.executable, "-c", STILL], "--stack-timeout", "4", stdout=subprocess.PIPE, start_new_session=True)
+        try:
+            hung = d.event("process_hung", 60)
+            suspect = next(e for e in d.logs() if e.get("event") == "process_suspect" and e.get("pid") == hung["pid"])
+            assert "the probe read the same frames and locals" in suspect["detail"], suspect
+            assert d.metric_total("hangwatchd_stack_samples_carried_total", why="probe") >= 2
+            inc = wait_for(lambda: d.store().list(), 60, "the incident")[0]
+            stacks = json.loads((Path(inc["dir"]) / str(hung["pid"]) / "pyspy.json").read_text())
+            assert any(f.get("name") == "poll" for t in stacks for f in t.get("frames") or [])
+        finally:
+            stop(work, sig=signal.SIGKILL, group=True)
