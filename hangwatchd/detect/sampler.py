@@ -214,12 +214,8 @@ class Sampler:
                 return again, None
         self.reads += 1
         sample = self.take(pid, self.pyspy_timeout, native, uid, act)
-        if not native:  # the probe's digest that goes with this read, or none (never an older read's)
-            self._probed.pop(process, None)
-            if state is not None and not sample.error:
-                if len(self._probed) >= NATIVE_KEPT:
-                    self._probed = {p: d for p, d in self._probed.items() if procfs.alive(p)}
-                self._probed[process] = state
+        if not native:
+            self._remember(process, uid, state, sample)
         if settled is not None and not sample.error and activity.ran(pid) == act.ran:
             # No thread ran from the quiet look that first saw these counters to the end of this
             # read: the stack read is the one it had all along.
@@ -231,10 +227,11 @@ class Sampler:
             self._native[process] = sample
         return sample, None
 
-    def _probe(self, process: ProcessId, uid: int, act: activity.Activity, last: Sample | None) -> tuple[str | None, Sample | None]:
-        """(the probe's digest of the process now, or None; ``last`` carried forward where the digest is
-        the one read when py-spy last read it, else None). Read only while the process is still its
-        user's alone, before and after, as py-spy's reads are."""
+    def _probe(self, process: ProcessId, uid: int, act: activity.Activity | None,
+               last: Sample | None) -> tuple[str | None, Sample | None]:
+        """(the probe's digest of the process now, or None; ``last`` carried forward, with ``act``, where
+        the digest is the one that went with py-spy's last read, else None). Read only while the
+        process is still its user's alone, before and after, as py-spy's reads are."""
         try:
             untrusted.check_owner(process.pid, uid)
         except untrusted.Refused:
@@ -246,12 +243,27 @@ class Sampler:
             untrusted.check_owner(process.pid, uid)
         except untrusted.Refused:
             return None, None
-        if last is None or last.error or self._probed.get(process) != probed.state:
+        if act is None or last is None or last.error or self._probed.get(process) != probed.state:
             return probed.state, None
         cpu, ctx = counters(process.pid)
         self.carried += 1
         return probed.state, dataclasses.replace(last, time=act.time, cpu_seconds=cpu, ctx_switches=ctx, activity=act,
                                                  python_running=probed.running, since=None, read=False, probed=True)
+
+    def _remember(self, process: ProcessId, uid: int, before: str | None, sample: Sample) -> None:
+        """Keep the probe's digest that goes with py-spy's read of ``process``, or none (never an
+        older read's): the digest read before it, where a probe right after reads the same, so that
+        what py-spy read is that state (a process that moved during the read, from one line to the
+        next and back, has none, and its next sample is py-spy's again)."""
+        self._probed.pop(process, None)
+        if before is None or sample.error:
+            return
+        after, _ = self._probe(process, uid, None, None)
+        if after != before:
+            return
+        if len(self._probed) >= NATIVE_KEPT:
+            self._probed = {p: d for p, d in self._probed.items() if procfs.alive(p)}
+        self._probed[process] = before
 
     def shutdown(self) -> None:
         self.looks.shutdown(wait=True, cancel_futures=True)
