@@ -1,0 +1,110 @@
+"""The stack probe (detect/stack_probe.py), attacked: its helper runs as root and opens the files a
+watched process's interpreter is mapped from, by the names /proc gives (pystack reads their
+symbols), and the debug files named beside them. A user names those: a binary deleted after its
+exec is ``PATH (deleted)``, a name the user may then create, as a symlink to a file of root's or a
+FIFO. py-spy, as root, opens ``/proc/PID/exe`` alone and is not led anywhere.
+
+The daemon runs as root, the attacker as uid 65534 (nobody), with real files, a real copy of the
+system's Python, real pystack and py-spy. Tests that need root skip, saying so, as an ordinary user.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from inotify_simple import INotify, flags
+
+from hangwatchd.host.pyspy_binary import find_pyspy
+from hangwatchd.testing import ScratchDaemon, stop, wait_for
+
+from .test_security import ATTACKER, NOBODY, SYSTEM_PYTHON
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="runs the daemon as root and the attacker as uid 65534, which needs root"),
+    pytest.mark.skipif(find_pyspy() is None, reason="py-spy is not installed"),
+]
+try:
+    import pystack  # noqa: F401 - only whether the probe can read here
+except ImportError:
+    pytestmark.append(pytest.mark.skip(reason="pystack is not installed (the probe is off)"))
+
+# As nobody: run a copy of the system's Python from the attacker's directory, registered to be
+# watched by its stack (it wakes every 0.1 s, so each sample is probed), then delete that copy and
+# put a name of the attacker's choosing where /proc now says the binary is: "DIR/python3 (deleted)".
+PLANT = """
+import os, shutil, subprocess, sys
+d, python, attacker, runtime, target, kind = sys.argv[1:7]
+mine = os.path.join(d, "python3")
+shutil.copy(python, mine)
+p = subprocess.Popen([mine, attacker, "register", runtime, "--no-beat-file", "--stack-timeout", "60", "--no-beat"],
+                     stdout=subprocess.PIPE, text=True)
+print(p.stdout.readline().strip(), flush=True)
+os.unlink(mine)
+planted = mine + " (deleted)"
+if kind == "symlink":
+    os.symlink(target, planted)
+else:
+    os.mkfifo(planted)
+print("planted", planted, flush=True)
+p.wait()
+"""
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    """A directory the attacker can reach (pytest's tmp_path is root's alone)."""
+    d = Path(tempfile.mkdtemp(prefix="hangwatchd-probe-"))
+    os.chmod(d, 0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _plant(base: Path, d: ScratchDaemon, target: Path, kind: str) -> tuple[subprocess.Popen[str], int]:
+    mine = base / "attacker"
+    mine.mkdir()
+    os.chown(mine, NOBODY, NOBODY)
+    p = subprocess.Popen([SYSTEM_PYTHON, "-c", PLANT, str(mine), os.path.realpath(SYSTEM_PYTHON), str(ATTACKER),
+                          str(d.runtime_dir), str(target), kind],
+                         user=NOBODY, group=NOBODY, extra_groups=[], cwd="/", stdout=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    assert p.stdout is not None
+    registered = p.stdout.readline().split()
+    assert registered and registered[0] == "registered", registered
+    assert p.stdout.readline().startswith("planted"), "the attacker could not plant its name"
+    return p, int(registered[1])
+
+
+def _sampled(d: ScratchDaemon, times: int) -> None:
+    """Wait for ``times`` more stack samples (the attacker's process is the only one watched)."""
+    start = d.metric_total("hangwatchd_stack_samples_total")
+    wait_for(lambda: d.metric_total("hangwatchd_stack_samples_total") >= start + times or None, 60,
+             f"{times} more stack samples", every=0.2)
+
+
+def test_a_deleted_interpreter_never_leads_the_root_probe_to_a_file_the_user_names(base: Path) -> None:
+    vault = base / "vault"  # root's alone
+    vault.mkdir(mode=0o700)
+    secret = vault / "secret"
+    secret.write_text("root's secret\n")
+    secret.chmod(0o600)
+    watch = INotify()
+    watch.add_watch(str(secret), flags.OPEN)
+    with ScratchDaemon(base / "d", config={"stack_interval": 0.5, "pyspy_native": False, "gpu_dump": "never"}) as d:
+        p, pid = _plant(base, d, secret, "symlink")
+        try:
+            _sampled(d, 6)
+            opened = watch.read(timeout=0)
+            assert not opened, f"root opened {secret} through the attacker's '(deleted)' symlink {len(opened)} times"
+            assert Path(f"/proc/{pid}").exists()  # it was watched all along
+        finally:
+            stop(p, sig=signal.SIGKILL, group=True)
+            watch.close()
