@@ -15,12 +15,14 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from inotify_simple import INotify, flags
 
+from hangwatchd.detect.stack_probe import StackProbe
 from hangwatchd.host.pyspy_binary import find_pyspy
 from hangwatchd.testing import ScratchDaemon, stop, wait_for
 
@@ -108,3 +110,19 @@ def test_a_deleted_interpreter_never_leads_the_root_probe_to_a_file_the_user_nam
         finally:
             stop(p, sig=signal.SIGKILL, group=True)
             watch.close()
+
+
+def test_a_users_process_is_still_read_by_the_probe_with_that_users_rights(base: Path) -> None:
+    """The probe's rights to open files are its target's user's: enough to read that user's Python."""
+
+    p = subprocess.Popen([SYSTEM_PYTHON, "-c", "import time\nprint('ready', flush=True)\nwhile True: time.sleep(0.05)"],
+                         user=NOBODY, group=NOBODY, extra_groups=[], cwd="/", stdout=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    probe = StackProbe()
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        got = probe.probe(p.pid, time.monotonic() + 10)
+        assert got is not None and probe.failures == 0, "the probe could not read a process of nobody's"
+    finally:
+        probe.close()
+        stop(p, sig=signal.SIGKILL, group=True)

@@ -18,7 +18,12 @@ another digest, or none, and py-spy reads it as before. Nothing the helper reads
 daemon but that digest and a flag.
 
 The helper is the daemon's child, as root, like py-spy: it dies with the daemon (setpriv's
-death signal), its address space is capped (``MAX_BYTES``), and each answer is awaited until the
+death signal). Unlike py-spy, which opens ``/proc/PID/exe`` alone, pystack opens the
+interpreter's files by the names /proc gives, and the debug files named beside them: names the
+process's user chooses (a binary deleted after its exec is ``DIR/python3 (deleted)``, which the
+user may then create as a symlink or a FIFO). So each process is read with its user's rights to
+open files (``setfsuid``/``setfsgid``, no supplementary groups; root's right to read its memory
+kept): a name the user planted leads nowhere the user could not open. Its address space is capped (``MAX_BYTES``), and each answer is awaited until the
 sample's deadline only: past it, or on anything but one well-formed line, the helper is killed
 with its process group and started again on the next probe. One probe at a time: a sample that
 finds the helper busy (a slow process being read) goes to py-spy instead, so one user's
@@ -29,6 +34,7 @@ by py-spy, as before.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -76,8 +82,46 @@ def _running(pid: int, tid: int) -> bool:
         return False
 
 
+def _owner(pid: int) -> tuple[int, int]:
+    """(uid, gid) a process runs as, from /proc/PID/status: its one uid (all four the same; a
+    setuid process has none and is refused) and its real gid."""
+    with open(f"/proc/{pid}/status", "rb") as f:
+        text = f.read(64 * 1024)
+    ids = {line.split(b":", 1)[0]: line.split()[1:5] for line in text.splitlines() if line.startswith((b"Uid:", b"Gid:"))}
+    uids = {int(x) for x in ids.get(b"Uid", [])}
+    gids = [int(x) for x in ids.get(b"Gid", [])]
+    if len(uids) != 1 or not gids:
+        raise PermissionError(f"pid {pid} has no one uid ({sorted(uids)})")
+    return uids.pop(), gids[0]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _files_as(uid: int, gid: int) -> None:
+    """This thread's files opened with ``uid``'s and ``gid``'s rights from now (setfsuid, setfsgid):
+    its ptrace rights, which read the process's memory, are root's still."""
+    _libc.setfsgid(gid)
+    _libc.setfsuid(uid)
+    if _libc.setfsuid(-1) != uid or _libc.setfsgid(-1) != gid:  # -1: only the one in force, returned
+        raise PermissionError(f"cannot open files as uid {uid} gid {gid}")
+
+
 def digest(pid: int) -> Probed:
-    """The helper's reading of ``pid`` (raises where pystack cannot read it)."""
+    """The helper's reading of ``pid`` (raises where pystack cannot read it), its files opened with
+    the rights of the user the process runs as: pystack opens the interpreter's binary and its
+    debug files by the names /proc gives (``DIR/python3 (deleted)``, ``DIR/DEBUGLINK``), names the
+    user chooses, so as root it would open whatever that user put there (root's files, devices)."""
+    uid, gid = _owner(pid)
+    me, mine = os.geteuid(), os.getegid()
+    try:
+        _files_as(uid, gid)
+        return _digest(pid)
+    finally:
+        _files_as(me, mine)
+
+
+def _digest(pid: int) -> Probed:
     from pystack.engine import StackMethod, get_process_threads
 
     h = hashlib.blake2b(digest_size=16)
@@ -98,6 +142,8 @@ def digest(pid: int) -> Probed:
 def serve() -> None:
     """The helper's loop: a pid a line in, one JSON line out (``{"state", "running"}`` or ``{"error"}``)."""
     resource.setrlimit(resource.RLIMIT_AS, (MAX_BYTES, MAX_BYTES))
+    if os.geteuid() == 0:
+        os.setgroups([])  # a file of root's group is not readable through a user's filesystem rights either
     out = sys.stdout
     try:
         import pystack.engine  # noqa: F401 - only whether it is there
