@@ -11,6 +11,7 @@ system's Python, real pystack and py-spy. Tests that need root skip, saying so, 
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -22,8 +23,12 @@ from pathlib import Path
 import pytest
 from inotify_simple import INotify, flags
 
+from hangwatchd.detect.sampler import Sampler
 from hangwatchd.detect.stack_probe import StackProbe
+from hangwatchd.host import procfs
 from hangwatchd.host.pyspy_binary import find_pyspy
+from hangwatchd.host.user_limits import UserLimits
+from hangwatchd.model import Registration
 from hangwatchd.testing import ScratchDaemon, stop, wait_for
 
 from .test_security import ATTACKER, NOBODY, SYSTEM_PYTHON
@@ -126,3 +131,59 @@ def test_a_users_process_is_still_read_by_the_probe_with_that_users_rights(base:
     finally:
         probe.close()
         stop(p, sig=signal.SIGKILL, group=True)
+
+
+# As nobody: the same copy, run, deleted, and a FIFO of its own planted as "DIR/python3 (deleted)":
+# a probe of it, with the user's rights, opens that FIFO and waits for a writer until its deadline.
+STALL = """
+import os, shutil, subprocess, sys, time
+d, python = sys.argv[1:3]
+mine = os.path.join(d, "python3")
+shutil.copy(python, mine)
+p = subprocess.Popen([mine, "-c", "import time\\nwhile True: time.sleep(0.05)"])
+time.sleep(0.3)
+os.unlink(mine)
+os.mkfifo(mine + " (deleted)")
+print(p.pid, flush=True)
+p.wait()
+"""
+
+
+def test_one_users_stalling_process_never_stops_the_probe_for_another_users(base: Path) -> None:
+    """Each probe of the staller is cut at its deadline and the helper killed; past six kills in a
+    minute the probe rested for everyone. The staller's user alone is left to py-spy."""
+    from .test_stack_probe import STILL, _reg, _round, _spawn
+
+    mine = base / "attacker"
+    mine.mkdir()
+    os.chown(mine, NOBODY, NOBODY)
+    staller = subprocess.Popen([SYSTEM_PYTHON, "-c", STALL, str(mine), os.path.realpath(SYSTEM_PYTHON)], user=NOBODY,
+                               group=NOBODY, extra_groups=[], cwd="/", stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    victim = _spawn(STILL)
+    inbox: queue.Queue[object] = queue.Queue()
+    sampler = Sampler(1.0, 100.0, UserLimits(100, 100.0), inbox.put)
+    try:
+        assert staller.stdout is not None
+        pid = int(staller.stdout.readline())
+        bad = _reg_of(pid)
+        samples = _round(sampler, inbox, [bad])
+        for _ in range(8):  # as many samples as a minute of stack_interval = 7.5 s gives
+            time.sleep(0.3)  # it ran since: the probe is asked first
+            samples = _round(sampler, inbox, [bad], samples)
+            assert samples[pid].read and samples[pid].error is None  # py-spy reads it (from /proc/PID/exe)
+        good = _reg(victim)
+        first = _round(sampler, inbox, [good])
+        time.sleep(0.3)  # it ran since: only the probe can carry it
+        again = _round(sampler, inbox, [good], first)[victim.pid]
+        assert again.probed and not again.read, "the probe was off for another user's process after one user's stalls"
+        assert sampler.probe.failures <= 2, f"the helper was killed {sampler.probe.failures} times by one user's process"
+    finally:
+        sampler.shutdown()
+        stop(staller, victim, sig=signal.SIGKILL, group=True)
+
+
+def _reg_of(pid: int) -> Registration:
+    me, uid = procfs.identify(pid), procfs.uid(pid)
+    assert me is not None and uid == NOBODY
+    return Registration(process=me, uid=uid, beat_file=None)
