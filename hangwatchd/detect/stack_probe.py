@@ -27,7 +27,9 @@ kept): a name the user planted leads nowhere the user could not open. Its addres
 sample's deadline only: past it, or on anything but one well-formed line, the helper is killed
 with its process group and started again on the next probe. One probe at a time: a sample that
 finds the helper busy (a slow process being read) goes to py-spy instead, so one user's
-process that reads slowly never holds up the probes of anyone else's. Where pystack is not
+process that reads slowly never holds up the probes of anyone else's; and a user whose process
+the helper was killed over is not probed for a minute (``SHUN_SECONDS``), so one user cannot keep
+it dying until it rests (six restarts a minute) for everyone. Where pystack is not
 installed, or cannot read this interpreter, the first answer says so and every sample is read
 by py-spy, as before.
 """
@@ -60,6 +62,7 @@ MAX_THREADS = 1024  # threads of one process digested
 MAX_REPR = 120  # characters of a local's repr digested (as the locals digest of a py-spy sample)
 START_TIMEOUT = 10.0  # seconds for the helper to start and say it can read
 RESTARTS_PER_MINUTE = 6  # more, and the probe rests for a minute (py-spy reads meanwhile)
+SHUN_SECONDS = 60.0  # a user's process the helper was killed over: that user's are not probed for this long
 
 
 @dataclass(frozen=True)
@@ -182,17 +185,22 @@ class StackProbe:
         self.unavailable: str | None = None  # why it cannot read here (then py-spy reads everything)
         self._restarts: list[float] = []
         self._rest_until = 0.0
+        self._shunned: dict[int, float] = {}  # uid: monotonic time its processes may be probed again
         self.probes = 0  # answered
         self.failures = 0  # killed past a deadline or after a bad answer
 
-    def probe(self, pid: int, deadline: float) -> Probed | None:
+    def probe(self, pid: int, deadline: float, uid: int | None = None) -> Probed | None:
         """The digest of ``pid``'s Python state, read by the helper before ``deadline`` (monotonic);
-        None when the helper is busy, resting, cannot read here, or cannot read this process."""
+        None when the helper is busy, resting, cannot read here, or cannot read this process.
+        ``uid``: the user whose process it is. Where the helper is killed over one (no answer by the
+        deadline: a FIFO planted where pystack opens a file, say), that user's processes are not
+        probed for ``SHUN_SECONDS`` (py-spy reads them), so one user's processes cannot keep the
+        helper dying until it rests for everyone."""
         if self.unavailable is not None or not self._lock.acquire(blocking=False):
             return None
         try:
             now = time.monotonic()
-            if now < self._rest_until:
+            if now < self._rest_until or (uid is not None and now < self._shunned.get(uid, 0.0)):
                 return None
             if self._proc is None and not self._start(min(deadline, now + START_TIMEOUT)):
                 return None
@@ -203,8 +211,11 @@ class StackProbe:
             except OSError:
                 self._kill("it stopped taking requests")
                 return None
+            failures = self.failures
             answer = self._answer(deadline)
             if answer is None:
+                if uid is not None and self.failures > failures:
+                    self._shun(uid)
                 return None
             state = answer.get("state")
             if answer.get("pid") != pid or not isinstance(state, str):
@@ -213,6 +224,13 @@ class StackProbe:
             return Probed(state, answer.get("running") is True)
         finally:
             self._lock.release()
+
+    def _shun(self, uid: int) -> None:
+        now = time.monotonic()
+        self._shunned = {u: t for u, t in self._shunned.items() if t > now}  # the users of a node: few
+        self._shunned[uid] = now + SHUN_SECONDS
+        log.warning("stack_probe_user_skipped", uid=uid, seconds=SHUN_SECONDS,
+                    why="the helper was killed reading a process of theirs; py-spy reads them meanwhile")
 
     def _start(self, deadline: float) -> bool:
         now = time.monotonic()
