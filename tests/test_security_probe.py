@@ -187,3 +187,38 @@ def _reg_of(pid: int) -> Registration:
     me, uid = procfs.identify(pid), procfs.uid(pid)
     assert me is not None and uid == NOBODY
     return Registration(process=me, uid=uid, beat_file=None)
+
+
+# Each moves one local between two reads and nothing else: a name rebound to a new long string that
+# differs after its first 80 characters (a long URL's or a path's last part: pystack's repr stops
+# there), and to a new int past 2**63 (pystack reads none: "<UNRESOLVED BIG INT>"). py-spy's digest
+# has each value's address, and moves: every value is kept, so each new one has an address of its own.
+MOVES_UNSEEN = {
+    "long string": "prefix, seen = 'https://storage.example.com/' + 'bucket/' * 12, [''] * 20",
+    "big int": "prefix, seen = 2**63, [0] * 20",
+}
+LOOP = "while True:\n        url = prefix + type(prefix)(len(seen))\n        seen.append(url)\n        time.sleep(0.05)"
+
+
+@pytest.mark.parametrize("what", sorted(MOVES_UNSEEN))
+def test_the_probe_never_says_same_where_py_spy_reads_a_move(what: str) -> None:
+    """A probe's "same" carries py-spy's last sample forward: where it says so of a process that
+    moved, a loop that makes progress looks frozen, and is paged as hung after its window."""
+    from hangwatchd.detect.stack import take_sample
+
+    code = f"import time\ndef work():\n    {MOVES_UNSEEN[what]}\n    print('ready', flush=True)\n    {LOOP}\nwork()\n"
+    p = subprocess.Popen([SYSTEM_PYTHON, "-c", code], user=NOBODY, group=NOBODY, extra_groups=[], cwd="/",
+                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+    probe = StackProbe()
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        time.sleep(0.2)
+        a, first = probe.probe(p.pid, time.monotonic() + 10, NOBODY), take_sample(p.pid, 10.0)
+        time.sleep(0.4)
+        b, second = probe.probe(p.pid, time.monotonic() + 10, NOBODY), take_sample(p.pid, 10.0)
+        assert first.error is None and second.error is None
+        assert (first.signature, first.locals_digest) != (second.signature, second.locals_digest), "py-spy saw it move"
+        assert a is None or b is None or a.state != b.state, f"the probe said 'same' of a {what} that moved"
+    finally:
+        probe.close()
+        stop(p, sig=signal.SIGKILL, group=True)
