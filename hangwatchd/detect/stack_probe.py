@@ -59,7 +59,13 @@ log = structlog.get_logger("hangwatchd.daemon")
 MAX_BYTES = 1 << 30  # the helper's address space (pystack maps the target's binaries to read their symbols)
 MAX_LINE = 4096  # bytes of one answer
 MAX_THREADS = 1024  # threads of one process digested
-MAX_REPR = 120  # characters of a local's repr digested (as the locals digest of a py-spy sample)
+MAX_REPR = 1024  # characters of a local's repr: a longer one, and no digest (pystack's are 80 at most)
+# How pystack says it did not read a value whole: a string cut at 80 characters ends with "...", a
+# container cut short ends with "...]", "...}" or "...)", an int past 2**63 is not read at all. Two
+# values that differ past the cut read the same; py-spy's digest has each value's address and sees
+# a name rebound, so where pystack cut a value, the probe cannot say "same": no digest, py-spy reads.
+ELIDED = ("...", "...]", "...}", "...)")
+UNREAD = "<UNRESOLVED"
 START_TIMEOUT = 10.0  # seconds for the helper to start and say it can read
 RESTARTS_PER_MINUTE = 6  # more, and the probe rests for a minute (py-spy reads meanwhile)
 SHUN_SECONDS = 60.0  # a user's process the helper was killed over: that user's are not probed for this long
@@ -137,7 +143,10 @@ def _digest(pid: int) -> Probed:
             code = frame.code
             h.update(f"F{code.filename}\0{code.scope}\0{code.location.lineno}".encode("utf-8", "replace"))
             for name, value in sorted({**frame.arguments, **frame.locals}.items()):
-                h.update(f"L{name}\0{str(value)[:MAX_REPR]}".encode("utf-8", "replace"))
+                text = str(value)
+                if len(text) > MAX_REPR or text.endswith(ELIDED) or text.startswith(UNREAD):
+                    raise ValueError(f"pystack did not read {name!r} whole ({text[:40]!r}): only py-spy can tell if it moved")
+                h.update(f"L{name}\0{text}".encode("utf-8", "replace"))
         running = running or _running(pid, thread.tid)
     return Probed(h.hexdigest(), running)
 
