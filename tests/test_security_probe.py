@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import os
 import queue
+import resource
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -222,3 +224,48 @@ def test_the_probe_never_says_same_where_py_spy_reads_a_move(what: str) -> None:
     finally:
         probe.close()
         stop(p, sig=signal.SIGKILL, group=True)
+
+
+# As nobody: a stack 5,000 Python frames deep; pystack, reading it, overflows the helper's stack
+# (SIGSEGV). The helper holds what it read of every user's process: it must not dump it as a core.
+DEEP = """
+import sys, time
+sys.setrecursionlimit(100_000)
+def down(n):
+    if n:
+        return down(n - 1)
+    print('ready', flush=True)
+    while True:
+        time.sleep(0.05)
+down(5000)
+"""
+
+
+def test_a_user_who_crashes_the_helper_gets_no_core_of_it_written_and_others_are_still_probed() -> None:
+    p = subprocess.Popen([SYSTEM_PYTHON, "-c", DEEP], user=NOBODY, group=NOBODY, extra_groups=[], cwd="/",
+                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+    soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (hard, hard))  # as a daemon started where cores are kept
+    other = _spawn_root()
+    probe = StackProbe()
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        assert probe.probe(other.pid, time.monotonic() + 10) is not None  # started, and reads root's
+        assert probe._proc is not None
+        limits = Path(f"/proc/{probe._proc.pid}/limits").read_text()
+        core = next(line for line in limits.splitlines() if line.startswith("Max core file size"))
+        assert core.split()[4] == "0", f"the root helper may dump core: {core}"
+        assert probe.probe(p.pid, time.monotonic() + 10, NOBODY) is None and probe.failures == 1  # it crashed
+        assert probe.probe(p.pid, time.monotonic() + 10, NOBODY) is None and probe.failures == 1  # not asked again
+        assert probe.probe(other.pid, time.monotonic() + 10) is not None  # the others' are read
+    finally:
+        resource.setrlimit(resource.RLIMIT_CORE, (soft, hard))
+        probe.close()
+        stop(p, other, sig=signal.SIGKILL, group=True)
+
+
+def _spawn_root() -> subprocess.Popen[str]:
+    p = subprocess.Popen([sys.executable, "-c", "import time\nprint('ready', flush=True)\nwhile True: time.sleep(0.05)"],
+                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    return p
