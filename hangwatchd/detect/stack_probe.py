@@ -154,6 +154,9 @@ def _digest(pid: int) -> Probed:
 def serve() -> None:
     """The helper's loop: a pid a line in, one JSON line out (``{"state", "running"}`` or ``{"error"}``)."""
     resource.setrlimit(resource.RLIMIT_AS, (MAX_BYTES, MAX_BYTES))
+    # pystack crashes on some stacks a user can build (5,000 frames deep: SIGSEGV); what the helper
+    # holds, read from every user's processes, is never written out as a core of root's.
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if os.geteuid() == 0:
         os.setgroups([])  # a file of root's group is not readable through a user's filesystem rights either
     out = sys.stdout
