@@ -236,7 +236,7 @@ class Sampler:
             untrusted.check_owner(process.pid, uid)
         except untrusted.Refused:
             return None, None  # py-spy's read says so, as a refused sample
-        probed = self.probe.probe(process.pid, time.monotonic() + self.pyspy_timeout)
+        probed = self.probe.probe(process.pid, time.monotonic() + self.pyspy_timeout, uid)
         if probed is None:
             return None, None
         try:

@@ -18,17 +18,25 @@ another digest, or none, and py-spy reads it as before. Nothing the helper reads
 daemon but that digest and a flag.
 
 The helper is the daemon's child, as root, like py-spy: it dies with the daemon (setpriv's
-death signal), its address space is capped (``MAX_BYTES``), and each answer is awaited until the
+death signal). Unlike py-spy, which opens ``/proc/PID/exe`` alone, pystack opens the
+interpreter's files by the names /proc gives, and the debug files named beside them: names the
+process's user chooses (a binary deleted after its exec is ``DIR/python3 (deleted)``, which the
+user may then create as a symlink or a FIFO). So each process is read with its user's rights to
+open files (``setfsuid``/``setfsgid``, no supplementary groups; root's right to read its memory
+kept): a name the user planted leads nowhere the user could not open. Its address space is capped (``MAX_BYTES``), and each answer is awaited until the
 sample's deadline only: past it, or on anything but one well-formed line, the helper is killed
 with its process group and started again on the next probe. One probe at a time: a sample that
 finds the helper busy (a slow process being read) goes to py-spy instead, so one user's
-process that reads slowly never holds up the probes of anyone else's. Where pystack is not
+process that reads slowly never holds up the probes of anyone else's; and a user whose process
+the helper was killed over is not probed for a minute (``SHUN_SECONDS``), so one user cannot keep
+it dying until it rests (six restarts a minute) for everyone. Where pystack is not
 installed, or cannot read this interpreter, the first answer says so and every sample is read
 by py-spy, as before.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -51,9 +59,16 @@ log = structlog.get_logger("hangwatchd.daemon")
 MAX_BYTES = 1 << 30  # the helper's address space (pystack maps the target's binaries to read their symbols)
 MAX_LINE = 4096  # bytes of one answer
 MAX_THREADS = 1024  # threads of one process digested
-MAX_REPR = 120  # characters of a local's repr digested (as the locals digest of a py-spy sample)
+MAX_REPR = 1024  # characters of a local's repr: a longer one, and no digest (pystack's are 80 at most)
+# How pystack says it did not read a value whole: a string cut at 80 characters ends with "...", a
+# container cut short ends with "...]", "...}" or "...)", an int past 2**63 is not read at all. Two
+# values that differ past the cut read the same; py-spy's digest has each value's address and sees
+# a name rebound, so where pystack cut a value, the probe cannot say "same": no digest, py-spy reads.
+ELIDED = ("...", "...]", "...}", "...)")
+UNREAD = "<UNRESOLVED"
 START_TIMEOUT = 10.0  # seconds for the helper to start and say it can read
 RESTARTS_PER_MINUTE = 6  # more, and the probe rests for a minute (py-spy reads meanwhile)
+SHUN_SECONDS = 60.0  # a user's process the helper was killed over: that user's are not probed for this long
 
 
 @dataclass(frozen=True)
@@ -76,8 +91,46 @@ def _running(pid: int, tid: int) -> bool:
         return False
 
 
+def _owner(pid: int) -> tuple[int, int]:
+    """(uid, gid) a process runs as, from /proc/PID/status: its one uid (all four the same; a
+    setuid process has none and is refused) and its real gid."""
+    with open(f"/proc/{pid}/status", "rb") as f:
+        text = f.read(64 * 1024)
+    ids = {line.split(b":", 1)[0]: line.split()[1:5] for line in text.splitlines() if line.startswith((b"Uid:", b"Gid:"))}
+    uids = {int(x) for x in ids.get(b"Uid", [])}
+    gids = [int(x) for x in ids.get(b"Gid", [])]
+    if len(uids) != 1 or not gids:
+        raise PermissionError(f"pid {pid} has no one uid ({sorted(uids)})")
+    return uids.pop(), gids[0]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _files_as(uid: int, gid: int) -> None:
+    """This thread's files opened with ``uid``'s and ``gid``'s rights from now (setfsuid, setfsgid):
+    its ptrace rights, which read the process's memory, are root's still."""
+    _libc.setfsgid(gid)
+    _libc.setfsuid(uid)
+    if _libc.setfsuid(-1) != uid or _libc.setfsgid(-1) != gid:  # -1: only the one in force, returned
+        raise PermissionError(f"cannot open files as uid {uid} gid {gid}")
+
+
 def digest(pid: int) -> Probed:
-    """The helper's reading of ``pid`` (raises where pystack cannot read it)."""
+    """The helper's reading of ``pid`` (raises where pystack cannot read it), its files opened with
+    the rights of the user the process runs as: pystack opens the interpreter's binary and its
+    debug files by the names /proc gives (``DIR/python3 (deleted)``, ``DIR/DEBUGLINK``), names the
+    user chooses, so as root it would open whatever that user put there (root's files, devices)."""
+    uid, gid = _owner(pid)
+    me, mine = os.geteuid(), os.getegid()
+    try:
+        _files_as(uid, gid)
+        return _digest(pid)
+    finally:
+        _files_as(me, mine)
+
+
+def _digest(pid: int) -> Probed:
     from pystack.engine import StackMethod, get_process_threads
 
     h = hashlib.blake2b(digest_size=16)
@@ -90,7 +143,10 @@ def digest(pid: int) -> Probed:
             code = frame.code
             h.update(f"F{code.filename}\0{code.scope}\0{code.location.lineno}".encode("utf-8", "replace"))
             for name, value in sorted({**frame.arguments, **frame.locals}.items()):
-                h.update(f"L{name}\0{str(value)[:MAX_REPR]}".encode("utf-8", "replace"))
+                text = str(value)
+                if len(text) > MAX_REPR or text.endswith(ELIDED) or text.startswith(UNREAD):
+                    raise ValueError(f"pystack did not read {name!r} whole ({text[:40]!r}): only py-spy can tell if it moved")
+                h.update(f"L{name}\0{text}".encode("utf-8", "replace"))
         running = running or _running(pid, thread.tid)
     return Probed(h.hexdigest(), running)
 
@@ -98,6 +154,11 @@ def digest(pid: int) -> Probed:
 def serve() -> None:
     """The helper's loop: a pid a line in, one JSON line out (``{"state", "running"}`` or ``{"error"}``)."""
     resource.setrlimit(resource.RLIMIT_AS, (MAX_BYTES, MAX_BYTES))
+    # pystack crashes on some stacks a user can build (5,000 frames deep: SIGSEGV); what the helper
+    # holds, read from every user's processes, is never written out as a core of root's.
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if os.geteuid() == 0:
+        os.setgroups([])  # a file of root's group is not readable through a user's filesystem rights either
     out = sys.stdout
     try:
         import pystack.engine  # noqa: F401 - only whether it is there
@@ -136,17 +197,22 @@ class StackProbe:
         self.unavailable: str | None = None  # why it cannot read here (then py-spy reads everything)
         self._restarts: list[float] = []
         self._rest_until = 0.0
+        self._shunned: dict[int, float] = {}  # uid: monotonic time its processes may be probed again
         self.probes = 0  # answered
         self.failures = 0  # killed past a deadline or after a bad answer
 
-    def probe(self, pid: int, deadline: float) -> Probed | None:
+    def probe(self, pid: int, deadline: float, uid: int | None = None) -> Probed | None:
         """The digest of ``pid``'s Python state, read by the helper before ``deadline`` (monotonic);
-        None when the helper is busy, resting, cannot read here, or cannot read this process."""
+        None when the helper is busy, resting, cannot read here, or cannot read this process.
+        ``uid``: the user whose process it is. Where the helper is killed over one (no answer by the
+        deadline: a FIFO planted where pystack opens a file, say), that user's processes are not
+        probed for ``SHUN_SECONDS`` (py-spy reads them), so one user's processes cannot keep the
+        helper dying until it rests for everyone."""
         if self.unavailable is not None or not self._lock.acquire(blocking=False):
             return None
         try:
             now = time.monotonic()
-            if now < self._rest_until:
+            if now < self._rest_until or (uid is not None and now < self._shunned.get(uid, 0.0)):
                 return None
             if self._proc is None and not self._start(min(deadline, now + START_TIMEOUT)):
                 return None
@@ -157,8 +223,11 @@ class StackProbe:
             except OSError:
                 self._kill("it stopped taking requests")
                 return None
+            failures = self.failures
             answer = self._answer(deadline)
             if answer is None:
+                if uid is not None and self.failures > failures:
+                    self._shun(uid)
                 return None
             state = answer.get("state")
             if answer.get("pid") != pid or not isinstance(state, str):
@@ -167,6 +236,13 @@ class StackProbe:
             return Probed(state, answer.get("running") is True)
         finally:
             self._lock.release()
+
+    def _shun(self, uid: int) -> None:
+        now = time.monotonic()
+        self._shunned = {u: t for u, t in self._shunned.items() if t > now}  # the users of a node: few
+        self._shunned[uid] = now + SHUN_SECONDS
+        log.warning("stack_probe_user_skipped", uid=uid, seconds=SHUN_SECONDS,
+                    why="the helper was killed reading a process of theirs; py-spy reads them meanwhile")
 
     def _start(self, deadline: float) -> bool:
         now = time.monotonic()
