@@ -196,3 +196,34 @@ def test_a_poll_loop_that_never_ends_is_declared_hung_from_samples_the_probe_car
             assert any(f.get("name") == "poll" for t in stacks for f in t.get("frames") or [])
         finally:
             stop(work, sig=signal.SIGKILL, group=True)
+
+
+THREADED = """
+import threading, time
+for _ in range(3):
+    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+def poll(flag):
+    print('ready', flush=True)
+    while True:
+        time.sleep(0.05)
+poll('never')
+"""
+
+
+def test_a_process_of_many_threads_is_read_by_py_spy_alone() -> None:
+    """pystack's read grows by some 4 ms a thread: a process of four, woken but unmoved, is read by
+    py-spy as before the probe, never probed."""
+    inbox: queue.Queue[object] = queue.Queue()
+    probe = StackProbe()
+    sampler = Sampler(10.0, 100.0, UserLimits(100, 100.0), inbox.put, probe=probe)
+    threaded = _spawn(THREADED)
+    try:
+        regs = [_reg(threaded)]
+        samples = _round(sampler, inbox, regs)
+        time.sleep(0.3)
+        (again,) = _round(sampler, inbox, regs, samples).values()
+        assert again.read and not again.probed and again.activity is not None and again.activity.threads == 4
+        assert probe.probes == 0 and sampler.reads == 2
+    finally:
+        sampler.shutdown()
+        stop(threaded, sig=signal.SIGKILL, group=True)

@@ -10,8 +10,9 @@ look at a frozen stack is carried likewise from the last one (its sockets read a
 ``quiet.Quiet`` follows, every second, when each process's threads last ran, so a
 stack read after a freeze is known to have held since then.
 
-A process whose threads ran is read again, but first probed (``stack_probe``: one
-long-lived helper that reads its Python state without a fork and exec): where the probe
+A process whose threads ran is read again, but first probed where it has one or two threads
+(``stack_probe``: one long-lived helper that reads its Python state without a fork and exec;
+its read costs about 4 ms a thread, so past two py-spy costs less): where the probe
 reads the same frames and locals as when py-spy last read it, py-spy's sample is carried
 forward with the counters read now; else py-spy reads it.
 
@@ -48,6 +49,7 @@ from .stack_probe import StackProbe
 log = structlog.get_logger("hangwatchd.daemon")
 
 TakeSample = Callable[..., Sample]  # take_sample's signature: (pid, timeout, native, uid, act, locals=True)
+PROBE_MAX_THREADS = 2  # processes of more threads are read by py-spy alone (the probe would cost more)
 NATIVE_KEPT = 10_000  # last native looks kept (one a process, as many as the daemon watches)
 
 
@@ -232,6 +234,8 @@ class Sampler:
         """(the probe's digest of the process now, or None; ``last`` carried forward, with ``act``, where
         the digest is the one that went with py-spy's last read, else None). Read only while the
         process is still its user's alone, before and after, as py-spy's reads are."""
+        if act is not None and act.threads > PROBE_MAX_THREADS:
+            return None, None  # pystack's read costs about 4 ms a thread: past two, py-spy's costs less
         try:
             untrusted.check_owner(process.pid, uid)
         except untrusted.Refused:

@@ -44,6 +44,7 @@ class Activity:
     kids: int  # how many descendants were read
     kids_wait_ns: int = 0  # the time its descendants' main threads waited for a CPU (a loaded node)
     ran: int | None = None  # digest of (thread, its CPU ns) of every thread: unchanged while none of them runs
+    threads: int = 0  # its threads at the look
 
 
 def read(pid: int) -> Activity:
@@ -55,7 +56,7 @@ def read(pid: int) -> Activity:
     kids = procfs.descendants(pid, MAX_DESCENDANTS)
     return Activity(now, sched.get("cpu_ns") if sched else None, sched.get("wait_ns") if sched else None,
                     io_bytes(pid), sum(cpu_ns(k) for k in kids), len(kids),
-                    kids_wait_ns=sum(leader_wait_ns(k) for k in kids), ran=digest(per))
+                    kids_wait_ns=sum(leader_wait_ns(k) for k in kids), ran=digest(per), threads=len(per) if per else 0)
 
 
 def ran(pid: int) -> int | None:
