@@ -26,8 +26,9 @@ open files (``setfsuid``/``setfsgid``, no supplementary groups; root's right to 
 kept): a name the user planted leads nowhere the user could not open. Its address space is capped (``MAX_BYTES``), and each answer is awaited until the
 sample's deadline only: past it, or on anything but one well-formed line, the helper is killed
 with its process group and started again on the next probe. One probe at a time: a sample that
-finds the helper busy (a slow process being read) goes to py-spy instead, so one user's
-process that reads slowly never holds up the probes of anyone else's; and a user whose process
+finds the helper busy waits for it at most ``WAIT_BUSY`` (a probe takes milliseconds) and then
+goes to py-spy, so one user's process that reads slowly never holds up the samples of anyone
+else's for longer than that; and a user whose process
 the helper was killed over is not probed for a minute (``SHUN_SECONDS``), so one user cannot keep
 it dying until it rests (six restarts a minute) for everyone. Where pystack is not
 installed, or cannot read this interpreter, the first answer says so and every sample is read
@@ -68,6 +69,7 @@ ELIDED = ("...", "...]", "...}", "...)")
 UNREAD = "<UNRESOLVED"
 START_TIMEOUT = 10.0  # seconds for the helper to start and say it can read
 RESTARTS_PER_MINUTE = 6  # more, and the probe rests for a minute (py-spy reads meanwhile)
+WAIT_BUSY = 0.5  # seconds a sample waits for the helper busy with another before py-spy reads it
 SHUN_SECONDS = 60.0  # a user's process the helper was killed over: that user's are not probed for this long
 
 
@@ -203,12 +205,12 @@ class StackProbe:
 
     def probe(self, pid: int, deadline: float, uid: int | None = None) -> Probed | None:
         """The digest of ``pid``'s Python state, read by the helper before ``deadline`` (monotonic);
-        None when the helper is busy, resting, cannot read here, or cannot read this process.
+        None when the helper stays busy for ``WAIT_BUSY``, rests, cannot read here, or cannot read this process.
         ``uid``: the user whose process it is. Where the helper is killed over one (no answer by the
         deadline: a FIFO planted where pystack opens a file, say), that user's processes are not
         probed for ``SHUN_SECONDS`` (py-spy reads them), so one user's processes cannot keep the
         helper dying until it rests for everyone."""
-        if self.unavailable is not None or not self._lock.acquire(blocking=False):
+        if self.unavailable is not None or not self._lock.acquire(timeout=max(0.0, min(WAIT_BUSY, deadline - time.monotonic()))):
             return None
         try:
             now = time.monotonic()
