@@ -125,6 +125,19 @@ def cpu_seconds(p: psutil.Process) -> float:
     return t.user + t.system + t.children_user + t.children_system + alive
 
 
+def counts(d: ScratchDaemon) -> tuple[float, float, float]:
+    """(py-spy reads, samples carried, carried on the probe's word) so far, from one scrape (at 200
+    samples a second, two scrapes a moment apart disagree)."""
+    samples = carried = probed = 0.0
+    for line in d.scrape().splitlines():
+        if line.startswith("hangwatchd_stack_samples_total{"):
+            samples += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("hangwatchd_stack_samples_carried_total{"):
+            carried += float(line.rsplit(" ", 1)[1])
+            probed += float(line.rsplit(" ", 1)[1]) if 'why="probe"' in line else 0.0
+    return samples - carried, carried, probed
+
+
 def gap_buckets(d: ScratchDaemon) -> dict[float, float]:
     """hangwatchd_stack_sample_gap_seconds's cumulative buckets: upper bound -> gaps at most that long."""
     out: dict[float, float] = {}
@@ -180,16 +193,12 @@ def run_once(n: int, steady: float, tmp: Path) -> dict[str, float]:
         settle_s = time.monotonic() - t_admit
         daemon = psutil.Process(d.proc.pid)
         c0, w0 = cpu_seconds(daemon), time.monotonic()
-        reads0 = d.metric_total("hangwatchd_stack_samples_total") - d.metric_total("hangwatchd_stack_samples_carried_total")
-        carried0 = d.metric_total("hangwatchd_stack_samples_carried_total")
-        probed0 = d.metric_total("hangwatchd_stack_samples_carried_total", why="probe")
+        reads0, carried0, probed0 = counts(d)
         gaps0 = gap_buckets(d)
         time.sleep(steady)
         span = time.monotonic() - w0
         cpu = (cpu_seconds(daemon) - c0) / span * 100
-        reads = d.metric_total("hangwatchd_stack_samples_total") - d.metric_total("hangwatchd_stack_samples_carried_total") - reads0
-        carried = d.metric_total("hangwatchd_stack_samples_carried_total") - carried0
-        probed = d.metric_total("hangwatchd_stack_samples_carried_total", why="probe") - probed0
+        reads, carried, probed = (b - a for a, b in zip((reads0, carried0, probed0), counts(d)))
         rss = daemon.memory_info().rss / 2**20
         failed = d.metric_total("hangwatchd_stack_samples_total", outcome="failed")
         if os.environ.get("STACK_SCALE_DEBUG"):

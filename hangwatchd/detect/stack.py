@@ -108,7 +108,7 @@ def carried(last: Sample, act: activity.Activity, io: dict[str, Any] | None = No
         return None
     # No thread ran: none was on a CPU, and none of its counters but the wait for a CPU moved.
     return dataclasses.replace(last, time=act.time, activity=act, python_running=False, since=last.held_from,
-                               read=False, io=io if io is not None else last.io)
+                               read=False, probed=False, io=io if io is not None else last.io)
 
 
 def _helper(t: dict[str, Any]) -> bool:
