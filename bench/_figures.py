@@ -111,10 +111,15 @@ def machine() -> str:
     return f"{model + ', ' if model else ''}{os.cpu_count()} cores ({platform.machine()})" + (f", {named}" if named else "")
 
 
+STARTED_ON = commit()  # the code a bench runs is the code there when it started (a long run may see HEAD move)
+
+
 def provenance(command: str) -> str:
     """What ran, on which commit and machine, and when: the start of every table's last line."""
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return f"`{command}`, commit {commit()}, {when}, on {machine()}"
+    now = commit()
+    moved = "" if now == STARTED_ON else f" (HEAD moved to {now} while it ran)"
+    return f"`{command}`, commit {STARTED_ON}{moved}, {when}, on {machine()}"
 
 
 def _cell(text: str) -> str:

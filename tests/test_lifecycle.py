@@ -93,7 +93,9 @@ def test_three_hangs_held_for_a_minute_are_each_declared_exactly_once(tmp_path: 
                     detail = json.loads((Path(inc["dir"]) / "incident.json").read_text())["detail"]
                     held = float(detail.split("the same stack for ")[1].split(" s")[0])
                     samples = int(detail.split("; ")[1].split(" samples")[0])
-                    assert held >= 3 and samples >= 3, detail
+                    # Two samples at least: a read after the freeze knows since when the stack held
+                    # (the quiet look), so two can span the window.
+                    assert held >= 3 and samples >= 2, detail
         finally:
             for p in procs:
                 stop(p, sig=signal.SIGKILL, group=True)

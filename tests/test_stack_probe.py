@@ -21,7 +21,7 @@ import pytest
 
 from hangwatchd.detect.sampler import SampleBatch, Sampler, SampleTaken
 from hangwatchd.detect.stack import take_sample
-from hangwatchd.detect.stack_probe import StackProbe
+from hangwatchd.detect.stack_probe import Probed, StackProbe
 from hangwatchd.host import procfs
 from hangwatchd.host.pyspy_binary import find_pyspy
 from hangwatchd.host.user_limits import UserLimits
@@ -31,14 +31,14 @@ from hangwatchd.watch.stack_history import Sample
 
 pytestmark = pytest.mark.skipif(find_pyspy() is None, reason="py-spy is not installed")
 
-# Wakes every 50 ms (its thread runs between any two samples) and goes back to the same line
+# Wakes every 0.2 s (its thread runs between any two samples) and goes back to the same line
 # with the same locals: its Python state does not move.
 STILL = """
 import time
 def poll(flag):
     print('ready', flush=True)
     while True:
-        time.sleep(0.05)
+        time.sleep(0.2)
 poll('never')
 """
 
@@ -50,7 +50,7 @@ def count():
     n = 0
     while True:
         n += 1
-        time.sleep(0.05)
+        time.sleep(0.2)
 count()
 """
 
@@ -77,15 +77,26 @@ def _pyspy(pid: int) -> Sample:
     return s
 
 
+def _at_rest(probe: StackProbe, pid: int) -> Probed:
+    """The probe's reading of ``pid`` taken while none of its threads ran (it wakes for a moment
+    every 0.2 s: a reading that overlaps a wake says so, and is taken again)."""
+    for _ in range(20):
+        got = probe.probe(pid, time.monotonic() + 10)
+        assert got is not None
+        if not got.running:
+            return got
+        time.sleep(0.03)
+    raise AssertionError(f"pid {pid} was never read at rest")
+
+
 def test_the_probe_says_same_where_two_py_spy_reads_do(pair: tuple[subprocess.Popen[str], subprocess.Popen[str]]) -> None:
     probe = StackProbe()
     try:
         seen = {}
         for p in pair:
-            a, first = probe.probe(p.pid, time.monotonic() + 10), _pyspy(p.pid)
-            time.sleep(0.4)
-            b, second = probe.probe(p.pid, time.monotonic() + 10), _pyspy(p.pid)
-            assert a is not None and b is not None and not a.running
+            a, first = _at_rest(probe, p.pid), _pyspy(p.pid)
+            time.sleep(0.5)
+            b, second = _at_rest(probe, p.pid), _pyspy(p.pid)
             same_by_pyspy = (first.signature, first.locals_digest) == (second.signature, second.locals_digest)
             assert (a.state == b.state) == same_by_pyspy, (p.pid, a, b)
             seen[p.pid] = a.state == b.state
@@ -124,16 +135,21 @@ def test_a_woken_process_that_did_not_move_is_carried_and_one_that_moved_is_read
         regs = [_reg(still), _reg(moving)]
         first = _round(sampler, inbox, regs)
         assert all(s.read and s.error is None for s in first.values()) and sampler.reads == 2
-        samples = first
-        for n in range(3):
-            time.sleep(0.3)  # both ran in between: neither can be carried for not having run
+        samples, digests, carried = first, {first[moving.pid].locals_digest}, []
+        for _ in range(4):
+            time.sleep(0.5)  # both ran in between: neither can be carried for not having run
             samples = _round(sampler, inbox, regs, samples)
-            carried, read = samples[still.pid], samples[moving.pid]
-            assert carried.probed and not carried.read and carried.signature == first[still.pid].signature
-            assert carried.activity is not None and carried.activity.ran != first[still.pid].activity.ran  # type: ignore[union-attr]
-            assert read.read and not read.probed and read.locals_digest != first[moving.pid].locals_digest
-            assert sampler.reads == 2 + n + 1  # py-spy ran for the one that moved alone
-        assert "poll" in {name for thread in carried.signature for name, _, _ in thread}  # py-spy's frames, carried
+            still_now, read = samples[still.pid], samples[moving.pid]
+            assert still_now.signature == first[still.pid].signature and still_now.error is None
+            if still_now.probed:  # carried on the probe's word (a probe that overlapped a wake: read again)
+                assert not still_now.read and still_now.activity is not None
+                assert still_now.activity.ran != first[still.pid].activity.ran  # type: ignore[union-attr]
+                carried.append(still_now)
+            assert read.read and not read.probed and read.locals_digest not in digests  # every time a new count
+            digests.add(read.locals_digest)
+        assert len(carried) >= 2, "the still process was carried on the probe's word in fewer than 2 of 4 rounds"
+        assert sampler.reads == 2 + 4 + (4 - len(carried))  # py-spy ran for the one that moved, every time
+        assert "poll" in {name for thread in carried[-1].signature for name, _, _ in thread}  # py-spy's frames, carried
     finally:
         sampler.shutdown()
 
@@ -227,3 +243,34 @@ def test_a_process_of_many_threads_is_read_by_py_spy_alone() -> None:
     finally:
         sampler.shutdown()
         stop(threaded, sig=signal.SIGKILL, group=True)
+
+
+# Computes Python without a pause; its counter moves all the time. pystack reads a running frame's
+# locals from its value stack half the time (the counter as the same stale int, read after read).
+COMPUTING = """
+import hashlib
+def tokenize():
+    print('ready', flush=True)
+    n = 0
+    while True:
+        n += hashlib.sha256(str(n).encode()).digest()[0]
+tokenize()
+"""
+
+
+def test_a_process_that_computes_is_never_carried_on_the_probes_word() -> None:
+    inbox: queue.Queue[object] = queue.Queue()
+    sampler = Sampler(10.0, 100.0, UserLimits(100, 100.0), inbox.put)
+    busy = _spawn(COMPUTING)
+    try:
+        regs = [_reg(busy)]
+        samples = _round(sampler, inbox, regs)
+        for _ in range(5):
+            time.sleep(0.3)
+            samples = _round(sampler, inbox, regs, samples)
+            (s,) = samples.values()
+            assert s.read and not s.probed and s.error is None, s
+        assert sampler.reads == 6
+    finally:
+        sampler.shutdown()
+        stop(busy, sig=signal.SIGKILL, group=True)

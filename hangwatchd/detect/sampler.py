@@ -241,8 +241,8 @@ class Sampler:
         except untrusted.Refused:
             return None, None  # py-spy's read says so, as a refused sample
         probed = self.probe.probe(process.pid, time.monotonic() + self.pyspy_timeout, uid)
-        if probed is None:
-            return None, None
+        if probed is None or probed.running:
+            return None, None  # no digest, or one of a process that ran while it was read (torn): py-spy reads
         try:
             untrusted.check_owner(process.pid, uid)
         except untrusted.Refused:
@@ -252,7 +252,7 @@ class Sampler:
         cpu, ctx = counters(process.pid)
         self.carried += 1
         return probed.state, dataclasses.replace(last, time=act.time, cpu_seconds=cpu, ctx_switches=ctx, activity=act,
-                                                 python_running=probed.running, since=None, read=False, probed=True)
+                                                 python_running=False, since=None, read=False, probed=True)
 
     def _remember(self, process: ProcessId, uid: int, before: str | None, sample: Sample) -> None:
         """Keep the probe's digest that goes with py-spy's read of ``process``, or none (never an

@@ -75,8 +75,8 @@ SHUN_SECONDS = 60.0  # a user's process the helper was killed over: that user's 
 
 @dataclass(frozen=True)
 class Probed:
-    """What the helper read of one process: the digest of its Python state, and whether one of its
-    Python threads was on a CPU (py-spy's ``active``)."""
+    """What the helper read of one process: the digest of its Python state, and whether a thread of
+    it ran during the read or was on a CPU at either end of it (then the digest says nothing)."""
 
     state: str
     running: bool
@@ -85,12 +85,20 @@ class Probed:
 # -- the helper ------------------------------------------------------------------------------
 
 
-def _running(pid: int, tid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-            return f.read(512).rsplit(b")", 1)[1].split()[0] == b"R"
-    except (OSError, IndexError):
-        return False
+def _threads(pid: int) -> dict[str, tuple[bytes, bytes]]:
+    """Each thread's (state, time on a CPU so far), from /proc: what says whether it ran."""
+    out = {}
+    base = f"/proc/{pid}/task"
+    for tid in os.listdir(base)[:MAX_THREADS]:
+        try:
+            with open(f"{base}/{tid}/stat", "rb") as f:
+                state = f.read(512).rsplit(b")", 1)[1].split()[0]
+            with open(f"{base}/{tid}/schedstat", "rb") as f:
+                ran = f.read(128).split()[0]
+        except (OSError, IndexError):
+            continue
+        out[tid] = (state, ran)
+    return out
 
 
 def _owner(pid: int) -> tuple[int, int]:
@@ -136,7 +144,7 @@ def _digest(pid: int) -> Probed:
     from pystack.engine import StackMethod, get_process_threads
 
     h = hashlib.blake2b(digest_size=16)
-    running = False
+    before = _threads(pid)
     for n, thread in enumerate(get_process_threads(pid, stop_process=False, method=StackMethod.AUTO, locals=True)):
         if n >= MAX_THREADS:
             break
@@ -149,7 +157,11 @@ def _digest(pid: int) -> Probed:
                 if len(text) > MAX_REPR or text.endswith(ELIDED) or text.startswith(UNREAD):
                     raise ValueError(f"pystack did not read {name!r} whole ({text[:40]!r}): only py-spy can tell if it moved")
                 h.update(f"L{name}\0{text}".encode("utf-8", "replace"))
-        running = running or _running(pid, thread.tid)
+    # A thread that ran during the read, or was on a CPU at either end of it, may have been read torn:
+    # pystack reads a running frame's locals from its value stack half the time (a loop's counter read
+    # as the same stale int, read after read), which would say "same" of a process that computes.
+    after = _threads(pid)
+    running = after != before or any(state == b"R" for state, _ in (*before.values(), *after.values()))
     return Probed(h.hexdigest(), running)
 
 
