@@ -11,7 +11,8 @@ So one helper process, started once and kept (``python -m hangwatchd.detect.stac
 reads each such process with pystack (``get_process_threads``, without stopping it: the same
 ``process_vm_readv`` reads py-spy's ``--nonblocking`` makes) and answers with a digest of its
 Python state: each Python thread's id, its frames (file, function, line) and the reprs of their
-local variables, and whether one of those threads was on a CPU. The sampler compares the digest
+local variables, and whether a thread ran while it was read (then the digest counts for nothing:
+pystack reads a running frame's locals torn). The sampler compares the digest
 with the one read when py-spy last read the process: the same digest carries py-spy's last
 sample forward (its frames and names are py-spy's, which the patterns and verdicts read);
 another digest, or none, and py-spy reads it as before. Nothing the helper reads reaches the
