@@ -537,7 +537,9 @@ def test_register_installs_the_reporter_where_no_launcher_did(job: Any, tmp_path
     run = tmp_path / "run"
     registration_file.prepare_dirs(run)
     j = job(f"""
-        import threading, time
+        import signal, threading, time
+        # Started from a background shell (nohup ... &), a process inherits SIGINT ignored.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         import hangwatchd
         assert hangwatchd.register(job="by-hand", runtime_dir={str(run)!r})
         print("ready", flush=True)

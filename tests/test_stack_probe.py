@@ -29,6 +29,8 @@ from hangwatchd.model import Registration
 from hangwatchd.testing import ScratchDaemon, stop, wait_for
 from hangwatchd.watch.stack_history import Sample
 
+from .detect.test_sampler import _reg
+
 pytestmark = pytest.mark.skipif(find_pyspy() is None, reason="py-spy is not installed")
 
 # Wakes every 0.2 s (its thread runs between any two samples) and goes back to the same line
@@ -106,12 +108,6 @@ def test_the_probe_says_same_where_two_py_spy_reads_do(pair: tuple[subprocess.Po
         assert probe.failures == 0 and probe.unavailable is None
     finally:
         probe.close()
-
-
-def _reg(p: subprocess.Popen[str]) -> Registration:
-    me, uid = procfs.identify(p.pid), procfs.uid(p.pid)
-    assert me is not None and uid is not None
-    return Registration(process=me, uid=uid, beat_file=None)
 
 
 def _round(sampler: Sampler, inbox: queue.Queue[object], regs: list[Registration],
