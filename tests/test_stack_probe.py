@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from hangwatchd.detect.sampler import SampleBatch, Sampler, SampleTaken
+from hangwatchd.detect.sampler import Sampler
 from hangwatchd.detect.stack import take_sample
 from hangwatchd.detect.stack_probe import Probed, StackProbe
 from hangwatchd.host import procfs
@@ -30,6 +30,7 @@ from hangwatchd.testing import ScratchDaemon, stop, wait_for
 from hangwatchd.watch.stack_history import Sample
 
 from .detect.test_sampler import _reg
+from .detect.test_sampler import _round as sampler_round
 
 pytestmark = pytest.mark.skipif(find_pyspy() is None, reason="py-spy is not installed")
 
@@ -112,14 +113,7 @@ def test_the_probe_says_same_where_two_py_spy_reads_do(pair: tuple[subprocess.Po
 
 def _round(sampler: Sampler, inbox: queue.Queue[object], regs: list[Registration],
            last: dict[int, Sample] | None = None) -> dict[int, Sample]:
-    sampler.start_many([(r, False, (last or {}).get(r.process.pid)) for r in regs])
-    out: dict[int, Sample] = {}
-    while len(out) < len(regs):
-        got = inbox.get(timeout=60)
-        for taken in got.taken if isinstance(got, SampleBatch) else (got,):
-            assert isinstance(taken, SampleTaken)
-            out[taken.process.pid] = taken.sample
-    return out
+    return {pid: taken.sample for pid, taken in sampler_round(sampler, inbox, regs, last).items()}
 
 
 def test_a_woken_process_that_did_not_move_is_carried_and_one_that_moved_is_read(

@@ -54,7 +54,7 @@ from pathlib import Path
 
 import structlog
 
-from ..host import subproc
+from ..host import procfs, subproc, untrusted
 
 log = structlog.get_logger("hangwatchd.daemon")
 
@@ -86,33 +86,16 @@ class Probed:
 # -- the helper ------------------------------------------------------------------------------
 
 
-def _threads(pid: int) -> dict[str, tuple[bytes, bytes]]:
-    """Each thread's (state, time on a CPU so far), from /proc: what says whether it ran."""
-    out = {}
-    base = f"/proc/{pid}/task"
-    for tid in os.listdir(base)[:MAX_THREADS]:
-        try:
-            with open(f"{base}/{tid}/stat", "rb") as f:
-                state = f.read(512).rsplit(b")", 1)[1].split()[0]
-            with open(f"{base}/{tid}/schedstat", "rb") as f:
-                ran = f.read(128).split()[0]
-        except (OSError, IndexError):
-            continue
-        out[tid] = (state, ran)
-    return out
+def _threads(pid: int) -> tuple[object, bool]:
+    """(each thread's counters from the scheduler, whether a thread is on a CPU now): what says
+    whether the process ran while it was read."""
+    return procfs.thread_schedstats(pid), any(t["state"] == "R" for t in procfs.threads(pid))
 
 
 def _owner(pid: int) -> tuple[int, int]:
-    """(uid, gid) a process runs as, from /proc/PID/status: its one uid (all four the same; a
-    setuid process has none and is refused) and its real gid."""
-    with open(f"/proc/{pid}/status", "rb") as f:
-        text = f.read(64 * 1024)
-    ids = {line.split(b":", 1)[0]: line.split()[1:5] for line in text.splitlines() if line.startswith((b"Uid:", b"Gid:"))}
-    uids = {int(x) for x in ids.get(b"Uid", [])}
-    gids = [int(x) for x in ids.get(b"Gid", [])]
-    if len(uids) != 1 or not gids:
-        raise PermissionError(f"pid {pid} has no one uid ({sorted(uids)})")
-    return uids.pop(), gids[0]
+    """(uid, gid) a process runs as: its one uid (a setuid process has none and is refused) and its
+    real gid."""
+    return untrusted.process_uid(pid), int(procfs.status(pid)["Gid"].split()[0])
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -162,7 +145,7 @@ def _digest(pid: int) -> Probed:
     # pystack reads a running frame's locals from its value stack half the time (a loop's counter read
     # as the same stale int, read after read), which would say "same" of a process that computes.
     after = _threads(pid)
-    running = after != before or any(state == b"R" for state, _ in (*before.values(), *after.values()))
+    running = after[0] != before[0] or before[1] or after[1]
     return Probed(h.hexdigest(), running)
 
 
