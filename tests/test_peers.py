@@ -81,6 +81,15 @@ def until_blocked(pid: int, syscall: str | tuple[str, ...], tid: int | None = No
     raise AssertionError(f"pid {pid} never blocked in {syscall}")
 
 
+def until_closed(pid: int, fd: int, timeout: float = 10.0) -> None:
+    """Wait until a forked child has closed its copy of ``fd``: it does so after the parent said ready."""
+    end = time.monotonic() + timeout
+    while os.path.lexists(f"/proc/{pid}/fd/{fd}"):
+        if time.monotonic() > end:
+            raise AssertionError(f"pid {pid} never closed fd {fd}")
+        time.sleep(0.02)
+
+
 def proc_json(pid: int, out: Path) -> dict[str, Any]:
     ident = procfs.identify(pid)
     assert ident is not None
@@ -135,6 +144,7 @@ def test_the_child_that_holds_the_write_end_is_named_by_its_pid(start: Callable[
     """)
     child, r, wfd = map(int, w.said)
     try:
+        until_closed(child, r)
         until_blocked(w.pid, "read")
         wait = proc_json(w.pid, tmp_path)["blocked_on"]
         assert wait["fd"] == r and wait["kind"] == "pipe"
@@ -205,6 +215,7 @@ def test_a_recv_on_a_socketpair_names_the_process_at_the_other_end(start: Callab
     """)
     child, fd = map(int, w.said)
     try:
+        until_closed(child, fd)
         until_blocked(w.pid, "recvfrom")
         wait = proc_json(w.pid, tmp_path)["blocked_on"]
         assert wait["fd"] == fd and wait["kind"] == "socket"
@@ -360,11 +371,12 @@ def test_a_socketpair_inside_a_containers_own_network_namespace_finds_its_peer(s
         if child == 0:
             a.close(); time.sleep(600); os._exit(0)
         b.close()
-        print("ready", child, flush=True)
+        print("ready", child, a.fileno(), flush=True)
         a.recv(1)
     """, argv=["unshare", "--net"])
-    child = int(w.said[0])
+    child, fd = map(int, w.said)
     try:
+        until_closed(child, fd)
         assert os.stat(f"/proc/{w.pid}/ns/net").st_ino != os.stat("/proc/self/ns/net").st_ino
         until_blocked(w.pid, "recvfrom")
         wait = proc_json(w.pid, tmp_path)["blocked_on"]
