@@ -302,13 +302,15 @@ def test_a_capture_is_stored_even_when_its_analysis_fails(tmp_path: Path, monkey
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.dictionaries(st.sampled_from(sorted(BAD_FILES) + ["pyspy.json", "nccl-ras.json", "nccl-ras.txt", "incident.json"]),
+@given(st.dictionaries(st.sampled_from(sorted(BAD_FILES) + ["pyspy.json", "nccl-ras.json", "nccl-ras.txt", "incident.json",
+                                                             "introspect.json", "code.json"]),
                        st.one_of(st.binary(max_size=300), st.recursive(
                            st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
                            lambda c: st.lists(c, max_size=4) | st.dictionaries(st.sampled_from(
                                ["rank", "pid", "frames", "name", "line", "devices", "process_gpus", "index",
                                 "utilization_percent", "kernels", "pcs", "exceptions", "device", "file", "communicators",
-                                "pg_status", "entries", "processes", "steps"]), c, max_size=4), max_leaves=20).map(
+                                "pg_status", "entries", "processes", "steps", "threads", "graph_replay", "native_id",
+                                "lines", "code"]), c, max_size=4), max_leaves=20).map(
                            lambda v: json.dumps(v).encode())), min_size=1, max_size=5))
 def test_the_incident_dir_readers_never_raise(tmp_path_factory, files: dict[str, bytes]) -> None:
     root = tmp_path_factory.mktemp("fuzz")
@@ -321,7 +323,8 @@ def test_the_incident_dir_readers_never_raise(tmp_path_factory, files: dict[str,
     start = time.monotonic()
     out = analyze(root)
     assert time.monotonic() - start < 5
-    assert out.summary and len(out.ranks) == (1 if set(files) - {"incident.json"} else 0)
+    # introspect.json and code.json only add to a process's stacks: alone they make no process
+    assert out.summary and len(out.ranks) == (1 if set(files) - {"incident.json", "introspect.json", "code.json"} else 0)
     from hangwatchd.report import incident as report
 
     assert report.render_analysis(out.to_dict()).startswith(out.summary)
@@ -474,4 +477,11 @@ def test_the_thread_in_the_gpu_call_is_where_it_surfaced_not_the_main_thread_or_
     assert found is not None and found.thread == "model-runner" and found.call == "cudaStreamSynchronize"
     assert found.text() == "thread model-runner at run_model (serve.py:12)"
     assert surfaced.find(threads[:2]) is None  # nobody in a call that waits for the GPU: no line is claimed
+    # The process's own word on where that thread last replayed a CUDA graph (matched by its native id).
+    report = {"threads": [{"native_id": 1, "graph_replay": {"function": "warm", "file": "/app/serve.py", "line": 5}},
+                          {"native_id": 3, "graph_replay": {"function": "run_model", "file": "/app/serve.py", "line": 11}},
+                          {"native_id": "3", "graph_replay": {"line": "x"}}, "junk"]}
+    told = surfaced.find(threads, surfaced.replays(report))
+    assert told is not None and told.text() == ("thread model-runner at run_model (serve.py:12), after the last replay "
+                                                "of a CUDA graph in that thread at run_model (serve.py:11)")
     assert surfaced.short_name("faulty_epilogue_kernel(int*, long)") == "faulty_epilogue_kernel(int*, long)"

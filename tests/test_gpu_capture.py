@@ -7,6 +7,7 @@ answers them as they do (or fails to, as they sometimes do).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import lzma
 import os
@@ -204,6 +205,51 @@ def test_a_driver_that_reports_an_exception_but_writes_no_dump(tmp_path: Path) -
         assert "it surfaced in `print(out.sum().item())` (graph_ima.py:33)" in inc["summary"], inc["summary"]
         (pid,) = inc["processes"]
         assert "Detected an exception" in (Path(inc["dir"]) / str(pid) / "driver.log").read_text()
+
+
+GRAPH_WORKLOAD = """\
+import sys
+import torch
+from torch.cuda.graphs import CUDAGraph
+
+sys.stderr.write(DRIVER)  # what the driver printed when a kernel of the graph faulted
+sys.stderr.flush()
+
+
+class NoGpu:  # no GPU here: the real CUDAGraph.replay runs on a stand-in that has no graph
+    _tracker = None
+
+
+def step():
+    try:
+        CUDAGraph.replay(NoGpu())
+    except TypeError:
+        pass
+
+
+step()
+raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch (./dev test installs it)")
+def test_a_graph_replay_before_a_cuda_error_is_named_beside_the_line_it_surfaced_in(tmp_path: Path) -> None:
+    recorded = (FIXTURES / "graph_ima" / "stderr.log").read_text()
+    script = tmp_path / "graph_work.py"
+    script.write_text(f"DRIVER = {recorded[:recorded.index('Traceback')]!r}\n" + GRAPH_WORKLOAD)
+    replay_line = 1 + script.read_text().splitlines().index("        CUDAGraph.replay(NoGpu())")
+    with ScratchDaemon(tmp_path) as d:
+        work = d.run([sys.executable, str(script)], stderr=subprocess.PIPE)
+        _, err = work.communicate(timeout=60)
+        assert work.returncode == 1, err.decode()[-2000:]
+        (inc,) = wait_for(d.settled, 20, "an incident")
+        assert inc["reason"] == "gpu-exception" and "wrote no dump" in inc["summary"]
+        # The error surfaced at the raise; the graph's kernels were launched by the replay before it.
+        assert "it surfaced in `raise torch.AcceleratorError(" in inc["summary"], inc["summary"]
+        assert (f"after the last replay of a CUDA graph in that thread at `CUDAGraph.replay(NoGpu())` "
+                f"(graph_work.py:{replay_line})") in inc["summary"], inc["summary"]
+        (pid,) = inc["processes"]
+        assert "hangwatchd: the last CUDA graph replay" in (Path(inc["dir"]) / str(pid) / "driver.log").read_text()
 
 
 def test_a_full_disk_keeps_the_report_and_drops_the_dump(tmp_path: Path) -> None:

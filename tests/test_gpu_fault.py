@@ -8,6 +8,7 @@ slowly, half, or not at all), started by ``hangwatchd run`` as a workload would 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import lzma
 import os
@@ -78,7 +79,7 @@ def test_an_exception_is_one_incident_with_the_stacks_taken_while_the_driver_wai
         pid = data["processes"][0]["pid"]
         pdir = Path(inc["dir"]) / str(pid)
         s = steps(data)
-        assert list(s) == ["proc", "pyspy", "cuda_exception"], s
+        assert list(s) == ["proc", "pyspy", "introspect", "cuda_exception"], s
         assert s["cuda_exception"]["ok"] and s["cuda_exception"]["error"] is None, s["cuda_exception"]
         # Taken while the driver's thread was still writing: the main thread is in item() at the program's line.
         assert main_frames(pdir)[-2:] == ["Tensor.item:fakecuda.py:39", "<module>:illegal_address.py:12"], main_frames(pdir)
@@ -135,6 +136,22 @@ def test_the_python_line_of_the_thread_that_met_the_fault_and_a_graphs_replay(tm
         assert ("surfaced in thread model-runner at `outputs.put(fakecuda.Tensor().item())` (model_thread.py:15)"
                 in verdict["model"]), verdict["model"]
         assert "surfaced in the replay of a CUDA graph at `g.replay()` (graph_replay.py:12)" in verdict["graph"], verdict["graph"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch (./dev test installs it)")
+def test_a_graph_replayed_before_the_sync_the_error_surfaced_in_is_named_from_the_processs_own_word(tmp_path: Path) -> None:
+    """No stack holds the replay once it returned; the process's reporter noted it, and the capture
+    asks it while the driver waits."""
+    with ScratchDaemon(tmp_path / "d") as d:
+        work = fault(d, "graph_then_sync.py", "whole", tmp_path)
+        try:
+            (inc,) = wait_for(d.settled, 40, "the exception's incident")
+        finally:
+            stop(work)
+        data = incident_json(inc)
+        assert steps(data)["introspect"]["ok"], steps(data)
+        assert ("surfaced in `print(fakecuda.Tensor().item())` (graph_then_sync.py:23), after the last replay of a CUDA graph "
+                "in that thread at `CUDAGraph.replay(NoGpu())` (graph_then_sync.py:20)") in data["verdict"], data["verdict"]
 
 
 @pytest.mark.parametrize("mode, config, said", [

@@ -65,8 +65,9 @@ def read(pdir: Path, known: dict[str, Any] | None = None, raw_dumps: sandbox.Lim
     nvml = read_json_object(pdir / "nvml.json", problems) or {}
     threads, why = read_threads(pdir)
     problems += why
+    report = read_json_object(pdir / "introspect.json", problems)
     if threads:
-        _quote_code(pdir, threads, problems)
+        _quote_code(pdir, threads, report, problems)
     record, why_fr = flight.read(pdir / "flight-recorder.pkl")
     if why_fr:
         problems.append(f"{pdir.name}/flight-recorder.pkl: {why_fr}")
@@ -87,7 +88,6 @@ def read(pdir: Path, known: dict[str, Any] | None = None, raw_dumps: sandbox.Lim
     exits = _exits(pdir, problems)
     if exits:
         used.append("recorded exits")
-    report = read_json_object(pdir / "introspect.json", problems)
     if report is not None:
         used.append("introspection")
     return Evidence(proc, sym, nvml, tuple(threads or ()), native, record, view, tuple(used), tuple(problems),
@@ -98,8 +98,9 @@ MAX_EXITS = 1024
 CODE_FILE = "code.json"  # lines of the program's frames, read at the capture as the process's user
 
 
-def _quote_code(pdir: Path, threads: list[dict[str, Any]], problems: list[str]) -> None:
-    """code.json's lines put on the frames they belong to (``code``), where the capture read them."""
+def _quote_code(pdir: Path, threads: list[dict[str, Any]], report: dict[str, Any] | None, problems: list[str]) -> None:
+    """code.json's lines put on the frames they belong to (``code``), where the capture read them:
+    the stacks' frames, and each thread's last CUDA graph replay in the process's own report."""
     data = read_json_object(pdir / CODE_FILE, problems)
     if data is None:
         return
@@ -109,6 +110,10 @@ def _quote_code(pdir: Path, threads: list[dict[str, Any]], problems: list[str]) 
         for f in t.get("frames") or []:
             if isinstance(f, dict) and (f.get("filename"), f.get("line")) in code:
                 f["code"] = code[(f.get("filename"), f.get("line"))][:200]
+    for t in dicts((report or {}).get("threads")):
+        r = t.get("graph_replay")
+        if isinstance(r, dict) and (r.get("file"), r.get("line")) in code:
+            r["code"] = code[(r.get("file"), r.get("line"))][:200]
 
 
 def _exits(pdir: Path, problems: list[str]) -> list[dict[str, Any]]:

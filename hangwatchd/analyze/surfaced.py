@@ -25,6 +25,7 @@ from . import threads as th
 ASYNC_NOTE = ("with asynchronous launches the line where a GPU error surfaces can be later than the one that "
               "launched the kernel (CUDA_LAUNCH_BLOCKING=1 makes them the same)")
 _GRAPH = re.compile(r"(?:^|\.)replay$|\bcu(?:da)?GraphLaunch")
+REPLAY_TEXT = "the last replay of a CUDA graph in that thread"  # where its kernels were launched from
 LONG_NAME = 100  # characters past which a kernel's or function's name loses its template arguments
 
 
@@ -35,6 +36,7 @@ class Surfaced:
     frame: dict[str, Any]  # the program's innermost frame in that thread
     call: str | None  # the waiting call the stack shows (cudaStreamSynchronize, item)
     graph: dict[str, Any] | None  # the program's frame that replays a CUDA graph, where the stack shows one
+    replay: dict[str, Any] | None = None  # else the thread's last replay of a graph, as its reporter told it
 
     @property
     def location(self) -> str:
@@ -48,6 +50,8 @@ class Surfaced:
             where = f"the replay of a CUDA graph at {where}"
         elif self.graph is not None:
             where = f"{where}, in the replay of a CUDA graph at {_said(self.graph)}"
+        elif self.replay is not None:
+            where = f"{where}, after {REPLAY_TEXT} at {_said(self.replay)}"
         return where if self.main else f"thread {self.thread} at {where}"
 
 
@@ -59,11 +63,16 @@ def _said(f: dict[str, Any]) -> str:
     return th.short(f)
 
 
-def in_traceback(frames: tuple[dict[str, Any], ...]) -> str:
-    """``; it surfaced in `print(x.item())` (x.py:33); with asynchronous ...`` from the traceback the
-    program died of after the driver's report (its innermost frame of the program's own), or ""."""
+def in_traceback(frames: tuple[dict[str, Any], ...], replay: dict[str, Any] | None = None) -> str:
+    """``; it surfaced in `print(x.item())` (x.py:33), after the replay of a CUDA graph at `g.replay()`
+    (x.py:32); with asynchronous ...`` from the traceback the program died of after the driver's
+    report (its innermost frame of the program's own) and the dying thread's last graph replay (the
+    reporter's word), or ""."""
     own = [f for f in frames if is_user_frame(f)]
-    return f"; it surfaced in {_said(own[-1])}; {ASYNC_NOTE}" if own else ""
+    if not own:
+        return ""
+    after = f", after {REPLAY_TEXT} at {_said(replay)}" if replay else ""
+    return f"; it surfaced in {_said(own[-1])}{after}; {ASYNC_NOTE}"
 
 
 def without_comment(line: str) -> str:
@@ -77,9 +86,28 @@ def without_comment(line: str) -> str:
     return line.strip()
 
 
-def find(threads: list[dict[str, Any]]) -> Surfaced | None:
+def replays(report: dict[str, Any] | None) -> dict[int, dict[str, Any]]:
+    """Each thread's last CUDA graph replay from the process's own report (``introspect.json``), as a
+    frame in py-spy's keys, by its native id and by its ident (the report is read, never trusted
+    for its shape)."""
+    out: dict[int, dict[str, Any]] = {}
+    for t in (report or {}).get("threads") or []:
+        r = t.get("graph_replay") if isinstance(t, dict) else None
+        if not isinstance(r, dict) or not isinstance(r.get("line"), int) or not isinstance(r.get("file"), str):
+            continue
+        frame = {"name": str(r.get("function") or "?")[:200], "filename": r["file"][:1000], "line": r["line"]}
+        if isinstance(r.get("code"), str):
+            frame["code"] = r["code"][:200]
+        for key in ("native_id", "ident"):
+            if isinstance(t.get(key), int):
+                out[t[key]] = frame
+    return out
+
+
+def find(threads: list[dict[str, Any]], told: dict[int, dict[str, Any]] | None = None) -> Surfaced | None:
     """The thread the exception surfaced in, and the program's line there; None when no thread is in
-    a call that waits for the GPU (stacks of another moment, or none)."""
+    a call that waits for the GPU (stacks of another moment, or none). ``told``: each thread's last
+    graph replay by its native id or ident (``replays``), said where no replay is on its stack."""
     best: tuple[int, int, Surfaced] | None = None
     for order, t in enumerate(th.ordered(threads)):
         frames = [f for f in t.get("frames") or [] if isinstance(f, dict)]
@@ -96,8 +124,11 @@ def find(threads: list[dict[str, Any]]) -> Surfaced | None:
             if _GRAPH.search(str(f.get("name") or "")):
                 graph = next((g for g in frames[i + 1:] if is_user_frame(g) and th.is_python(g)), None)
                 break
+        replay = None
+        if graph is None and told:
+            replay = told.get(t.get("os_thread_id")) or told.get(t.get("thread_id"))  # type: ignore[arg-type]
         found = Surfaced(str(t.get("thread_name") or t.get("os_thread_id") or "?"), th.is_main(t), mine,
-                         native or python, graph)
+                         native or python, graph, replay)
         if best is None or (score, -order) > best[:2]:
             best = (score, -order, found)
     return best[2] if best else None

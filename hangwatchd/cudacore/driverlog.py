@@ -24,6 +24,10 @@ _FILE = re.compile(r"Writing ELF file to (\S+)")
 TRACEBACK = "Traceback (most recent call last):"
 _TB_FRAME = re.compile(r'^  File "([^"]{1,4096})", line (\d{1,9}), in (.{1,512})$')
 TRACEBACK_LINES = 400  # lines of a traceback kept after the driver's report
+# What hangwatchd's in-process reporter writes after a CUDA error's traceback: the dying thread's
+# last CUDA graph replay, as one traceback frame (workload/introspect/graph_replays.HEADER).
+REPLAY_HEADER = "hangwatchd: the last CUDA graph replay in this thread before the error:"
+REPLAY_LINES = 2  # its frame: the File line and the code
 
 
 def is_driver_line(line: str) -> bool:
@@ -42,6 +46,7 @@ class DriverReport:
     done: bool
     frames: tuple[dict[str, Any], ...] = ()  # the traceback after the report, outermost first (py-spy's keys)
     error: str | None = None  # its last line ("torch.AcceleratorError: CUDA error: ...")
+    replay: dict[str, Any] | None = None  # the dying thread's last CUDA graph replay, as the reporter told it
 
     @property
     def kernel(self) -> str | None:
@@ -61,10 +66,24 @@ def parse(lines: list[str]) -> DriverReport:
     frames: list[dict[str, Any]] = []
     error = None
     in_traceback = False
+    replay: list[dict[str, Any]] | None = None  # the frame after REPLAY_HEADER, while it is being read
+    told: dict[str, Any] | None = None
     for line in lines:
         if line == TRACEBACK:
             in_traceback, frames, error = exc is not None, [], None  # the last traceback after the report
             continue
+        if line == REPLAY_HEADER:
+            replay, in_traceback = ([] if exc is not None else None), False
+            continue
+        if replay is not None:
+            if not replay and (m := _TB_FRAME.match(line)):
+                replay.append({"filename": m.group(1), "line": int(m.group(2)), "name": m.group(3)})
+                continue
+            if replay and line.startswith("    "):
+                replay[0]["code"] = line.strip()[:500]
+                told, replay = replay[0], None
+                continue
+            told, replay = (replay[0] if replay else told), None  # no code line: this line is read as any other
         if in_traceback:
             if m := _TB_FRAME.match(line):
                 frames.append({"filename": m.group(1), "line": int(m.group(2)), "name": m.group(3)})
@@ -87,5 +106,7 @@ def parse(lines: list[str]) -> DriverReport:
             dump = m.group(1)
         elif "All done" in line:
             done = True
+    if replay:
+        told = replay[0]
     return DriverReport(exc, fields.get("Device"), fields.get("SM"), fields.get("Warp"), pc, mangled, dump, done,
-                        tuple(frames), error)
+                        tuple(frames), error, told)

@@ -53,7 +53,9 @@ from .make_incident import write_pages
 log = structlog.get_logger("hangwatchd.daemon")
 
 CODE_TIMEOUT = 2.0  # seconds to read the lines the verdict quotes, while the driver waits
-STEPS = ("proc", "pyspy")  # what is taken while the driver waits: facts and stacks, nothing that asks the process
+# What is taken while the driver waits: facts and stacks, then the process's own report (its reporter
+# runs while the waiting thread holds no GIL), which says where each thread last replayed a CUDA graph.
+STEPS = ("proc", "pyspy", "introspect")
 RAW = "coredump.nvcudmp"  # the drained dump in the draft, until it is compressed
 FILE_RESERVE = 30.0  # seconds (at most a quarter of what is left) held back from the drain for symbolising and compressing
 
@@ -104,10 +106,11 @@ def look(capture: int, begun: ExceptionBegun, steps: list[tuple[Step, float]], d
 def read_code(reg: Registration, outdir: Path, deadline: Deadline) -> None:
     """code.json: the lines of the program's own frames in the thread where the exception surfaced
     (the verdict quotes them), read as the process's user; nothing where none could be read."""
-    at = surfaced.find(list(evidence.read(outdir).threads))
+    ev = evidence.read(outdir)
+    at = surfaced.find(list(ev.threads), surfaced.replays(ev.report))
     if at is None:
         return
-    frames = [at.frame] + ([at.graph] if at.graph is not None and at.graph is not at.frame else [])
+    frames = [at.frame] + [f for f in (at.graph, at.replay) if f is not None and f is not at.frame]
     wanted = [(str(f.get("filename") or ""), int(f.get("line") or 0)) for f in frames]
     lines = source_lines.read(reg.process.pid, reg.uid, wanted, deadline.at)
     if lines:
@@ -186,7 +189,8 @@ def _file(begun: ExceptionBegun, drained: ExceptionDrained, draft: Draft, captur
         if any(r.verdict == "gpu-exception" for r in result.ranks):
             verdict = result.summary
         else:  # no exception read from the dump: what it stopped at is said, and where it surfaced, not what the stacks look like
-            at = surfaced.find(list(evidence.read(outdir).threads))
+            ev = evidence.read(outdir)
+            at = surfaced.find(list(ev.threads), surfaced.replays(ev.report))
             verdict = f"pid {pid}: GPU exception ({detail})" + (f", surfaced in {at.text()}." if at else ".")
     except Exception as exc:  # a capture is stored even when its analysis fails
         log.error("analysis_failed", incident=draft.id, error=f"{type(exc).__name__}: {exc}", exc_info=exc)

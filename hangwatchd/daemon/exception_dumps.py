@@ -95,7 +95,7 @@ def ingest(store: Store, path: Path, pid: int | None, claimed: Registration | No
             (outdir / "driver.log").write_text("\n".join(lines) + "\n")
             dump_artifacts.unlink_same(path, st)
             step = StepResult("driver_log", True, time.monotonic() - start, who.note, files=("driver.log",))
-            detail = f"the driver reported {report.summary()} but wrote no dump{surfaced.in_traceback(report.frames)}"
+            detail = f"the driver reported {report.summary()} but wrote no dump{surfaced.in_traceback(report.frames, report.replay)}"
             exc_type = report.exception or "UNKNOWN"
         else:
             stored = dump_artifacts.store_fd(fd, path, outdir, remove_source=True, keep_dump=not draft.spooled)

@@ -371,7 +371,8 @@ def sender(ancdata: list[tuple[int, int, bytes]]) -> tuple[int, int] | None:
 
 class StderrTee(threading.Thread):
     """Passes the workload's stderr through, keeping the CUDA driver's coredump: lines and, once
-    the driver has reported, the Python traceback the program may die of (where the error surfaced).
+    the driver has reported, the Python traceback the program may die of (where the error surfaced)
+    and the reporter's word on the dying thread's last CUDA graph replay.
 
     The lines go to RUNTIME_DIR/driver-logs/PID.log as they come, for the daemon
     to put beside the dump in the incident.
@@ -399,6 +400,8 @@ class StderrTee(threading.Thread):
             line = raw.decode("utf-8", "replace").rstrip("\n")
             if self.driver_lines and line == driverlog.TRACEBACK:
                 traceback = driverlog.TRACEBACK_LINES
+            elif self.driver_lines and line == driverlog.REPLAY_HEADER:
+                traceback = driverlog.REPLAY_LINES
             elif traceback:
                 traceback = traceback - 1 if line.startswith(" ") else 0  # its last line is the error's
             elif not driverlog.is_driver_line(line):

@@ -23,7 +23,7 @@ import types
 import weakref
 from typing import Any
 
-from . import loops, objects, pools, source, sync, tasks_ended, threads, waits
+from . import graph_replays, loops, objects, pools, source, sync, tasks_ended, threads, waits
 from .source import MISSING, Scope, Sources
 
 VERSION = 1
@@ -66,6 +66,7 @@ def _thread_entry(ident: int, frames: list[types.FrameType], thread: object, mai
         "python_thread": thread is not None,
         "target": threads.target_info(thread) if thread is not None else None,
         "frames": _frames(frames), "more_frames": max(0, len(frames) - MAX_FRAMES),
+        "graph_replay": graph_replays.of_thread(ident),
         "waits": None, "holds": [],
     }
     try:

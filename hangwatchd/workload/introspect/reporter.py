@@ -28,7 +28,7 @@ import stat
 import time
 from typing import Any
 
-from . import report, tasks_ended, threads
+from . import graph_replays, report, tasks_ended, threads
 
 ENABLE_ENV = "HANGWATCHD_INTROSPECT"  # "0": no reporter in this process (hangwatchd run --no-introspect)
 DIR_ENV = "HANGWATCHD_INTROSPECT_DIR"  # where hangwatchd run wants the FIFOs
@@ -175,6 +175,7 @@ def install(directory: str | None = None, runtime_dir: str | None = None) -> boo
             _hooks_installed = True
             threads.install()
             tasks_ended.install()
+            graph_replays.install()
             os.register_at_fork(before=threads.before_fork, after_in_parent=threads.after_fork_in_parent,
                                 after_in_child=_after_fork_in_child)
             atexit.register(_at_exit)

@@ -9,22 +9,17 @@ type and message, read from the task without retrieving it, so asyncio's own
 "exception was never retrieved" still speaks), or cancelled; and the names its
 coroutine's code uses, so the analyser can tell which ended task used a queue's or
 a lock's name. asyncio is never imported for this: the wrap waits for the program
-to import it (a finder that lets the real import run, then wraps).
+to import it (``imports.when_imported``).
 """
 
 from __future__ import annotations
 
 import collections
-import sys
 import time
 import types
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from . import objects
-
-if TYPE_CHECKING:
-    from collections.abc import Sequence
-    from importlib.machinery import ModuleSpec
+from . import imports, objects
 
 RING = 64
 ended: collections.deque[dict[str, Any]] = collections.deque(maxlen=RING)
@@ -34,32 +29,7 @@ _done = False
 
 def install() -> None:
     """Wrap now if asyncio is loaded, else when it is."""
-    if _MODULE in sys.modules:
-        _wrap(sys.modules[_MODULE])
-    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
-
-
-class _Finder:
-    """Finds nothing itself: on the import of asyncio.base_events it asks the other finders, and
-    wraps the module once their loader has run it."""
-
-    def find_spec(self, name: str, path: Sequence[str] | None = None, target: types.ModuleType | None = None) -> ModuleSpec | None:
-        if name != _MODULE or _done:
-            return None
-        import importlib.machinery
-
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        real = spec.loader.exec_module
-
-        def exec_module(module: types.ModuleType) -> None:
-            real(module)
-            _wrap(module)
-
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # wrapped on purpose, on this loader only
-        return spec
+    imports.when_imported(_MODULE, _wrap)
 
 
 def _wrap(module: types.ModuleType) -> None:
@@ -67,9 +37,6 @@ def _wrap(module: types.ModuleType) -> None:
     if _done:
         return
     _done = True
-    for f in list(sys.meta_path):
-        if isinstance(f, _Finder):
-            sys.meta_path.remove(f)
     base = getattr(module, "BaseEventLoop", None)
     original = getattr(base, "create_task", None)
     if base is None or original is None:

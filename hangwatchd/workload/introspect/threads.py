@@ -25,7 +25,7 @@ import types
 import weakref
 from typing import Any, Callable, cast
 
-from . import objects, pools, waits
+from . import graph_replays, objects, pools, waits
 
 RING = 64
 ended: collections.deque[dict[str, Any]] = collections.deque(maxlen=RING)
@@ -95,6 +95,7 @@ def _bootstrap_inner(self: threading.Thread) -> None:
             def _invoke_excepthook(thread: threading.Thread) -> None:
                 _note_exception(note)
                 invoke(thread)
+                graph_replays.tell(sys.exc_info()[1])
 
             self._invoke_excepthook = _invoke_excepthook  # type: ignore[attr-defined]  # private, and wrapped on purpose
         pools.watch_pools()
