@@ -16,7 +16,7 @@ For each: the incident (reason, verdict, each step's outcome and seconds), when 
 first bytes, took the stacks and filed it (its log), the surfacing thread's frames as py-spy saw
 them, the dump's size, the process's exit status and its stderr's driver lines. Writes
 OUTDIR/exception.json and prints it; exits 0 when the eager case's verdict names the kernel and
-``print(data[index])``.
+``print(data[index])``, and the graph case's names the replay, ``g.replay()`` (graph_ima.py:32).
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ def main() -> int:
         d.stop()
         (a.outdir / "daemon.log").write_bytes(d.log.read_bytes()[-4_000_000:])
     (a.outdir / "exception.json").write_text(json.dumps(results, indent=1))
-    eager = results[0]
-    ok = "index_elementwise_kernel" in str(eager.get("verdict")) and "print(data[index])" in str(eager.get("verdict"))
+    eager, graph = str(results[0].get("verdict")), str(results[-1].get("verdict"))
+    ok = "index_elementwise_kernel" in eager and "print(data[index])" in eager and "`g.replay()` (graph_ima.py:32)" in graph
     print(json.dumps(results, indent=1)[:20000])
     return 0 if ok else 1
 
