@@ -181,6 +181,10 @@ def why(r: RankPace, others: Sequence[RankPace], gpus: dict[tuple[str, int], Gpu
                      f"{their_ratio or 0.0:.0%}): it gets less of the node's CPUs than the others", r.frame)
     their_cpu = _median(x.cpu_s for x in others)
     running, their_running = r.share(r.running) or 0.0, _median(x.share(x.running) for x in others) or 0.0
+    # A rank whose samples are in GPU calls more often, and no more often in its own Python, waits for
+    # its GPU: CPU time it spends more is a synchronise that spins (CUDA's default where CPUs are spare).
+    if running < their_running + INPUT_GAP and (found := gpu_bound(r, others, g, gpus)) is not None:
+        return found
     more_cpu = r.cpu_s is not None and their_cpu is not None and r.cpu_s >= CPU_MORE * their_cpu and r.cpu_s - their_cpu >= 0.05 * step
     more_demand = mine_demand is not None and their_demand is not None and mine_demand >= CPU_MORE * their_demand \
         and mine_demand - their_demand >= 0.05 * step
@@ -195,17 +199,26 @@ def why(r: RankPace, others: Sequence[RankPace], gpus: dict[tuple[str, int], Gpu
         else:
             cpu = f"it runs Python {running:.0%} of the time (the other ranks {their_running:.0%})"
         return Cause("cpu-bound", f"it is CPU-bound in its own code{at}: {cpu}", where)
+    return gpu_bound(r, others, g, gpus) or Cause("unexplained", f"nothing in its stacks, CPU or GPU says why: {_doing(r)}", r.frame)
+
+
+def gpu_bound(r: RankPace, others: Sequence[RankPace], g: GpuPace | None, gpus: dict[tuple[str, int], GpuPace]) -> Cause | None:
+    """The rank waits for its own GPU work more often than the others do (its samples in a synchronise,
+    a copy to the host, ``item``), else None."""
     gpu_share, their_gpu = r.share(r.gpu) or 0.0, _median(x.share(x.gpu) for x in others) or 0.0
-    if gpu_share >= their_gpu + INPUT_GAP:
-        sm = ""
-        mine = dict(g.processes).get(r.pid) if g is not None else None
-        if mine is not None:
-            theirs = _median(dict(gpus[(x.node, x.gpu_index)].processes).get(x.pid) for x in others
-                             if x.gpu_index is not None and (x.node, x.gpu_index) in gpus)
-            sm = f"; SM {mine}%" + (f" against the others' {theirs:.0f}%" if theirs is not None else "")
-        return Cause("gpu-bound", f"it waits for its own GPU work {gpu_share:.0%} of the time (the other ranks "
-                     f"{their_gpu:.0%}): it gives its GPU more to do a step{sm}", r.frame)
-    return Cause("unexplained", f"nothing in its stacks, CPU or GPU says why: {_doing(r)}", r.frame)
+    if gpu_share < their_gpu + INPUT_GAP:
+        return None
+    sm = ""
+    mine = dict(g.processes).get(r.pid) if g is not None else None
+    if mine is not None:
+        theirs = _median(dict(gpus[(x.node, x.gpu_index)].processes).get(x.pid) for x in others
+                         if x.gpu_index is not None and (x.node, x.gpu_index) in gpus)
+        sm = f"; SM {mine}%" + (f" against the others' {theirs:.0f}%" if theirs is not None else "")
+    their_cpu = _median(x.cpu_s for x in others)
+    spun = (f"; its CPU, {_ms(r.cpu_s)} a step against the others' {_ms(their_cpu)}, goes to waiting for the GPU "
+            "(a synchronise that spins)" if r.cpu_s is not None and their_cpu and r.cpu_s >= CPU_MORE * their_cpu else "")
+    return Cause("gpu-bound", f"it waits for its own GPU work {gpu_share:.0%} of the time (the other ranks "
+                 f"{their_gpu:.0%}): it gives its GPU more to do a step{sm}{spun}", r.frame)
 
 
 def apart(r: RankPace, others: Sequence[RankPace]) -> str | None:

@@ -167,6 +167,25 @@ def test_the_gpu_of_the_slow_rank_throttled_or_shared_is_the_cause() -> None:
     assert judged([*others[:2], slowest, others[2]], gpus=(sick,))["pace"]["cause"] == "gpu-errors"
 
 
+def test_a_rank_whose_sync_spins_on_more_gpu_work_is_gpu_bound_not_cpu_bound() -> None:
+    """The H200 run (tests/gpu/run_slow.py): rank 2 launched more kernels on the GPU the four ranks
+    share. CUDA's synchronise spins, so it also used more CPU; its samples are in the synchronise,
+    not in its own Python: it waits for its GPU."""
+    sync = "Gpu.synchronize (pace_job.py:203)"
+    others = [rank(0, 49, 14, gpu=33, running=2, cpu_s=0.197, frames=((sync, 33),)),
+              rank(1, 48, 11, gpu=36, running=1, cpu_s=0.199, frames=((sync, 36),)),
+              rank(3, 49, 10, gpu=37, running=2, cpu_s=0.199, frames=((sync, 37),))]
+    slowest = rank(2, 49, 0, gpu=47, running=2, cpu_s=0.262, frames=((sync, 47),), frame=sync)
+    a = judged([*others[:2], slowest, others[2]], step=0.263)
+    assert (a["pace"]["rank"], a["pace"]["cause"]) == (2, "gpu-bound"), a["summary"]
+    assert ("it waits for its own GPU work 96% of the time (the other ranks 75%): it gives its GPU more to do a step; "
+            "its CPU, 262 ms a step against the others' 199 ms, goes to waiting for the GPU (a synchronise that spins)"
+            in a["summary"]), a["summary"]
+    # The same CPU spent in its own Python (its samples there, not in the synchronise) is CPU-bound.
+    computing = replace(slowest, gpu=10, running=37, frames=(("augment (train.py:30)", 37),), frame="augment (train.py:30)")
+    assert judged([*others[:2], computing, others[2]], step=0.263)["pace"]["cause"] == "cpu-bound"
+
+
 def test_a_rank_on_another_node_holds_the_job_back_and_every_rank_here_waits() -> None:
     here = [rank(r, collective=14) for r in (0, 1)]
     there = record([rank(2, node="n2", collective=14), rank(3, node="n2", collective=0, cpu_s=0.05, running=20)], node="n2")
