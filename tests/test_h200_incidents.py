@@ -43,3 +43,13 @@ def test_another_process_s_illegal_address_is_not_taken_for_the_cause_of_a_strea
     first = summary.split(". ")[0]
     assert "no kernel running on GPU 0" in first and "gpu_stream_waits_value_never_written.py:50" in first
     assert "XID" not in first and "a GPU fault, not the program" not in summary
+
+
+def test_a_slow_rank_whose_synchronise_spins_is_named_gpu_bound_from_its_h200_record(tmp_path: Path) -> None:
+    """tests/gpu/run_slow.py on an H200: four ranks of one job share the GPU, rank 2 launches 24 more
+    matrix products a step. The daemon of that run named rank 2 and called it CPU-bound (its
+    synchronise spun while it waited); the record says it waits in GPU calls, not in its own Python."""
+    summary = _analysed(tmp_path, "h200-slow-gpu-bound")
+    assert "rank 2 on vm holds it back" in summary, summary
+    assert "it waits for its own GPU work 96% of the time (the other ranks 75%)" in summary, summary
+    assert "goes to waiting for the GPU (a synchronise that spins)" in summary and "CPU-bound" not in summary, summary
