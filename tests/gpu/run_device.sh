@@ -59,8 +59,9 @@ case "$wave" in
   fr)  # where PyTorch's flight recorder spends its seconds
     run diag python3 tests/gpu/run_diag.py "$work/diag" --only-fr
     echo "######## diag"; tail -c 9000 "$work/diag.log" ;;
-  catalogue)  # issue 27: the GPU hang classes and the healthy GPU-bound loop under one daemon, two at a time
-    HANGWATCHD_BENCH_OUT=$work run catalogue timeout 560 python3 -m bench.catalogue --gpu -k gpu --jobs 2 --no-fail \
+  catalogue)  # issue 27: the GPU hang classes and the healthy GPU-bound loop under one daemon, one at a time (one GPU: two
+    # classes at once share it, and each one's verdict then names the other's load and faults beside its own)
+    HANGWATCHD_BENCH_OUT=$work run catalogue timeout 560 python3 -m bench.catalogue --gpu -k gpu --jobs 1 --no-fail \
       --workdir "$work/cat" --json "$work/catalogue_gpu.json"
     echo "######## catalogue"; tail -c 6000 "$work/catalogue.log" ;;
   slow)  # issue 29: four ranks of one job on one GPU, rank 2 launching more kernels each step: the slow incident names it
