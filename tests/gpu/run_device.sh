@@ -2,7 +2,8 @@
 # One batch of GPU scenarios on the GPU machine (never in CI), all output in one tarball:
 #   bash tests/gpu/run_device.sh WAVE OUTDIR        WAVE: jobs | node1 | node2 | fast | diag | fr | frcost | frwarm | catalogue | slow | exception
 # The machine has PyTorch but not our dependencies: carry them as wheels in .whl/ (README,
-# "Running the GPU scenarios"). jobs needs 2 GPUs; node runs on one.
+# "Running the GPU scenarios"). jobs needs 2 GPUs; node runs on one. The tables name the commit from
+# tests/gpu/COMMIT (git rev-parse --short HEAD > tests/gpu/COMMIT); git ignores it, so carry it too.
 set -u
 cd "$(dirname "$0")/../.."
 wave=$1 out=$2
