@@ -43,6 +43,8 @@ def test_another_process_s_illegal_address_is_not_taken_for_the_cause_of_a_strea
     first = summary.split(". ")[0]
     assert "no kernel running on GPU 0" in first and "gpu_stream_waits_value_never_written.py:50" in first
     assert "XID" not in first and "a GPU fault, not the program" not in summary
+    # Its host is in cuKernelGetFunction: the matmul's launch loading its kernel, which waits behind the stream.
+    assert "host blocked in cuKernelGetFunction (loading a kernel at its first launch: CUDA's lazy loading" in first, first
 
 
 def test_a_slow_rank_whose_synchronise_spins_is_named_gpu_bound_from_its_h200_record(tmp_path: Path) -> None:

@@ -21,6 +21,11 @@ WHAT_TO_LOOK_AT = ("look at what the stream waits for: cudaStreamWaitEvent on an
                    "cudaStreamWaitValue/cuStreamWaitValue32 on a value nothing writes, "
                    "a CUDA graph node whose dependency never runs, a stream waiting on another process's work")
 _HEX = re.compile(r"^0x[0-9a-fA-F]+$")
+# Where a launch loads its kernel: CUDA's lazy loading (the default since CUDA 12.2) loads a kernel at
+# its first launch, and the load can wait for the work already queued on the device to finish.
+LAZY_LOAD = re.compile(r"^cu(?:KernelGetFunction|LibraryGetKernel|LibraryLoad\w*|ModuleGetFunction|ModuleLoad\w*)$")
+LAZY_NOTE = ("loading a kernel at its first launch: CUDA's lazy loading can wait for the work already queued on "
+             "the device, so the launch waits behind the stuck stream (CUDA_MODULE_LOADING=EAGER loads kernels at start)")
 
 
 def driver_call(threads: tuple[dict[str, Any], ...]) -> str | None:

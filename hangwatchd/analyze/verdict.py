@@ -196,8 +196,9 @@ def judge_evidence(pdir: Path, ev: evidence.Evidence, known: dict[str, Any] | No
         call = stream_deadlock.driver_call(tuple(threads)) or gpu or "the CUDA driver"
         idle = stream_deadlock.idle_gpu(sym, nvml, pid) if in_driver or ev.native else None
         if idle:
-            return verdict("stream-deadlock", f"host blocked in {call} while {idle}: it waits for GPU work that never "
-                                              f"runs; {stream_deadlock.WHAT_TO_LOOK_AT}",
+            lazy = f" ({stream_deadlock.LAZY_NOTE})" if stream_deadlock.LAZY_LOAD.match(call) else ""
+            return verdict("stream-deadlock", f"host blocked in {call}{lazy} while {idle}: it waits for GPU work that "
+                                              f"never runs; {stream_deadlock.WHAT_TO_LOOK_AT}",
                            sure="sure: the GPU dump shows no kernel of it running" if sym.get("kernels") is not None or
                            sym.get("pcs") is not None else "inferred: NVML's per-process samples (5 s) show nothing of it running")
         return verdict("waiting-on-gpu", f"host blocked in {call}{gpu_busy}",
