@@ -3,13 +3,15 @@ REPLAY_HEADER frame) and the driver-log path it rides on: a root daemon, an atta
 
 from __future__ import annotations
 
+import json
+import shutil
 import socket
 from pathlib import Path
 
 from hangwatchd.capture.dump_artifacts import MAX_TEXT
 from hangwatchd.testing import ScratchDaemon, wait_for
 
-from .conftest import FIXTURES
+from .conftest import FIXTURES, hangwatchd
 from .test_security import (  # noqa: F401 - fixtures
     QUICK,
     Attacker,
@@ -39,3 +41,19 @@ os.rename(tmp, os.path.join({str(d.dump_dir)!r}, 'nodump_{socket.gethostname()}.
         assert "surfaced in" in inc["summary"] and "x.py:3" in inc["summary"], inc["summary"][:300]
         assert len(inc["summary"]) < 2000, len(inc["summary"])
         assert d.proc.poll() is None
+
+
+def test_a_report_whose_threads_are_not_a_list_costs_only_its_replays(tmp_path: Path) -> None:
+    """The process's own report is the user's to shape: ``"threads": 7`` in introspect.json beside a
+    real dump and real stacks leaves the verdict as the dump and stacks make it (the analysis of the
+    incident, here ``hangwatchd analyze``, does not fail on it)."""
+    pdir = tmp_path / "1303"
+    pdir.mkdir()
+    (pdir / "proc.json").write_text(json.dumps({"pid": 1303}))
+    shutil.copy(FIXTURES / "triton_hang" / "pyspy-native.json", pdir)
+    shutil.copy(FIXTURES / "torch_ima" / "coredump.nvcudmp.xz", pdir)
+    (pdir / "introspect.json").write_text(json.dumps({"version": 1, "pid": 1303, "threads": 7}))
+    res = hangwatchd("analyze", str(tmp_path), "--json")
+    assert res.returncode == 0, res.stderr[-2000:]
+    (v,) = json.loads(res.stdout)["ranks"]
+    assert v["verdict"] == "gpu-exception" and "surfaced in main (conditional_hang.py:34)" in v["detail"], v["detail"]
