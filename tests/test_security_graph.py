@@ -8,6 +8,8 @@ import shutil
 import socket
 from pathlib import Path
 
+import pytest
+
 from hangwatchd.capture.dump_artifacts import MAX_TEXT
 from hangwatchd.testing import ScratchDaemon, wait_for
 
@@ -43,17 +45,23 @@ os.rename(tmp, os.path.join({str(d.dump_dir)!r}, 'nodump_{socket.gethostname()}.
         assert d.proc.poll() is None
 
 
-def test_a_report_whose_threads_are_not_a_list_costs_only_its_replays(tmp_path: Path) -> None:
-    """The process's own report is the user's to shape: ``"threads": 7`` in introspect.json beside a
-    real dump and real stacks leaves the verdict as the dump and stacks make it (the analysis of the
-    incident, here ``hangwatchd analyze``, does not fail on it)."""
+@pytest.mark.parametrize("threads", [7, [{"native_id": 1110, "graph_replay": {"function": "f", "file": ["x"], "line": 34}}]],
+                         ids=["threads-a-number", "replay-file-a-list"])
+def test_a_report_of_any_shape_costs_only_its_replays(tmp_path: Path, threads: object) -> None:
+    """The process's own report is the user's to shape: ``"threads": 7``, or a replay whose file is a
+    list, in introspect.json beside a real dump, real stacks and the line the capture read for them
+    (code.json) leaves the verdict as the dump and stacks make it: the analysis of the incident (here
+    ``hangwatchd analyze``) does not fail on it."""
     pdir = tmp_path / "1303"
     pdir.mkdir()
     (pdir / "proc.json").write_text(json.dumps({"pid": 1303}))
     shutil.copy(FIXTURES / "triton_hang" / "pyspy-native.json", pdir)
     shutil.copy(FIXTURES / "torch_ima" / "coredump.nvcudmp.xz", pdir)
-    (pdir / "introspect.json").write_text(json.dumps({"version": 1, "pid": 1303, "threads": 7}))
+    (pdir / "code.json").write_text(json.dumps({"lines": [{"file": "/srv/gpuapp/conditional_hang.py", "line": 34,
+                                                           "code": "torch.cuda.synchronize()"}]}))
+    (pdir / "introspect.json").write_text(json.dumps({"version": 1, "pid": 1303, "threads": threads}))
     res = hangwatchd("analyze", str(tmp_path), "--json")
     assert res.returncode == 0, res.stderr[-2000:]
     (v,) = json.loads(res.stdout)["ranks"]
-    assert v["verdict"] == "gpu-exception" and "surfaced in main (conditional_hang.py:34)" in v["detail"], v["detail"]
+    assert v["verdict"] == "gpu-exception", v
+    assert "surfaced in `torch.cuda.synchronize()` (conditional_hang.py:34)" in v["detail"], v["detail"]
