@@ -104,15 +104,15 @@ def _quote_code(pdir: Path, threads: list[dict[str, Any]], report: dict[str, Any
     data = read_json_object(pdir / CODE_FILE, problems)
     if data is None:
         return
-    code = {(x.get("file"), x.get("line")): x["code"] for x in dicts(data.get("lines"))
-            if isinstance(x.get("code"), str) and isinstance(x.get("line"), int)}
+    code = {(x["file"], x["line"]): x["code"] for x in dicts(data.get("lines"))
+            if isinstance(x.get("code"), str) and isinstance(x.get("line"), int) and isinstance(x.get("file"), str)}
     for t in threads:
         for f in t.get("frames") or []:
             if isinstance(f, dict) and (f.get("filename"), f.get("line")) in code:
                 f["code"] = code[(f.get("filename"), f.get("line"))][:200]
     for t in dicts((report or {}).get("threads")):
         r = t.get("graph_replay")
-        if isinstance(r, dict) and (r.get("file"), r.get("line")) in code:
+        if isinstance(r, dict) and isinstance(r.get("file"), str) and (r.get("file"), r.get("line")) in code:
             r["code"] = code[(r.get("file"), r.get("line"))][:200]
 
 

@@ -91,7 +91,8 @@ def replays(report: dict[str, Any] | None) -> dict[int, dict[str, Any]]:
     frame in py-spy's keys, by its native id and by its ident (the report is read, never trusted
     for its shape)."""
     out: dict[int, dict[str, Any]] = {}
-    for t in (report or {}).get("threads") or []:
+    threads = (report or {}).get("threads")
+    for t in threads if isinstance(threads, list) else []:
         r = t.get("graph_replay") if isinstance(t, dict) else None
         if not isinstance(r, dict) or not isinstance(r.get("line"), int) or not isinstance(r.get("file"), str):
             continue

@@ -28,6 +28,7 @@ TRACEBACK_LINES = 400  # lines of a traceback kept after the driver's report
 # last CUDA graph replay, as one traceback frame (workload/introspect/graph_replays.HEADER).
 REPLAY_HEADER = "hangwatchd: the last CUDA graph replay in this thread before the error:"
 REPLAY_LINES = 2  # its frame: the File line and the code
+CODE_CHARS = 500  # of a frame's line of code: the log is the user's to make one line 16 MiB long
 
 
 def is_driver_line(line: str) -> bool:
@@ -80,7 +81,7 @@ def parse(lines: list[str]) -> DriverReport:
                 replay.append({"filename": m.group(1), "line": int(m.group(2)), "name": m.group(3)})
                 continue
             if replay and line.startswith("    "):
-                replay[0]["code"] = line.strip()[:500]
+                replay[0]["code"] = line.strip()[:CODE_CHARS]
                 told, replay = replay[0], None
                 continue
             told, replay = (replay[0] if replay else told), None  # no code line: this line is read as any other
@@ -88,7 +89,7 @@ def parse(lines: list[str]) -> DriverReport:
             if m := _TB_FRAME.match(line):
                 frames.append({"filename": m.group(1), "line": int(m.group(2)), "name": m.group(3)})
             elif line.startswith("    ") and frames and "code" not in frames[-1]:
-                frames[-1]["code"] = line.strip()
+                frames[-1]["code"] = line.strip()[:CODE_CHARS]
             elif line and not line.startswith(" "):
                 error, in_traceback = line[:500], False
             continue
