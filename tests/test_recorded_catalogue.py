@@ -101,6 +101,28 @@ def test_a_recorded_incident_changed_anywhere_still_gets_a_verdict(recorded: Pat
     assert isinstance(summary, str) and summary
 
 
+def _replace_key(value: Any, key: str, new: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: new if k == key else _replace_key(v, key, new) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_replace_key(v, key, new) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("syscall", [[None], {"name": "read"}, 7], ids=["a-list", "an-object", "a-number"])
+def test_a_system_call_that_is_not_a_name_anywhere_in_a_recorded_incident_still_gets_a_verdict(
+        recorded: Path, tmp_path: Path, syscall: Any) -> None:
+    """What a thread is blocked in, as the capture wrote it (``blocked_on.syscall``), replaced in every
+    file of every recorded case by something that is not a name (the fuzz above once drew a list: the
+    analysis raised instead of judging)."""
+    for case in CASES:
+        copy = tmp_path / case
+        shutil.copytree(recorded / case, copy)
+        for f in _files(copy):
+            f.write_text(json.dumps(_replace_key(json.loads(f.read_text()), "syscall", syscall)))
+        assert analyze(copy).summary, case
+
+
 def test_every_recorded_verdict_says_how_sure_it_is(recorded: Path) -> None:
     for case in CASES:
         a = analyze(recorded / case)

@@ -269,7 +269,8 @@ def classify(t: Thread, wchan: str | None = None, blocked: dict[str, Any] | None
         return wait(RUNNING, None, "py-spy saw it on the CPU", c_function=_own_c(t, natives) if not _runtime_native(t) else None)
     if any(_GIL_NATIVE.search(n) for n in natives[:6]):
         return wait(GIL, "the GIL", "native frames (take_gil)")
-    syscall = blocked.get("syscall") or _call_from_text(blocked)
+    said = blocked.get("syscall")  # the capture's word, read from a file the user could shape: a name or nothing
+    syscall = (said if isinstance(said, str) else None) or _call_from_text(blocked)
     # The descriptor or child a call blocks on is the most direct evidence there is.
     if syscall in _BLOCKING_CALLS or (not syscall and any(_IO_NATIVE.search(n) for n in natives[:3])):
         writing = str(syscall or "").startswith(("write", "pwrite", "send"))
