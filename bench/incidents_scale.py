@@ -169,7 +169,7 @@ def main() -> None:
         ok, noisy = judged(passes.best, passes.spread, TARGET_PASS)
         figures.append(Figure(
             f"a retention pass over {COUNT:,} incidents, nothing to remove",
-            f"{passes.text()}", f"the pass before issue 33 on {SMALL} incidents: {before:.2f} s "
+            f"{passes.text()}", f"the earlier pass (a walk of the whole tree per incident) on {SMALL} incidents: {before:.2f} s "
             f"(x{(COUNT / SMALL) ** 2:,.0f} at {COUNT:,}, it grows as the square); the new one on them: {after_small:.3f} s",
             f"< {TARGET_PASS:g} s", ok, noisy))
         held = footprint.measure(big)
