@@ -15,6 +15,7 @@ import io
 import os
 import re
 import tokenize
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,6 +104,11 @@ def replays(report: dict[str, Any] | None) -> dict[int, dict[str, Any]]:
             if isinstance(t.get(key), int):
                 out[t[key]] = frame
     return out
+
+
+def in_evidence(threads: Sequence[dict[str, Any]], report: dict[str, Any] | None) -> Surfaced | None:
+    """``find`` over a process's stacks, with the replays its own report tells of."""
+    return find(list(threads), replays(report))
 
 
 def find(threads: list[dict[str, Any]], told: dict[int, dict[str, Any]] | None = None) -> Surfaced | None:

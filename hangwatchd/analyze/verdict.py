@@ -167,7 +167,7 @@ def judge_evidence(pdir: Path, ev: evidence.Evidence, known: dict[str, Any] | No
         detail = f"{exc.get('type', 'an exception')} in {surfaced.short_name(str(exc.get('kernel')))}"
         chain = surfaced.kernel_chain(frames)
         detail += f" at {chain}" if chain else " (no source lines in its cubin)" if frames else ""
-        at = surfaced.find(threads, surfaced.replays(ev.report))
+        at = surfaced.in_evidence(threads, ev.report)
         if at is None:
             return verdict("gpu-exception", detail, loc, sure="sure: the GPU dump names the exception and the kernel")
         return verdict("gpu-exception", f"{detail}, surfaced in {at.text()}; {surfaced.ASYNC_NOTE}", at.location,

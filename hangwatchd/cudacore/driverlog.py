@@ -67,24 +67,23 @@ def parse(lines: list[str]) -> DriverReport:
     frames: list[dict[str, Any]] = []
     error = None
     in_traceback = False
-    replay: list[dict[str, Any]] | None = None  # the frame after REPLAY_HEADER, while it is being read
-    told: dict[str, Any] | None = None
+    told: dict[str, Any] | None = None  # the reporter's replay frame
+    replay_lines = 0  # lines of the replay's frame still to come after REPLAY_HEADER: its File line, its code
     for line in lines:
         if line == TRACEBACK:
             in_traceback, frames, error = exc is not None, [], None  # the last traceback after the report
             continue
         if line == REPLAY_HEADER:
-            replay, in_traceback = ([] if exc is not None else None), False
+            replay_lines, in_traceback = (REPLAY_LINES if exc is not None else 0), False
             continue
-        if replay is not None:
-            if not replay and (m := _TB_FRAME.match(line)):
-                replay.append({"filename": m.group(1), "line": int(m.group(2)), "name": m.group(3)})
+        if replay_lines:  # a line that is not the frame's own is read as any other
+            expected, replay_lines = replay_lines, 0
+            if expected == REPLAY_LINES and (m := _TB_FRAME.match(line)):
+                told, replay_lines = {"filename": m.group(1), "line": int(m.group(2)), "name": m.group(3)}, 1
                 continue
-            if replay and line.startswith("    "):
-                replay[0]["code"] = line.strip()[:CODE_CHARS]
-                told, replay = replay[0], None
+            if expected == 1 and told is not None and line.startswith("    "):
+                told["code"] = line.strip()[:CODE_CHARS]
                 continue
-            told, replay = (replay[0] if replay else told), None  # no code line: this line is read as any other
         if in_traceback:
             if m := _TB_FRAME.match(line):
                 frames.append({"filename": m.group(1), "line": int(m.group(2)), "name": m.group(3)})
@@ -107,7 +106,5 @@ def parse(lines: list[str]) -> DriverReport:
             dump = m.group(1)
         elif "All done" in line:
             done = True
-    if replay:
-        told = replay[0]
     return DriverReport(exc, fields.get("Device"), fields.get("SM"), fields.get("Warp"), pc, mangled, dump, done,
                         tuple(frames), error, told)

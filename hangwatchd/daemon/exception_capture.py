@@ -107,7 +107,7 @@ def read_code(reg: Registration, outdir: Path, deadline: Deadline) -> None:
     """code.json: the lines of the program's own frames in the thread where the exception surfaced
     (the verdict quotes them), read as the process's user; nothing where none could be read."""
     ev = evidence.read(outdir)
-    at = surfaced.find(list(ev.threads), surfaced.replays(ev.report))
+    at = surfaced.in_evidence(ev.threads, ev.report)
     if at is None:
         return
     frames = [at.frame] + [f for f in (at.graph, at.replay) if f is not None and f is not at.frame]
@@ -190,7 +190,7 @@ def _file(begun: ExceptionBegun, drained: ExceptionDrained, draft: Draft, captur
             verdict = result.summary
         else:  # no exception read from the dump: what it stopped at is said, and where it surfaced, not what the stacks look like
             ev = evidence.read(outdir)
-            at = surfaced.find(list(ev.threads), surfaced.replays(ev.report))
+            at = surfaced.in_evidence(ev.threads, ev.report)
             verdict = f"pid {pid}: GPU exception ({detail})" + (f", surfaced in {at.text()}." if at else ".")
     except Exception as exc:  # a capture is stored even when its analysis fails
         log.error("analysis_failed", incident=draft.id, error=f"{type(exc).__name__}: {exc}", exc_info=exc)
