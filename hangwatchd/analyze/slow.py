@@ -40,6 +40,8 @@ MAX_SLOW_BYTES = 16 << 20
 SHARED_SM = 5  # SM % of a process that is not the job's on a rank's GPU that counts as sharing it
 THROTTLED_CLOCK = 0.9  # an SM clock held below this share of its max, with a reason, is throttled
 INPUT_GAP = 0.15  # waits for its input this much more often (a share of samples) than the others
+QUIET = 0.02  # ... or for half of that where the others are (almost) never found waiting there
+FEW = 3  # ... and it is, in this many of its samples at least
 CPU_MORE = 1.15  # ... this many times the others' CPU a step
 STARVED_GAP = 0.2  # it waits for a CPU this much more of the time it wants to run than the others do
 APART = 0.05  # a frame sets a rank apart when it is in this much more of its samples than of the others'
@@ -160,7 +162,7 @@ def why(r: RankPace, others: Sequence[RankPace], gpus: dict[tuple[str, int], Gpu
             return Cause("gpu-shared", f"its GPU {g.index} is shared with another process ({listed})", r.frame)
     step = head.step_s or head.baseline_s or 0.0
     input_share, their_input = r.share(r.input) or 0.0, _median(x.share(x.input) for x in others) or 0.0
-    if input_share >= their_input + INPUT_GAP:
+    if _more_often(r, r.input, their_input):
         busy = r.kids_cpu_s is not None and step and r.kids_cpu_s >= 0.25 * step
         workers, are, they = (("its worker process", "is", "it") if r.kids == 1 else
                               (f"its {r.kids} worker processes" if r.kids else "its workers", "are", "they"))
@@ -206,7 +208,7 @@ def gpu_bound(r: RankPace, others: Sequence[RankPace], g: GpuPace | None, gpus: 
     """The rank waits for its own GPU work more often than the others do (its samples in a synchronise,
     a copy to the host, ``item``), else None."""
     gpu_share, their_gpu = r.share(r.gpu) or 0.0, _median(x.share(x.gpu) for x in others) or 0.0
-    if gpu_share < their_gpu + INPUT_GAP:
+    if not _more_often(r, r.gpu, their_gpu):
         return None
     sm = ""
     mine = dict(g.processes).get(r.pid) if g is not None else None
@@ -219,6 +221,15 @@ def gpu_bound(r: RankPace, others: Sequence[RankPace], g: GpuPace | None, gpus: 
             "(a synchronise that spins)" if r.cpu_s is not None and their_cpu and r.cpu_s >= CPU_MORE * their_cpu else "")
     return Cause("gpu-bound", f"it waits for its own GPU work {gpu_share:.0%} of the time (the other ranks "
                  f"{their_gpu:.0%}): it gives its GPU more to do a step{sm}{spun}", r.frame)
+
+
+def _more_often(r: RankPace, mine: int, theirs: float) -> bool:
+    """The rank is found waiting there (``mine`` of its samples) more often than the others (``theirs``,
+    a share): by INPUT_GAP of its samples, or by half of it where the others are almost never found
+    there (a wait a rank that keeps pace never shows: thirty samples of a window count four or five of
+    it, where the full gap would ask for a chance draw of more)."""
+    share = r.share(mine) or 0.0
+    return share >= theirs + INPUT_GAP or (theirs <= QUIET and mine >= FEW and share >= theirs + INPUT_GAP / 2)
 
 
 def apart(r: RankPace, others: Sequence[RankPace]) -> str | None:

@@ -134,6 +134,20 @@ def test_a_rank_starved_of_input_says_whether_its_workers_are_busy_or_blocked() 
     assert "its 2 worker processes are busy (90 ms of CPU a step)" in a["summary"], a["summary"]
 
 
+def test_a_wait_for_input_the_other_ranks_never_show_is_named_from_a_few_samples() -> None:
+    """A CI run: the starved rank was caught waiting for its input in 4 of its 29 samples (the input
+    wait a step is a quarter of it; a window's thirty samples draw fewer by chance), the other ranks
+    in none. That sets it apart; two samples, or others that wait for input too, do not."""
+    others = [rank(r, 29, 8, running=4, input=0, cpu_s=0.008) for r in (0, 2, 3)]
+    starved = rank(1, 29, 0, running=4, input=4, cpu_s=0.011, kids_cpu_s=0.001, kids=1)
+    a = judged([others[0], starved, *others[1:]], step=0.145)
+    assert (a["pace"]["rank"], a["pace"]["cause"]) == (1, "input-starved"), a["summary"]
+    assert "it waits for its DataLoader or worker processes 14% of the time (the other ranks 0%)" in a["summary"]
+    assert judged([others[0], replace(starved, input=2), *others[1:]], step=0.145)["pace"]["cause"] == "unexplained"
+    waiting_too = [replace(x, input=2) for x in others]
+    assert judged([waiting_too[0], starved, *waiting_too[1:]], step=0.145)["pace"]["cause"] == "unexplained"
+
+
 def test_a_rank_waiting_for_a_cpu_more_than_the_others_is_starved_not_cpu_bound() -> None:
     others = [rank(r, cpu_s=0.02, delay_s=0.002) for r in (0, 1, 3)]
     a = judged([*others[:2], rank(2, collective=0, cpu_s=0.022, delay_s=0.03), others[2]])
