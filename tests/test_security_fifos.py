@@ -252,3 +252,56 @@ def test_one_users_dumps_never_evict_another_users_dump(base: Path, attacker: At
         d.event("retention_removed", 60)  # over max_state_bytes: retention made room
         d.event("retention_checked", 60)
         assert all(p.exists() for p in kept), "one user's dumps made retention remove the root workload's dump"
+
+
+@needs_root
+def test_no_user_can_take_the_name_of_another_users_driver_log(base: Path, attacker: Attacker) -> None:
+    """``hangwatchd run`` keeps the CUDA driver's lines of its workload in RUNTIME_DIR/driver-logs,
+    for the daemon to put beside the dump. A user who could create a name there first (for another
+    user's pid to come) would keep that user's lines out of their incident. driver-logs is the daemon's,
+    and each user's directory in it is made by the daemon for that user: the attacker can create nothing
+    in it, not even their own directory, and their own job's lines still reach their own incident.
+    What an earlier version left (driver-logs world-writable, a name the attacker took in it) is set aside."""
+    from .conftest import FIXTURES
+
+    lines = base / "stderr.log"
+    lines.write_bytes((FIXTURES / "graph_ima" / "stderr.log").read_bytes())
+    os.chmod(lines, 0o644)
+    logs = base / "d" / "run" / "driver-logs"
+    logs.mkdir(parents=True)
+    os.chmod(logs, 0o1777)
+    attacker.run(f"import os; os.mkdir({str(logs / '0')!r})")
+    with ScratchDaemon(base / "d", config=QUICK) as d:
+        assert logs == d.runtime_dir / "driver-logs" and not (logs / "0").exists()
+        (old,) = d.runtime_dir.glob(".driver-logs-shared-*")
+        assert (old / "0").stat().st_uid == NOBODY
+        tried = attacker.run(f"""
+import os
+for name in ("0", "{NOBODY}", "1000"):
+    try:
+        os.mkdir(os.path.join({str(logs)!r}, name))
+        print(name, "made")
+    except PermissionError:
+        print(name, "refused")
+try:
+    open(os.path.join({str(logs)!r}, "{os.getpid() + 100}.log"), "w")
+    print("file made")
+except PermissionError:
+    print("file refused")
+""")
+        assert tried.split() == ["0", "refused", str(NOBODY), "refused", "1000", "refused", "file", "refused"], tried
+        job = run_job(attacker, d, "lines", "driver_lines.py", str(lines))
+        try:
+            (log_file,) = wait_for(lambda: [f for f in (logs / str(NOBODY)).glob("*.log") if f.stat().st_size] if (logs / str(NOBODY)).is_dir()
+                                   else None, 60, "the job's driver lines kept by its launcher")
+            mine, theirs = os.stat(logs), os.stat(logs / str(NOBODY))
+            assert (mine.st_uid, oct(mine.st_mode & 0o7777)) == (0, "0o755")
+            assert (theirs.st_uid, oct(theirs.st_mode & 0o7777)) == (NOBODY, "0o755")
+            wait_for(lambda: any(e.get("event") == "exception_looked" for e in d.logs()), 60, "the stacks taken while it stalls")
+        finally:
+            job.kill()  # the "driver" goes: its dump is cut short, and the incident is filed
+        (inc,) = wait_for(lambda: [i for i in d.settled() if i["job"] == "lines"], 60, "the user's exception incident")
+        (pid,) = inc["processes"]
+        assert log_file.name == f"{pid}.log"
+        kept = (Path(inc["dir"]) / str(pid) / "driver.log").read_text()
+        assert "coredump: Detected an exception of type CUDBG_EXCEPTION_WARP_ILLEGAL_ADDRESS (14)" in kept, kept

@@ -27,6 +27,7 @@ from ..host import dump_fifos, procfs, untrusted
 from ..host.deadline import Deadline
 from ..model import Registration
 from ..workload import dump_names
+from ..workload.runtime_files import driver_log
 from . import dump_artifacts, late
 from .base import Phase, StepFailed, StepNotApplicable, poke_held_fifo
 from .waitfile import Watch
@@ -129,7 +130,7 @@ class CudaDumpStep:
     def _kept(self, stored: dump_artifacts.Stored, pid: int, owner: int, outdir: Path) -> tuple[str, ...]:
         """The files a dump became, with the driver's lines; StepFailed where nothing was kept."""
         files = list(stored.files)
-        if self.driver_logs is not None and dump_artifacts.copy_text(self.driver_logs / f"{pid}.log", outdir / "driver.log", owner):
+        if self.driver_logs is not None and dump_artifacts.copy_text(driver_log(self.driver_logs, owner, pid), outdir / "driver.log", owner):
             files.append("driver.log")
         if not stored.files:
             raise StepFailed(stored.note or "the dump could not be kept")

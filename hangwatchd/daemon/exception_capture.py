@@ -47,6 +47,7 @@ from ..incidents.spool import Spool, begin_draft, finish_draft
 from ..incidents.store import Draft, Store
 from ..metrics import Metrics, exception_type
 from ..model import Incident, ProcessCapture, Registration, StepResult
+from ..workload.runtime_files import driver_log
 from . import exception_dumps
 from .make_incident import write_pages
 
@@ -168,7 +169,7 @@ def _file(begun: ExceptionBegun, drained: ExceptionDrained, draft: Draft, captur
             os.close(fd)
     raw.unlink(missing_ok=True)
     files = list(stored.files) if stored else []
-    if copy_text(driver_logs / f"{pid}.log", outdir / "driver.log", reg.uid):
+    if copy_text(driver_log(driver_logs, reg.uid, pid), outdir / "driver.log", reg.uid):
         files.append("driver.log")
     notes = [n for n in (begun.note, drained.note, stored.note if stored else None) if n]
     symbolized = stored.symbolized if stored else None

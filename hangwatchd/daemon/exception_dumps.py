@@ -30,6 +30,7 @@ from ..incidents.store import Store
 from ..metrics import Metrics, exception_type
 from ..model import Incident, ProcessCapture, ProcessId, Registration, StepResult
 from ..workload import dump_names
+from ..workload.runtime_files import driver_log
 from .make_incident import write_pages
 
 log = structlog.get_logger("hangwatchd.daemon")
@@ -101,7 +102,7 @@ def ingest(store: Store, path: Path, pid: int | None, claimed: Registration | No
             stored = dump_artifacts.store_fd(fd, path, outdir, remove_source=True, keep_dump=not draft.spooled)
             files = list(stored.files)
             # The launcher's record of this pid's driver lines, only when it is the same user's.
-            if linked_pid and dump_artifacts.copy_text(driver_logs / f"{linked_pid}.log", outdir / "driver.log", reg.uid):
+            if linked_pid and dump_artifacts.copy_text(driver_log(driver_logs, reg.uid, linked_pid), outdir / "driver.log", reg.uid):
                 files.append("driver.log")
             note = "; ".join(n for n in (stored.note, who.note) if n) or None
             step = StepResult("cuda_dump", bool(stored.files), time.monotonic() - start, note, tuple(files))

@@ -216,9 +216,6 @@ class Daemon:
         cfg.dumps.mkdir(parents=True, exist_ok=True)
         if os.stat(cfg.dumps).st_uid == os.geteuid():
             os.chmod(cfg.dumps, 0o1777)  # workloads of any user write their CUDA dumps here
-        cfg.driver_logs.mkdir(exist_ok=True)
-        if os.stat(cfg.driver_logs).st_uid == os.geteuid():
-            os.chmod(cfg.driver_logs, 0o1777)
         if self.fifos is not None:
             self.fifos.start()  # off (with one line logged) where the directory cannot be the daemon's
         self.inotify = INotify()

@@ -143,9 +143,9 @@ def _drop_dump(dump: Path) -> int:
 
 
 def drop_stale_driver_logs(directory: Path, now: float | None = None) -> None:
-    """A launcher's copies of its processes' driver lines, past DRIVER_LOG_KEEP."""
+    """A launcher's copies of its processes' driver lines (``UID/PID.log``), past DRIVER_LOG_KEEP."""
     cutoff = (time.time() if now is None else now) - DRIVER_LOG_KEEP
-    for stale in directory.glob("*.log"):
+    for stale in directory.glob("*/*.log"):
         try:
             if stale.lstat().st_mtime < cutoff:
                 stale.unlink()

@@ -201,6 +201,9 @@ class Registrations:
                          f"{len(self.watched)} processes watched already (max_watched)", reg.uid)
             return
         self.selector.register(pidfd, selectors.EVENT_READ, reg.process)
+        if reg.source == "run" and (why := registration_file.user_dir(self.config.driver_logs, reg.uid)) is not None \
+                and self.limits.budgets.allow("log", reg.uid, now):
+            log.warning("driver_log_dir_failed", uid=reg.uid, why=why)  # its driver's lines are not kept: nothing else is lost
         log.info("process_registered", pid=reg.process.pid, job=reg.job, rank=reg.rank, timeout=timeout,
                  stack_timeout=w.stack_timeout, source=reg.source, cmdline=" ".join(reg.cmdline)[:200])
         self.arrived.append(w)

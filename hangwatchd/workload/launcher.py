@@ -245,7 +245,7 @@ def run(launch: Launch) -> int:
         if "/" not in launch.command[0] and shutil.which(launch.command[0], mode=os.F_OK, path=env.get("PATH")) is None:
             raise LaunchError(f"{launch.command[0]}: command not found") from None
         raise LaunchError(f"{launch.command[0]}: permission denied") from None
-    tee = StderrTee(child, launch.runtime_dir / "driver-logs" / f"{child.pid}.log")
+    tee = StderrTee(child, runtime_files.driver_log(launch.runtime_dir / runtime_files.DRIVER_LOGS, os.getuid(), child.pid))
     tee.start()
     if notify is not None:
         notify.workload, notify.workload_uid = procfs.identify(child.pid), procfs.uid(child.pid)
@@ -374,8 +374,9 @@ class StderrTee(threading.Thread):
     the driver has reported, the Python traceback the program may die of (where the error surfaced)
     and the reporter's word on the dying thread's last CUDA graph replay.
 
-    The lines go to RUNTIME_DIR/driver-logs/PID.log as they come, for the daemon
-    to put beside the dump in the incident.
+    The lines go to RUNTIME_DIR/driver-logs/UID/PID.log as they come (the user's directory, which
+    the daemon made when it admitted the user's registration), for the daemon to put beside the dump
+    in the incident.
     """
 
     KEPT = 5000  # lines at most: a dump of every SM says about 150
@@ -419,8 +420,9 @@ class StderrTee(threading.Thread):
 
 
 def _open_log(path: Path) -> IO[str] | None:
-    """Our own new file in the world-writable driver-logs dir: whatever another user planted
-    under the name (a file, a FIFO that would block us, a link) is removed first, never written."""
+    """Our own new file in our directory of driver logs: whatever was under the name (a file, a FIFO
+    that would block us, a link) is removed first, never written. None where the daemon made no
+    directory for us (no daemon runs)."""
     try:
         path.unlink(missing_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from collections.abc import Mapping
 from dataclasses import asdict
@@ -26,6 +27,7 @@ from typing import Any, TypedDict
 from ..host import procfs, untrusted
 from ..host.atomic import write_atomic
 from ..model import ProcessId, Registration
+from . import runtime_files
 
 MAX_FILE = 64 * 1024
 MAX_DEPTH = 8  # a registration is one flat object (cmdline a list in it): deeper is an attack
@@ -61,13 +63,42 @@ def file_name(process: ProcessId) -> str:
 
 
 def prepare_dirs(runtime_dir: Path) -> None:
-    """The shared dirs: world-writable with the sticky bit, like /tmp, so any user's job can register."""
+    """The shared dirs: world-writable with the sticky bit, like /tmp, so any user's job can register;
+    and driver-logs, the daemon's own, where it makes a directory for each user (``user_dir``)."""
     runtime_dir.mkdir(parents=True, exist_ok=True)
     for sub in ("registrations", "beats", "pipes", "exits"):
         d = runtime_dir / sub
         d.mkdir(exist_ok=True)
         if os.stat(d).st_uid == os.geteuid():
             os.chmod(d, 0o1777)
+    logs = runtime_dir / runtime_files.DRIVER_LOGS
+    st = os.lstat(logs) if os.path.lexists(logs) else None
+    if st is not None and st.st_uid == os.geteuid() and stat.S_ISDIR(st.st_mode) and st.st_mode & 0o002:
+        # Written by an earlier version (world-writable, with any user's names in it): set aside whole.
+        os.rename(logs, runtime_dir / f".{runtime_files.DRIVER_LOGS}-shared-{time.time_ns()}")
+    logs.mkdir(mode=0o755, exist_ok=True)
+    if os.stat(logs).st_uid == os.geteuid():
+        os.chmod(logs, 0o755)
+
+
+def user_dir(logs: Path, uid: int) -> str | None:
+    """``logs/UID``, the user's own directory where their launchers keep the driver's lines (made
+    here, owned by the user, in the daemon's directory: no other user can take its name, nor a name
+    in it). None when it stands, else why it could not be made."""
+    path = logs / str(uid)
+    try:
+        try:
+            os.mkdir(path, 0o755)
+        except FileExistsError:
+            pass
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid not in (uid, os.geteuid()):
+            return f"{path} is not a directory of uid {uid}'s"
+        if st.st_uid != uid:  # made here: the user's from now on
+            os.chown(path, uid, -1, follow_symlinks=False)
+    except OSError as exc:
+        return f"{path}: {exc.strerror or exc}"
+    return None
 
 
 def write(directory: Path, reg: Registration) -> Path:

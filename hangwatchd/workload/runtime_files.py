@@ -11,6 +11,14 @@ from ..host.atomic import write_atomic
 
 DAEMON_FILE = "daemon.json"  # who the daemon is and where it keeps things
 STATUS_FILE = "status.json"  # every watched process, rewritten on each change
+DRIVER_LOGS = "driver-logs"  # the daemon's directory (0755): in it one of each user's, made by the daemon, owned by the user
+
+
+def driver_log(logs: Path, uid: int, pid: int) -> Path:
+    """Where ``hangwatchd run`` keeps the CUDA driver's lines of its workload ``pid`` of ``uid``
+    (``logs``: RUNTIME_DIR/driver-logs): in that user's own directory, so no other user can take
+    the name first."""
+    return logs / str(uid) / f"{pid}.log"
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from hangwatchd.config import Config
 from hangwatchd.incidents import footprint
-from hangwatchd.incidents.retention import Limits, Retention, enforce
+from hangwatchd.incidents.retention import Limits, Retention, drop_stale_driver_logs, enforce
 from hangwatchd.incidents.store import Store
 from hangwatchd.model import Incident, PendingEvidence, ProcessCapture, ProcessId, Registration
 from hangwatchd.testing import ScratchDaemon, stop, wait_for, workload_argv
@@ -202,3 +202,14 @@ def test_a_daemon_on_10000_incidents_stops_on_sigterm_during_a_retention_pass(tm
         left = again.store().list()
         assert 0 < len(left) < 10_000 and all(Path(i["dir"]).is_dir() for i in left)
         assert not list((again.state_dir / "incidents").glob(".removing-*"))
+
+
+def test_a_driver_log_is_dropped_an_hour_after_it_was_last_written_in_whichever_users_directory(tmp_path: Path) -> None:
+    logs = tmp_path / "driver-logs"
+    for uid, pid, age in ((0, 11, 3700), (0, 12, 60), (1000, 13, 4000), (1000, 14, 0)):
+        (logs / str(uid)).mkdir(parents=True, exist_ok=True)
+        f = logs / str(uid) / f"{pid}.log"
+        f.write_text("coredump: Starting GPU coredump generation\n")
+        os.utime(f, (time.time() - age, time.time() - age))
+    drop_stale_driver_logs(logs)
+    assert sorted(f"{f.parent.name}/{f.name}" for f in logs.glob("*/*.log")) == ["0/12.log", "1000/14.log"]
