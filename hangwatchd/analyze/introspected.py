@@ -83,7 +83,8 @@ class Reader:
         detail = _obj(w, "detail")
         name = f"{kind.replace('mp-', 'multiprocessing ')} {expr}" if expr else f"a {kind.replace('mp-', 'multiprocessing ')}"
         if kind in _LOCKS:
-            return self._lock(k, t, w, name)
+            module = _s(detail.get("import"), 200)
+            return self._lock(k, t, w, f"the import lock of module {module}" if module else name)
         if kind in _SETTERS:
             return self._setter(k, t, w, kind, expr, name, detail)
         if kind == "thread":
@@ -118,7 +119,13 @@ class Reader:
         if mine in holders:
             held = next((h for h in dicts(t.get("holds")) if h.get("id") == lid), {})
             at = _where(held.get("where"))[0]
-            self.g.wait(Edge(k, f"{name}, which it already holds" + (f" (taken in {at})" if at else ""), k, how=HOW))
+            through, full = self._reentered(t, held.get("where"))
+            if through:  # the code that called back in while the lock was held is what to look at
+                old = self.g.parties[k]
+                self.g.parties[k] = Party(old.key, old.label, old.state, old.where, old.doing,
+                                          through.split(" (", 1)[0], full, old.pid, old.main)
+            self.g.wait(Edge(k, f"{name}, which it already holds" + (f" (taken in {at})" if at else "")
+                             + (f", re-entered through {through} while it held it" if through else ""), k, how=HOW))
             return True
         live = [p for p in (self.party_of(h) for h in holders) if p and p != k]
         for p in dict.fromkeys(live):
@@ -137,6 +144,18 @@ class Reader:
                "process" if self.forked else "no live thread holds it, and no thread that ended is known to have taken it")
         self.g.wait(Edge(k, name, None, why, how=HOW))
         return True
+
+    @staticmethod
+    def _reentered(t: dict[str, Any], taken: Any) -> tuple[str | None, str | None]:
+        """Where a thread that waits for a lock it holds came back in: the frame called from the one
+        that took it (a signal handler, a callback, ``__del__``, a logging handler), where one is
+        between that frame and the wait; (None, None) otherwise."""
+        frames = dicts(t.get("frames"))
+        if not isinstance(taken, dict):
+            return None, None
+        key = (taken.get("function"), taken.get("file"), taken.get("line"))
+        i = next((i for i, f in enumerate(frames) if i and (f.get("function"), f.get("file"), f.get("line")) == key), None)
+        return _where(frames[i - 1]) if i is not None and i > 1 else (None, None)
 
     def _exited_with(self, oid: str | None, expr: Any, acquires: bool) -> list[str]:
         """Parties for the threads that ended and that took ``oid`` (or, without ``acquires``, whose
@@ -182,6 +201,9 @@ class Reader:
             self.g.parties[k] = Party(old.key, old.label, IDLE, old.where, "waiting for work", old.culprit, old.location,
                                       old.pid, old.main)
             return True
+        if kind == "queue" and detail.get("op") == "join" and (as_int(detail.get("unfinished_tasks")) or 0) > 0 \
+                and as_int(detail.get("qsize")) == 0:
+            return self._join(k, t, w, expr, name, as_int(detail.get("unfinished_tasks")) or 0)
         if kind == "event" and detail.get("is_set") is True or kind == "queue" and (as_int(detail.get("qsize")) or 0) > 0:
             return False  # it will return: what it waits for is there
         names = _short_names(expr)
@@ -204,6 +226,29 @@ class Reader:
         if gone:
             return True
         self.g.wait(Edge(k, name, None, f"no live thread refers to it, so nobody will {verb} it", how=HOW))
+        return True
+
+    def _join(self, k: str, t: dict[str, Any], w: dict[str, Any], expr: str | None, name: str, left: int) -> bool:
+        """``Queue.join`` on an empty queue with items still unfinished: a thread took them and never
+        marked them done (``task_done``); the threads that take from it (their code names it, they
+        wait in its ``get``) are where one was skipped."""
+        items = f"{left} item{'s' if left != 1 else ''}"
+        names, mine, qid = _short_names(expr), as_int(t.get("ident")), w.get("id")
+        found = [self.keys.get(as_int(o.get("native_id")) or -1) for o in self.threads if as_int(o.get("ident")) != mine
+                 and (qid is not None and _obj(o, "waits").get("id") == qid or names & set(_obj(o, "target").get("names") or []))]
+        takers = [x for x in dict.fromkeys(found) if x]
+        for x in takers:
+            old = self.g.parties[x]
+            self.g.parties[x] = Party(old.key, old.label, LIVE, old.where,
+                                      f"waiting for more of {name}, though it never marked done (task_done) {items} it took "
+                                      "(a path of its loop that skips task_done: an error, a continue)", old.culprit,
+                                      old.location, old.pid, old.main)
+            self.g.wait(Edge(k, f"every item of {name} to be marked done", x, how=HOW + ": a live thread that takes from it",
+                             sure=False))
+        if not takers:
+            self.g.wait(Edge(k, f"every item of {name} to be marked done", None,
+                             f"{items} taken from it {'were' if left != 1 else 'was'} never marked done (task_done), none is "
+                             "queued, and no live thread takes from it", how=HOW))
         return True
 
     # -- futures, processes, pools ---------------------------------------------
@@ -309,6 +354,8 @@ class Reader:
                 if not gone:
                     self.g.wait(Edge(k, what, None, "no live task holds it: the task that took it was cancelled or "
                                                     "finished without releasing it", how=HOW))
+        elif kind == "event" and detail.get("is_set") is True:
+            self._set_off_loop(k, what)
         elif kind in ("future", "queue", "event", "condition"):
             verb = {"future": "resolve", "queue": "put into", "event": "set", "condition": "notify"}[kind]
             if kind == "future" and detail.get("done"):
@@ -324,6 +371,22 @@ class Reader:
             self.g.parties[k] = Party(k, self.g.parties[k].label, IDLE, where, "waiting for I/O", culprit, full, self.pid)
         return k
 
+
+    def _set_off_loop(self, k: str, what: str) -> None:
+        """An asyncio event that is set while its task still waits: it was set from a thread that is
+        not its loop's (``asyncio.Event.set`` is not thread-safe: the loop was never woken). The thread
+        that did it, where one thread that ended calls ``set``; else the sentence says so of nobody."""
+        fix = "asyncio.Event is not thread-safe; loop.call_soon_threadsafe(event.set) wakes the loop"
+        setters = [x for x in self.exited if "set" in (_obj(x, "target").get("names") or [])]
+        if len(setters) == 1:
+            x = setters[0]
+            gone = self._gone_thread(x, _obj(x, "target"), _obj(x, "exception") or None)
+            self.g.wait(Edge(k, f"{what}, set but never woken", gone, how=HOW + ": the thread that ended calls set",
+                             sure=False, why=f"it set {what} from its own thread, not the event loop's, so the loop "
+                                             f"was never woken to resume the task ({fix})"))
+            return
+        self.g.wait(Edge(k, what, None, f"it is set, yet the task was never woken: it was set from a thread that is not "
+                                        f"its event loop's ({fix})", how=HOW))
 
     def _ended_tasks(self, expr: str | None) -> list[tuple[str, str]]:
         """Parties for the asyncio tasks that ended and whose coroutine names ``expr``: (key, how it ended)."""

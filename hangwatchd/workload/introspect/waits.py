@@ -20,6 +20,7 @@ from __future__ import annotations
 import _io
 import ast
 import builtins
+import importlib._bootstrap
 import io
 import os
 import select
@@ -35,9 +36,11 @@ from .source import MISSING, Scope, Sources
 STDLIB = os.path.dirname(threading.__file__)
 # Modules whose frames are the machinery of waiting, not the program's own code.
 MACHINERY = frozenset({"threading", "queue", "selectors", "subprocess", "socket", "ssl", "socketserver",
-                       "http.client", "urllib.request", "ftplib", "smtplib", "imaplib", "poplib"})
+                       "http.client", "urllib.request", "ftplib", "smtplib", "imaplib", "poplib",
+                       "importlib", "importlib._bootstrap"})
 MACHINERY_PACKAGES = ("concurrent.futures.", "multiprocessing.", "asyncio.")
 _SLEEP = time.sleep
+_MODULE_LOCK = getattr(importlib._bootstrap, "_ModuleLock", None)  # what an import of a module another thread imports waits on
 _IO = {id(f): n for n, f in (("read", os.read), ("readv", getattr(os, "readv", None)), ("write", os.write),
                              ("pread", getattr(os, "pread", None))) if f is not None}
 _WAITPID = {id(f) for f in (os.waitpid, getattr(os, "wait", None), getattr(os, "wait3", None),
@@ -60,6 +63,8 @@ def module_of(filename: str) -> str | None:
     """'threading', 'concurrent.futures._base', ... for a frame of the standard library; else None."""
     if filename.startswith(_OWN_DIR):
         return OWN
+    if filename.startswith("<frozen ") and filename.endswith(">"):  # the import system's own modules, frozen in
+        return filename[len("<frozen "):-1]
     if not filename.startswith(STDLIB + os.sep) or not filename.endswith(".py"):
         return None
     rel = filename[len(STDLIB) + 1:-3]
@@ -115,6 +120,10 @@ def _api(frame: types.FrameType, module: str, ctx: Context) -> tuple[str, object
     k = ctx.known
     name = frame.f_code.co_name
     me = _self(frame)
+    if module == "importlib._bootstrap" and name == "acquire" and _MODULE_LOCK is not None and type(me) is _MODULE_LOCK:
+        # An import waits for a module another thread is importing: the thread that owns it, by ident.
+        owner, mod = objects.attr(me, "owner"), objects.attr(me, "name")
+        return "lock", me, {"owner": owner if type(owner) is int else None, "import": objects.text(mod, 200)}
     if module == "threading":
         if name in ("wait", "wait_for") and objects.is_a(me, k.condition):
             return "condition", me, {}
