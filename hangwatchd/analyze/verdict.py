@@ -190,6 +190,11 @@ def judge_evidence(pdir: Path, ev: evidence.Evidence, known: dict[str, Any] | No
         return verdict("in-collective", f"waiting in {pending or coll}", location, pending or coll,
                        sure="sure: the flight recorder has it enqueued and not completed" if pending else
                        "inferred: a collective's frame in its stacks (no flight recorder)")
+    p2p = _point_to_point(threads)
+    if p2p:
+        return verdict("in-collective", f"waiting in {p2p} (point to point: for its peer's matching "
+                       f"{'recv' if p2p.endswith('send') else 'send'})", location, p2p,
+                       sure="inferred: torch.distributed's point-to-point frame in its stacks")
     gpu = patterns.first(names, patterns.GPU)
     in_driver = bool(library_frames(threads))
     if gpu or in_driver:
@@ -276,6 +281,8 @@ def analyze(incident: Path, raw_dumps: sandbox.Limits | None = None) -> Analysis
             at = "" if _says_where(odd) else f" at {odd.location or 'an unknown place'}"
             summary = (f"{_who(odd)} is the odd one out: {odd.detail}{at}, "
                        f"while the other ranks are {Counter(v.verdict for v in ranks if v is not odd).most_common(1)[0][0]}.")
+        elif len(ranks) > 1 and (crossed := _crossed(ranks)) is not None:
+            summary, culprits = crossed
         elif len(ranks) > 1 and len({v.verdict for v in ranks}) == 1 and ranks[0].verdict == "in-collective" \
                 and (apart := _apart(ranks, found)) is not None:
             summary, culprits = apart
@@ -306,6 +313,38 @@ def analyze(incident: Path, raw_dumps: sandbox.Limits | None = None) -> Analysis
     summary, blame = gpu_events.judge(list(zip(dirs, ranks)), summary, meta)
     return account(incident, meta, Analysis(summary, tuple(culprits), tuple(ranks), tuple(collectives), rests_on, unreadable,
                                             tuple(kid_verdicts), blame=blame))
+
+
+P2P = ("send", "recv", "isend", "irecv")
+
+
+def _point_to_point(threads: list[dict[str, Any]]) -> str | None:
+    """torch.distributed's send or recv that a thread waits in (its frame in distributed_c10d.py): a
+    blocking point-to-point call waits for the peer's matching call, not for every rank."""
+    for t in threads:
+        for f in t.get("frames") or []:
+            name = str(f.get("name") or "").rsplit(".", 1)[-1]
+            if name in P2P and str(f.get("filename") or "").endswith("torch/distributed/distributed_c10d.py"):
+                return name
+    return None
+
+
+def _crossed(ranks: list[RankVerdict]) -> tuple[str, list[Culprit]] | None:
+    """Every rank waits in a point-to-point send (or every one in a recv): each waits for a peer that
+    is itself sending (receiving), so no matching call will ever come: the order of the ranks' sends
+    and receives deadlocks (one side must receive first)."""
+    ops = {v.collective.removeprefix("i") if v.collective else None for v in ranks}
+    if any(v.verdict != "in-collective" or v.rank is None for v in ranks) or len(ops) != 1 or ops & {None} \
+            or not ops <= {"send", "recv"}:
+        return None
+    op = ops.pop()
+    other = "recv" if op == "send" else "send"
+    at = ", ".join(f"rank {v.rank} at {_short_where(v.location) if v.location else 'an unknown place'}"
+                   for v in sorted(ranks, key=lambda v: v.rank or 0))
+    summary = (f"Every rank waits in {op} and none in {other}: a {op} waits for its peer's matching {other}, and each peer "
+               f"is in {op} itself, so none will come ({at}): the order of the ranks' sends and receives deadlocks "
+               f"(one side must {'receive' if op == 'send' else 'send'} first, or use isend/irecv).")
+    return summary, [Culprit(v.rank, v.pid, f"waits in {op}, as its peer does", v.location) for v in ranks]
 
 
 def _apart(ranks: list[RankVerdict], found: list[evidence.Evidence]) -> tuple[str, list[Culprit]] | None:
