@@ -37,7 +37,7 @@ def stage0() -> None:
 
 
 def stage1() -> None:
-    for mb in range(MICRO):
+    for _ in range(MICRO):
         act = torch.empty(1024)
         dist.recv(act, src=0)
         dist.send(act * 0.5, dst=0)  # gradient back before the next forward
