@@ -149,6 +149,15 @@ def test_a_lock_order_deadlock_names_both_threads_their_locks_and_the_join(tmp_p
     assert v.verdict == "thread-deadlock" and v.location == f"update_cache ({WORKLOADS / 'server.py'}:14)"
 
 
+def test_a_queue_join_waits_for_the_item_a_stuck_worker_holds_not_for_the_idle_one(tmp_path: Path) -> None:
+    """Queue.join on an empty queue: one worker holds the unfinished item, stuck in a read; the other
+    waits in get for more. The chain goes through the stuck one to its read."""
+    inc, _, _ = stack_hang(tmp_path, [sys.executable, str(WORKLOADS / "uploads.py")])
+    verdict = inc["verdict"]
+    assert "upload (uploads.py:16)" in verdict and "receiving on a unix socket" in verdict, verdict
+    assert "task_done" not in verdict and "MainThread waits for every item of queue work to be marked done" in verdict, verdict
+
+
 def test_the_same_deadlock_without_introspection_from_python_frames_alone_reads_the_kernel_s_futex_waits(tmp_path: Path) -> None:
     # Neither the process's answer nor native frames: two threads each in a futex wait under their
     # own frame, none running, is a deadlock whose locks the evidence does not name.

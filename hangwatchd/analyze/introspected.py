@@ -229,26 +229,35 @@ class Reader:
         return True
 
     def _join(self, k: str, t: dict[str, Any], w: dict[str, Any], expr: str | None, name: str, left: int) -> bool:
-        """``Queue.join`` on an empty queue with items still unfinished: a thread took them and never
-        marked them done (``task_done``); the threads that take from it (their code names it, they
-        wait in its ``get``) are where one was skipped."""
+        """``Queue.join`` on an empty queue with items still unfinished. A thread that takes from it
+        (its code names it) and waits on something else holds an item yet: the chain goes on through
+        it. Where every such thread waits in the queue's ``get`` for more, one of them took an item
+        and never marked it done (``task_done``): they are the root."""
         items = f"{left} item{'s' if left != 1 else ''}"
         names, mine, qid = _short_names(expr), as_int(t.get("ident")), w.get("id")
-        found = [self.keys.get(as_int(o.get("native_id")) or -1) for o in self.threads if as_int(o.get("ident")) != mine
-                 and (qid is not None and _obj(o, "waits").get("id") == qid or names & set(_obj(o, "target").get("names") or []))]
-        takers = [x for x in dict.fromkeys(found) if x]
-        for x in takers:
+        idle, busy = [], []
+        for o in self.threads:
+            x = self.keys.get(as_int(o.get("native_id")) or -1)
+            waits = _obj(o, "waits")
+            if x is None or as_int(o.get("ident")) == mine:
+                continue
+            if qid is not None and waits.get("id") == qid and _obj(waits, "detail").get("op") == "get":
+                idle.append(x)
+            elif names & set(_obj(o, "target").get("names") or []):
+                busy.append(x)
+        what = f"every item of {name} to be marked done"
+        for x in busy:  # it holds an item it has not marked done: what it waits for is the story
+            self.g.wait(Edge(k, what, x, how=HOW + ": a live thread whose code takes from it", sure=False))
+        for x in [] if busy else idle:
             old = self.g.parties[x]
             self.g.parties[x] = Party(old.key, old.label, LIVE, old.where,
                                       f"waiting for more of {name}, though it never marked done (task_done) {items} it took "
                                       "(a path of its loop that skips task_done: an error, a continue)", old.culprit,
                                       old.location, old.pid, old.main)
-            self.g.wait(Edge(k, f"every item of {name} to be marked done", x, how=HOW + ": a live thread that takes from it",
-                             sure=False))
-        if not takers:
-            self.g.wait(Edge(k, f"every item of {name} to be marked done", None,
-                             f"{items} taken from it {'were' if left != 1 else 'was'} never marked done (task_done), none is "
-                             "queued, and no live thread takes from it", how=HOW))
+            self.g.wait(Edge(k, what, x, how=HOW + ": a live thread that takes from it", sure=False))
+        if not busy and not idle:
+            self.g.wait(Edge(k, what, None, f"{items} taken from it {'were' if left != 1 else 'was'} never marked done "
+                             "(task_done), none is queued, and no live thread takes from it", how=HOW))
         return True
 
     # -- futures, processes, pools ---------------------------------------------
@@ -370,7 +379,6 @@ class Reader:
         elif kind in ("io", "other") or kind is None:
             self.g.parties[k] = Party(k, self.g.parties[k].label, IDLE, where, "waiting for I/O", culprit, full, self.pid)
         return k
-
 
     def _set_off_loop(self, k: str, what: str) -> None:
         """An asyncio event that is set while its task still waits: it was set from a thread that is
