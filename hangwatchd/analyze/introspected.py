@@ -13,6 +13,7 @@ the user's process's own words: data, never trusted further than its shape).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -121,9 +122,7 @@ class Reader:
             at = _where(held.get("where"))[0]
             through, full = self._reentered(t, held.get("where"))
             if through:  # the code that called back in while the lock was held is what to look at
-                old = self.g.parties[k]
-                self.g.parties[k] = Party(old.key, old.label, old.state, old.where, old.doing,
-                                          through.split(" (", 1)[0], full, old.pid, old.main)
+                self.g.parties[k] = dataclasses.replace(self.g.parties[k], culprit=through.split(" (", 1)[0], location=full)
             self.g.wait(Edge(k, f"{name}, which it already holds" + (f" (taken in {at})" if at else "")
                              + (f", re-entered through {through} while it held it" if through else ""), k, how=HOW))
             return True
@@ -249,11 +248,9 @@ class Reader:
         for x in busy:  # it holds an item it has not marked done: what it waits for is the story
             self.g.wait(Edge(k, what, x, how=HOW + ": a live thread whose code takes from it", sure=False))
         for x in [] if busy else idle:
-            old = self.g.parties[x]
-            self.g.parties[x] = Party(old.key, old.label, LIVE, old.where,
-                                      f"waiting for more of {name}, though it never marked done (task_done) {items} it took "
-                                      "(a path of its loop that skips task_done: an error, a continue)", old.culprit,
-                                      old.location, old.pid, old.main)
+            self.g.parties[x] = dataclasses.replace(
+                self.g.parties[x], state=LIVE, doing=f"waiting for more of {name}, though it never marked done (task_done) "
+                f"{items} it took (a path of its loop that skips task_done: an error, a continue)")
             self.g.wait(Edge(k, what, x, how=HOW + ": a live thread that takes from it", sure=False))
         if not busy and not idle:
             self.g.wait(Edge(k, what, None, f"{items} taken from it {'were' if left != 1 else 'was'} never marked done "

@@ -315,7 +315,7 @@ def analyze(incident: Path, raw_dumps: sandbox.Limits | None = None) -> Analysis
                                             tuple(kid_verdicts), blame=blame))
 
 
-P2P = ("send", "recv", "isend", "irecv")
+P2P = ("send", "recv")  # the blocking ones: isend and irecv return, and wait in Work.wait
 
 
 def _point_to_point(threads: list[dict[str, Any]]) -> str | None:
@@ -333,9 +333,8 @@ def _crossed(ranks: list[RankVerdict]) -> tuple[str, list[Culprit]] | None:
     """Every rank waits in a point-to-point send (or every one in a recv): each waits for a peer that
     is itself sending (receiving), so no matching call will ever come: the order of the ranks' sends
     and receives deadlocks (one side must receive first)."""
-    ops = {v.collective.removeprefix("i") if v.collective else None for v in ranks}
-    if any(v.verdict != "in-collective" or v.rank is None for v in ranks) or len(ops) != 1 or ops & {None} \
-            or not ops <= {"send", "recv"}:
+    ops = {v.collective for v in ranks}
+    if any(v.verdict != "in-collective" or v.rank is None for v in ranks) or len(ops) != 1 or not ops <= set(P2P):
         return None
     op = ops.pop()
     other = "recv" if op == "send" else "send"

@@ -41,6 +41,7 @@ from .watched import ProgressMark, Watched, Watchlist
 log = structlog.get_logger("hangwatchd.daemon")
 
 RECENT_KEEP = 600.0  # seconds an exited process is remembered, to link a dump that comes late
+MAX_LOG_DIRS = 65536  # uids whose directory of driver logs is known to stand
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class Registrations:
         self._discovery = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="discover")
         self._scanning = False  # a scan is out; its Discovered comes back on the loop's queue
         self._pids_waiting: set[int] = set()  # found by ``discovery`` while a scan ran: for the next one
+        self.log_dirs: set[int] = set()  # uids whose directory of driver logs was made (or found) by this daemon
 
     def take_arrived(self) -> list[Watched]:
         """The processes admitted since last asked (the loop gives each its first look)."""
@@ -201,12 +203,22 @@ class Registrations:
                          f"{len(self.watched)} processes watched already (max_watched)", reg.uid)
             return
         self.selector.register(pidfd, selectors.EVENT_READ, reg.process)
-        if reg.source == "run" and (why := registration_file.user_dir(self.config.driver_logs, reg.uid)) is not None \
-                and self.limits.budgets.allow("log", reg.uid, now):
-            log.warning("driver_log_dir_failed", uid=reg.uid, why=why)  # its driver's lines are not kept: nothing else is lost
+        if reg.source == "run" and reg.uid not in self.log_dirs:
+            self._log_dir(reg.uid, now)
         log.info("process_registered", pid=reg.process.pid, job=reg.job, rank=reg.rank, timeout=timeout,
                  stack_timeout=w.stack_timeout, source=reg.source, cmdline=" ".join(reg.cmdline)[:200])
         self.arrived.append(w)
+
+    def _log_dir(self, uid: int, now: float) -> None:
+        """The user's directory of driver logs, made once per uid (its launchers keep the driver's
+        lines there); where it cannot be, its driver's lines are not kept and nothing else is lost."""
+        why = registration_file.user_dir(self.config.driver_logs, uid)
+        if why is None:
+            if len(self.log_dirs) >= MAX_LOG_DIRS:
+                self.log_dirs.clear()  # bounded: past it, a user's directory is only checked again
+            self.log_dirs.add(uid)
+        elif self.limits.budgets.allow("log", uid, now):
+            log.warning("driver_log_dir_failed", uid=uid, why=why)
 
     @staticmethod
     def _beats(reg: Registration) -> int | None:
