@@ -5,7 +5,9 @@
 
 Each incident goes in as ``CASE/`` (its job is ``cat-CASE-TAG``), without its HTML page; the
 tarball is written the same way every time (sorted, no owners, no times) so that a new run's
-changes are the evidence's own. ``tests/test_recorded_catalogue.py`` reads it back.
+changes are the evidence's own. ``tests/test_recorded_catalogue.py`` reads it back. A class
+recorded again where it hangs otherwise (another interpreter, another race) goes in beside it
+as ``CASE@VARIANT/``: ``write`` takes whatever names it is given.
 """
 
 from __future__ import annotations

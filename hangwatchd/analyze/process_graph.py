@@ -109,12 +109,25 @@ def _add_process(g: Graph, p: Proc, by_pid: dict[int, Proc]) -> None:
         keys = {tid: k for k, (t, _) in waits.items() if (tid := _tid(t)) is not None}
         reader = introspected.Reader(g, p.pid, key(p.pid), p.report, keys, key)
         told = {k for k, (t, _) in waits.items() if _tid(t) is not None and reader.edges(_tid(t) or 0, k)}
+    held = _gil_held_blocked(waits)
     for k, (t, w) in waits.items():
-        if k not in told:
+        if k in told:
+            continue
+        if held is not None and k != held and tw.may_want_gil(t, w):
+            g.wait(Edge(k, "the GIL", held, how="py-spy's owns_gil: its holder is blocked in a call and never lets it "
+                                                  "go, so no other thread can run Python"))
+        else:
             _edges_of(g, p, k, t, w, waits, by_pid)
     _children_edges(g, p, waits, by_pid)
     for k, (_t, w) in waits.items():  # where each wait is, said once for all its edges
         g.edges[k] = [dataclasses.replace(e, call=e.call or tw.call_of(w)) for e in g.out(k)]
+
+
+def _gil_held_blocked(waits: dict[str, tuple[Thread, tw.Wait]]) -> str | None:
+    """The thread that holds the GIL while blocked off the CPU (a read or a sleep in C that keeps it:
+    ``ctypes.PyDLL``, an extension), where there is one: no other thread can run a line of Python."""
+    return next((k for k, (t, w) in waits.items() if t.get("owns_gil") and not t.get("active")
+                 and w.kind in (tw.IO, tw.SLEEP)), None)
 
 
 def _others(waits: dict[str, tuple[Thread, tw.Wait]], k: str) -> dict[str, tuple[Thread, tw.Wait]]:
@@ -153,8 +166,8 @@ def _edges_of(g: Graph, p: Proc, k: str, t: Thread, w: tw.Wait, waits: dict[str,
         return
     if w.kind == tw.GIL:
         holder = next((x for x, (tt, _) in _others(waits, k).items() if tt.get("owns_gil")), None)
-        g.wait(Edge(k, "the GIL", holder, None if holder else None,
-                    None if holder else "py-spy names no thread that holds it", "native frames: take_gil, py-spy's owns_gil"))
+        g.wait(Edge(k, "the GIL", holder, unknown=None if holder else "py-spy names no thread that holds it",
+                    how="native frames: take_gil, py-spy's owns_gil"))
         return
     if w.kind == tw.SELECT:
         what = "the asyncio event loop to wake it" if w.call == "the asyncio event loop" else f"I/O in {w.call}"

@@ -32,6 +32,10 @@ MPQUEUE = "process-queue"  # a multiprocessing queue or pipe, or a DataLoader's 
 
 _SLEEP_NATIVE = re.compile(r"^(?:__)?(?:clock_)?nanosleep|^time_sleep$|^pysleep$|^usleep$|^sleep$")
 _GIL_NATIVE = re.compile(r"^take_gil$|^PyCOND_WAIT|^drop_gil$")
+# The GIL's wait as a stripped interpreter shows it: take_gil is static (and inlined), so a thread taking
+# the GIL back after a sleep, a read or a lock shows a bare condition-variable wait, while CPython's own
+# locks wait on a semaphore (sem_clockwait, do_futex_wait).
+_COND_NATIVE = re.compile(r"^(?:__)?pthread_cond_(?:timed|clock)?wait")
 _SELECT_NATIVE = re.compile(r"^(?:epoll_wait|epoll_pwait\d?|__?poll|ppoll|select|__select|pselect6?)$")
 _IO_NATIVE = re.compile(r"^(?:__libc_)?(?:read|recv|recvfrom|recvmsg|accept4?|write|send|sendto|sendmsg|connect|"
                         r"__libc_open64|open64|__open64_nocancel|openat64|__openat64|readv|writev|pread64)$")
@@ -165,6 +169,17 @@ def call_of(w: Wait) -> str | None:
     """The library call a wait is in, where it is one (not a lock taken in the program's own code,
     a sleep, a read: those are the program's frame itself)."""
     return w.call if w.call and w.kind not in (LOCK, SLEEP, IO, RUNNING, UNKNOWN, GIL) else None
+
+
+def may_want_gil(t: Thread, w: Wait) -> bool:
+    """Could ``t`` be waiting to take the GIL (where another thread is known to hold it and not let it
+    go)? Its stack says so (take_gil), or it has no GIL yet runs or waits on nothing known (py-spy's
+    "active" is the scheduler's: a thread polling the GIL every 5 ms runs), or it waits on a bare
+    condition variable, which is how a stripped interpreter shows take_gil. A thread in C of the
+    program's own (which may run without the GIL) is not counted."""
+    if t.get("owns_gil") or w.c_function:
+        return False
+    return w.kind in (GIL, RUNNING, UNKNOWN) or any(_COND_NATIVE.search(n) for n in _natives_above_python(t)[:3])
 
 
 def _natives_above_python(t: Thread) -> list[str]:

@@ -27,10 +27,14 @@ RUN_S = 40.0
 
 
 def tokenize_corpus() -> int:
-    n = 0
+    # Each step hashes the last digest: the state moves at every step. (A counter advanced by a
+    # digest's first byte stops where that byte is 0 - at 20069 - and the loop then computes the
+    # same thing for ever: a spin, to any observer.)
+    n, digest = 0, b""
     end = time.monotonic() + RUN_S
     while time.monotonic() < end:
-        n += hashlib.sha256(str(n).encode()).digest()[0]
+        digest = hashlib.sha256(digest + str(n).encode()).digest()
+        n += 1
     return n
 
 
