@@ -49,6 +49,11 @@ def _when(t: Any) -> str:
     return f" at {time.strftime('%H:%M:%S', time.localtime(t))}" if isinstance(t, (int, float)) and 0 < t < 2**33 else ""
 
 
+def _named_by(o: dict[str, Any]) -> set[str]:
+    """The names a thread's code uses (its target's, from the process's answer)."""
+    return set(_obj(o, "target").get("names") or [])
+
+
 def _short_names(expr: str | None) -> set[str]:
     """The names a source expression is made of (``self._lock`` -> {"_lock"}, ``ready`` -> {"ready"})."""
     if not expr:
@@ -206,12 +211,8 @@ class Reader:
         if kind == "event" and detail.get("is_set") is True or kind == "queue" and (as_int(detail.get("qsize")) or 0) > 0:
             return False  # it will return: what it waits for is there
         names = _short_names(expr)
-        mine = as_int(t.get("ident"))
-        setters = [self.keys.get(as_int(o.get("native_id")) or -1) for o in self.threads
-                   if as_int(o.get("ident")) != mine and names
-                   and names & set(_obj(o, "target").get("names") or [])
+        setters = [x for x, o in self._other_threads(t) if names & _named_by(o)
                    and not (isinstance(o.get("waits"), dict) and o["waits"].get("id") == w.get("id"))]
-        setters = [s for s in setters if s]
         verb = {"event": "set", "condition": "notify", "queue": "put into", "barrier": "reach"}[kind]
         for s in dict.fromkeys(setters):
             self.g.wait(Edge(k, name, s, how=HOW + f": a live thread whose code names it ({verb})", sure=False))
@@ -227,22 +228,25 @@ class Reader:
         self.g.wait(Edge(k, name, None, f"no live thread refers to it, so nobody will {verb} it", how=HOW))
         return True
 
+    def _other_threads(self, t: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        """(party, report) of every thread of the process's answer but ``t`` that the graph has."""
+        mine = as_int(t.get("ident"))
+        return [(x, o) for o in self.threads if as_int(o.get("ident")) != mine
+                and (x := self.keys.get(as_int(o.get("native_id")) or -1)) is not None]
+
     def _join(self, k: str, t: dict[str, Any], w: dict[str, Any], expr: str | None, name: str, left: int) -> bool:
         """``Queue.join`` on an empty queue with items still unfinished. A thread that takes from it
         (its code names it) and waits on something else holds an item yet: the chain goes on through
         it. Where every such thread waits in the queue's ``get`` for more, one of them took an item
         and never marked it done (``task_done``): they are the root."""
         items = f"{left} item{'s' if left != 1 else ''}"
-        names, mine, qid = _short_names(expr), as_int(t.get("ident")), w.get("id")
+        names, qid = _short_names(expr), w.get("id")
         idle, busy = [], []
-        for o in self.threads:
-            x = self.keys.get(as_int(o.get("native_id")) or -1)
+        for x, o in self._other_threads(t):
             waits = _obj(o, "waits")
-            if x is None or as_int(o.get("ident")) == mine:
-                continue
             if qid is not None and waits.get("id") == qid and _obj(waits, "detail").get("op") == "get":
                 idle.append(x)
-            elif names & set(_obj(o, "target").get("names") or []):
+            elif names & _named_by(o):
                 busy.append(x)
         what = f"every item of {name} to be marked done"
         for x in busy:  # it holds an item it has not marked done: what it waits for is the story
