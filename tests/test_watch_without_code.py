@@ -125,6 +125,51 @@ def test_a_declared_server_with_nothing_waiting_is_idle_and_with_requests_waitin
                 stop(p, sig=signal.SIGKILL)
 
 
+POLL = """
+import os, selectors, sys, threading, time, hangwatchd
+quiet, stop_beating, how = os.pipe()[0], sys.argv[1], sys.argv[2]
+def beat_aside():
+    while True:
+        hangwatchd.beat(); time.sleep(0.3)
+def poll_forever():
+    sel = selectors.DefaultSelector(); sel.register(quiet, selectors.EVENT_READ)
+    while True:
+        sel.select(0.3)
+        if how == "from its loop" and not os.path.exists(stop_beating):
+            hangwatchd.beat()
+if how == "from a side thread":
+    threading.Thread(target=beat_aside, name="heartbeat", daemon=True).start()
+poll_forever()
+"""
+
+
+def test_a_loop_that_beats_between_polls_is_not_hung_by_its_still_stack_and_a_side_thread_s_beats_excuse_nothing(
+        tmp_path: Path) -> None:
+    """Two pollers under --stack-timeout, each always in select when sampled. One beats from its loop:
+    its beats prove the loop turns, so it is let be, until it stops beating. The other's beats come
+    from a side thread while its main thread polls a pipe nobody writes: they prove nothing of the
+    main thread, and it is hung (a sidecar heartbeat that lies)."""
+    stop_beating = tmp_path / "stop"
+    with ScratchDaemon(tmp_path, config=FAST) as d:
+        own, aside = (d.run([sys.executable, "-c", POLL, str(stop_beating), how], "--stack-timeout", "2",
+                            "--heartbeat-timeout", "3600") for how in ("from its loop", "from a side thread"))
+        try:
+            (inc,) = wait_for(d.settled, 30, "the incident of the poller whose beats come from a side thread")
+            d.event("stack_frozen_beating", 20)
+            d.looked(2, after=time.time() + 4)  # the one that beats from its loop held still for twice its timeout
+            assert len(d.store().list()) == 1
+            beating = [e for e in d.logs() if e.get("event") == "stack_frozen_beating"]
+            assert len(beating) >= 2 and all(e["pid"] not in inc["processes"] for e in beating)
+            stop_beating.touch()  # it polls on, without a beat: its still stack is judged again
+            incs = wait_for(lambda: d.settled() if len(d.settled()) == 2 else None, 30,
+                            "the incident of the loop that stopped beating")
+            (later,) = [i for i in incs if i["id"] != inc["id"]]
+            assert later["reason"] == "stack" and {e["pid"] for e in beating} == set(later["processes"])
+        finally:
+            for p in (own, aside):
+                stop(p, sig=signal.SIGKILL)
+
+
 def test_a_learned_timeout_catches_a_fast_loop_within_seconds(tmp_path: Path) -> None:
     code = ("import time, hangwatchd\n"
             "for _ in range(80): hangwatchd.beat(); time.sleep(0.05)\n"

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from ..detect import patterns
+from ..workload.introspect.reporter import is_reporter_thread
 from .jsonfile import Unreadable, read_json
 
 MAX_STACK_BYTES = 64 << 20
@@ -60,14 +61,7 @@ def _read_one(process_dir: Path, name: str, problems: list[str]) -> list[dict[st
     threads = [_thread(t) for t in data if isinstance(t, dict)]
     if len(threads) < len(data):
         problems.append(f"{path.parent.name}/{name}: {len(data) - len(threads)} entries are not threads, skipped")
-    return [t for t in threads if not is_reporter(t)]
-
-
-def is_reporter(t: dict[str, Any]) -> bool:
-    """hangwatchd's own in-process reporter thread (workload/introspect): asleep until asked, never
-    the program's; its outermost frame is named for it."""
-    frames = t.get("frames") or []
-    return any(f.get("name") == "hangwatchd_introspect_reporter" for f in frames)
+    return [t for t in threads if not is_reporter_thread(t)]
 
 
 def _thread(t: dict[str, Any]) -> dict[str, Any]:

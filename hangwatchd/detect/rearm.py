@@ -2,7 +2,9 @@
 
 A captured process stays hung in our eyes until it does something a hung
 process does not: a new beat, for a process that beats; for one watched by its
-stack alone, a stack other than the hung one in two plain samples in a row.
+stack alone, or one whose beats went on while its hung stack held still (they
+come from a side thread), a stack other than the hung one in two plain samples
+in a row.
 Like is compared with like: the mark is a plain sample, and only plain samples
 are held against it (a ``--native`` sample shows C frames a plain one never
 does, so it always "differs"). One odd sample (a sleep loop caught between two
@@ -21,9 +23,13 @@ MOVED_SAMPLES = 2  # plain samples in a row that must differ from the hung stack
 
 
 def mark(w: Watched) -> ProgressMark:
-    beats = w.beat.count if w.beat is not None and w.beat.count else None
+    """Where ``w`` stands now. A process that beat while its stack held still (its beats come from a
+    side thread, not from what is stuck) is marked by its stack alone."""
+    since = w.history.frozen_from()
+    aside = w.last_progress is not None and since is not None and w.last_progress > since
+    beats = w.beat.count if w.beat is not None and w.beat.count and not aside else None
     sig = w.history.samples[-1].signature if w.history.samples else None
-    return ProgressMark(beats, sig)
+    return ProgressMark(beats, sig, beats_aside=aside)
 
 
 def with_sample(m: ProgressMark, sample: Sample) -> ProgressMark:
@@ -41,7 +47,7 @@ def progressed(w: Watched, m: ProgressMark) -> str | None:
     if m.beats is not None:
         count = w.beat.count if w.beat is not None else 0
         return f"{count - m.beats} new beats" if count > m.beats else None
-    if w.beat is not None and w.beat.count:
+    if w.beat is not None and w.beat.count and not m.beats_aside:
         return "its first beats"
     if m.moved >= MOVED_SAMPLES:
         return f"its stack moved ({m.moved} plain samples in a row unlike the hung one)"

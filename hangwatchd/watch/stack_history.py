@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..host.activity import Activity
+from ..workload.introspect.reporter import is_reporter_thread
 
 KEEP = 32  # samples of a run kept: its first (when it started) and the latest (how it goes); an idle process holds one stack for days
 
@@ -43,7 +44,7 @@ def locals_digest(threads: Sequence[dict[str, Any]], helper: Any = None) -> int 
     seen = False
     parts = []
     for t in threads:
-        if helper is not None and helper(t):
+        if helper is not None and helper(t) or is_reporter_thread(t):
             continue
         for f in t.get("frames") or []:
             values = f.get("locals") if isinstance(f, dict) else None
@@ -57,8 +58,11 @@ def locals_digest(threads: Sequence[dict[str, Any]], helper: Any = None) -> int 
 
 
 def signature_of(threads: Sequence[dict[str, Any]]) -> tuple[tuple[tuple[str, str, int], ...], ...]:
+    """Each of the program's Python threads' frames (function, file, line), innermost first, in one order."""
     sig = []
     for t in threads:
+        if is_reporter_thread(t):
+            continue  # hangwatchd's reporter: it moves only when the daemon asks
         frames = tuple((str(f.get("name")), str(f.get("filename")), int(f.get("line") or 0)) for f in t.get("frames") or [])
         sig.append(frames)
     return tuple(sorted(sig))

@@ -72,6 +72,7 @@ class ProgressMark:
     beats: int | None  # its beat count; None when it never beat (its stack is the only sign)
     signature: tuple[tuple[tuple[str, str, int], ...], ...] | None  # its last plain stack; None when none was sampled
     moved: int = 0  # plain samples in a row since, each with a stack other than ``signature``
+    beats_aside: bool = False  # it beat while its hung stack held still (a side thread beats): beats prove nothing, its stack must move
 
 
 @dataclass

@@ -136,6 +136,13 @@ def hangwatchd_introspect_reporter(rep: Reporter, running: Any) -> None:
     rep.serve(running)
 
 
+def is_reporter_thread(t: dict[str, Any]) -> bool:
+    """Whether a thread of a stack dump (py-spy's JSON) is this reporter's: its outermost frame is
+    named for it. Asleep until asked and never the program's, it counts in no stack of the program."""
+    return any(isinstance(f, dict) and f.get("name") == hangwatchd_introspect_reporter.__name__
+               for f in t.get("frames") or [])
+
+
 _current: Reporter | None = None
 _forked: dict[str, Any] | None = None  # in a fork child: the parent's pid and when
 _hooks_installed = False
