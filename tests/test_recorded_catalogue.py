@@ -25,14 +25,15 @@ from bench.catalogue.cases import CPU_DIR, load
 from bench.catalogue.score import RIGHT, score
 from hangwatchd.analyze.verdict import analyze
 
+from .conftest import extract
+
 TARBALL = Path(__file__).resolve().parent / "fixtures" / "incidents" / "catalogue-cpu.tar.xz"
 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("recorded")
-    with tarfile.open(TARBALL) as tar:
-        tar.extractall(root, filter="data")
+    extract(TARBALL, root)
     return root
 
 

@@ -175,10 +175,13 @@ def test_one_users_stalling_process_never_stops_the_probe_for_another_users(base
             samples = _round(sampler, inbox, [bad], samples)
             assert samples[pid].read and samples[pid].error is None  # py-spy reads it (from /proc/PID/exe)
         good = _reg(victim)
-        first = _round(sampler, inbox, [good])
-        time.sleep(0.3)  # it ran since: only the probe can carry it
-        again = _round(sampler, inbox, [good], first)[victim.pid]
-        assert again.probed and not again.read, "the probe was off for another user's process after one user's stalls"
+        samples = _round(sampler, inbox, [good])
+        carried = []
+        for _ in range(3):  # a probe that finds it awake (its 0.2 s sleep just ended) counts for nothing: three chances
+            time.sleep(0.3)  # it ran since: only the probe can carry it
+            samples = _round(sampler, inbox, [good], samples)
+            carried.append(samples[victim.pid].probed and not samples[victim.pid].read)
+        assert any(carried), "the probe was off for another user's process after one user's stalls"
         assert sampler.probe.failures <= 2, f"the helper was killed {sampler.probe.failures} times by one user's process"
     finally:
         sampler.shutdown()
