@@ -155,10 +155,12 @@ def test_a_loop_that_beats_between_polls_is_not_hung_by_its_still_stack_and_a_si
                             "--heartbeat-timeout", "3600") for how in ("from its loop", "from a side thread"))
         try:
             (inc,) = wait_for(d.settled, 30, "the incident of the poller whose beats come from a side thread")
-            d.event("stack_frozen_beating", 20)
+            def let_be() -> list[dict]:
+                return [e for e in d.logs() if e.get("event") == "stack_frozen_working" and "beat" in str(e.get("why"))]
+            wait_for(let_be, 20, "the loop that beats let be")
             d.looked(2, after=time.time() + 4)  # the one that beats from its loop held still for twice its timeout
             assert len(d.store().list()) == 1
-            beating = [e for e in d.logs() if e.get("event") == "stack_frozen_beating"]
+            beating = let_be()
             assert len(beating) >= 2 and all(e["pid"] not in inc["processes"] for e in beating)
             stop_beating.touch()  # it polls on, without a beat: its still stack is judged again
             incs = wait_for(lambda: d.settled() if len(d.settled()) == 2 else None, 30,

@@ -277,7 +277,7 @@ class StateMachine:
         window = w.stack_timeout or self.cfg.stack_window
         if w.history.count == 1 and w.idle_noted:
             self.watched.change(w, idle_noted=False)
-        if w.history.frozen_for() >= window and not w.idle_noted and (self._beating(w, now) or self._worked(w, now)):
+        if w.history.frozen_for() >= window and not w.idle_noted and self._worked(w, now):
             return
         if w.history.frozen_for() >= window and not w.idle_noted and w.stack_timeout is None \
                 and classify(sample.frames, self.blocking, self.idle)[1]:
@@ -299,32 +299,29 @@ class StateMachine:
             due = frozen_from + window if frozen_from is not None and not w.idle_noted else every
             self.watched.change(w, sample_at=min(every, max(now + MIN_GAP, due)))
 
-    def _beating(self, w: Watched, now: float) -> bool:
-        """A still stack of a process of one Python thread that beat since its stack began to hold: the
-        beat came from that thread, so its loop turns (a server that beats between polls, a loop that
-        beats between long waits). Healthy again for another window. With more threads a beat proves
-        only that some thread turns (a side thread that beats while the main thread is stuck), and
-        the stack is judged as ever."""
+    def _beat_while_still(self, w: Watched, now: float) -> str | None:
+        """Why a still stack of a process of one Python thread is not hung: it beat since its stack
+        began to hold, so the beat came from that thread and its loop turns (a server that beats
+        between polls, a loop that beats between long waits). None with more threads: a beat proves
+        only that some thread turns (a side thread that beats while the main thread is stuck)."""
         since = w.history.frozen_from()
         if since is None or w.registration.beat_at is None:
-            return False
+            return None
         try:
             obs = self.detector.observe(w, now)  # its beats read now (the last look may be a timeout old), for the mark too
         except untrusted.Refused:
-            return False  # its next look drops it
+            return None  # its next look drops it
         if obs.learned:
             self.watched.change(w, **obs.learned)
         if w.last_progress is None or w.last_progress <= since or any(len(s.signature) != 1 for s in w.history.samples):
-            return False
-        log.info("stack_frozen_beating", pid=w.process.pid, beat_ago=round(now - w.last_progress, 1),
-                 why="its one thread beat while its stack held still: its loop turns")
-        self.watched.change(w, history=StackHistory(), idle_noted=False, sample_at=now + self.cfg.stack_interval)
-        return True
+            return None
+        return f"working: its one thread beat {now - w.last_progress:.1f} s ago while its stack held still: its loop turns"
 
     def _worked(self, w: Watched, now: float) -> bool:
-        """A still stack whose plain samples already show work (bytes moved, children computed, locals
-        rebound): healthy again for another window, without the native look that would say the same."""
-        why = self._working(w, None, False)
+        """A still stack whose plain samples already show work (its one thread beat, bytes moved,
+        children computed, locals rebound): healthy again for another window, without the native
+        look that would say the same."""
+        why = self._beat_while_still(w, now) or self._working(w, None, False)
         if why is None or not why.startswith("working"):
             return False
         log.info("stack_frozen_working", pid=w.process.pid, why=why)
