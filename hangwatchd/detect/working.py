@@ -25,7 +25,10 @@ from typing import Any
 
 from ..host.activity import Activity
 
-MIN_IO_BYTES = 64  # a wake-up byte on an event pipe is not work; an item, however small, is
+# A wake-up byte on an event pipe (or an eventfd's 8) is not work; an item, however small, is: a small
+# int through a multiprocessing queue is 9 bytes read (a 4-byte length and its pickle), and a slow
+# pipeline's consumer may get one in a window.
+MIN_IO_BYTES = 9
 MIN_KIDS_SHARE = 0.2  # cores its children used over the window
 MIN_DEMAND = 0.5  # cores it wanted (had + waited for), with no Python thread of its own running
 

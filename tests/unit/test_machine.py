@@ -202,6 +202,8 @@ def _act(t: float, cpu: float = 0.0, wait: float = 0.0, io: int = 0, kids: float
 
 @pytest.mark.parametrize(("what", "start", "end", "running", "why"), [
     ("a checkpoint written in one C call", _act(0), _act(10, io=50_000_000), False, "read or wrote"),
+    ("a slow pipeline's consumer got one small int through a multiprocessing queue", _act(0), _act(10, io=9), False,
+     "read or wrote 9 bytes"),
     ("a child that compiles", _act(0, n_kids=1), _act(10, kids=9.0, n_kids=1), False, "child processes used"),
     ("a child that compiles on a loaded node", _act(0, n_kids=1), _act(10, kids=1.0, n_kids=1, kids_wait=6.0), False,
      "waited 0.6 for a CPU"),
@@ -215,6 +217,14 @@ def test_a_still_stack_whose_process_works_is_not_declared(node: Node, what: str
                                 [{"activity": start, "python_running": running}])
     assert declares(decided) == [] and w.state is State.HEALTHY, what
     assert why in _excused(logs), what
+
+
+def test_a_wake_up_byte_alone_is_not_work(node: Node) -> None:
+    """One byte read on an event pipe (a loop woken, then stuck again) lets no still stack be."""
+    w = node.add(job=None)
+    node.watched.change(w, stack_timeout=5.0)
+    (d,) = declares(_still_window(node, w, ("select", "run"), {"activity": _act(10, io=1)}, [{"activity": _act(0)}]))
+    assert "declared --stack-timeout" in d.suspicion.detail
 
 
 def _excused(logs: list[MutableMapping[str, Any]]) -> str:
