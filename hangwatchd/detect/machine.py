@@ -49,6 +49,10 @@ RETRY_FIRST = 5.0  # a failed capture of a hang is tried again after this, doubl
 RETRY_MAX = 300.0  # ... up to this
 HUNG_LOOK = 5.0  # a hung or captured process is looked at this often (for progress, for a retry)
 MIN_GAP = 0.2  # seconds: the soonest a plain sample follows the last
+# A Python thread on the CPU whose locals read the same: this many samples of its still stack before a
+# paused beat counts as hung. py-spy reads a running frame's locals torn (a counter's block already
+# reused by another object: "<range at 0x..>", "+bigint"), and three torn reads can match.
+RUNNING_SAMPLES = 5
 TIMEOUT_SHOWN_MOVE = 0.1  # a learned timeout that moves less than this share of itself is shown at the next regular rewrite
 
 @dataclass(frozen=True)
@@ -262,7 +266,7 @@ class StateMachine:
             return
         self.watched.change(w, history=w.history.added(sample))
         if w.suspicion is not None and suspect and w.suspicion.reason == "heartbeat":
-            if w.history.count <= 1 and now < w.confirm_by:
+            if w.history.count <= 1 and now < w.confirm_by or self._running_alike(w):
                 self.watched.change(w, sample_at=now + 1.0)  # confirming: sample fast
             elif w.history.frozen_for() >= 2.0 or now >= w.confirm_by:
                 self._confirm(w, now)
@@ -316,6 +320,13 @@ class StateMachine:
         if w.last_progress is None or w.last_progress <= since or any(len(s.signature) != 1 for s in w.history.samples):
             return None
         return f"working: its one thread beat {now - w.last_progress:.1f} s ago while its stack held still: its loop turns"
+
+    @staticmethod
+    def _running_alike(w: Watched) -> bool:
+        """Its still stack's samples all saw a Python thread on the CPU with the same locals, but fewer
+        than ``RUNNING_SAMPLES`` of them: a spin, or a loop whose counter py-spy read torn alike."""
+        s = w.history.samples
+        return 2 <= w.history.count < RUNNING_SAMPLES and all(x.python_running for x in s) and not w.history.locals_moved()
 
     def _worked(self, w: Watched, now: float) -> bool:
         """A still stack whose plain samples already show work (its one thread beat, bytes moved,

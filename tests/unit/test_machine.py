@@ -17,7 +17,7 @@ from hangwatchd.model import State, Suspicion
 from hangwatchd.watch.stack_history import Sample
 from hangwatchd.watch.watched import FREE, TRANSITIONS, NotTheOwner, Watched
 
-from .conftest import ME, OTHER, Node, declares
+from .conftest import ME, OTHER, Node, declares, hang
 
 
 def pids(ws: tuple[Watched, ...]) -> set[int]:
@@ -217,6 +217,22 @@ def test_a_still_stack_whose_process_works_is_not_declared(node: Node, what: str
                                 [{"activity": start, "python_running": running}])
     assert declares(decided) == [] and w.state is State.HEALTHY, what
     assert why in _excused(logs), what
+
+
+def test_a_paused_beat_over_a_running_thread_whose_locals_read_alike_needs_five_samples(node: Node) -> None:
+    """A learned timeout's pause over a Python thread on the CPU whose locals read the same in every
+    sample (a spin, or a counter py-spy read torn alike three times): three samples declare nothing,
+    as two would for any other stack; the fifth does."""
+    w = node.add()
+    node.watched.change(w, timeout=5.0, timeout_source="learned")
+    node.detector.says[w.process.pid] = hang(0.0)
+    assert node.machine.observe(w, 0.0) == [] and w.state is State.SUSPECT
+    found = []
+    for i in range(5):
+        s = Sample(float(i), ((("checkpoint", "x.py", 6),),), ("checkpoint",), float(i), i, python_running=True,
+                   locals_digest=7)
+        found.append(bool(declares(node.machine.sample_taken(w, SampleTaken(w.process, False, s), float(i)))))
+    assert found == [False, False, False, False, True]
 
 
 def test_a_wake_up_byte_alone_is_not_work(node: Node) -> None:
